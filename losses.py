@@ -1,0 +1,323 @@
+"""RL math for kiln: advantages, GAE, policy/value losses, KL estimators, entropy, loss aggregation, masked statistics.
+
+Pure torch functions, no model code. Shapes: `rewards`/`group` are per sample [N]; token tensors are [B, T] with a
+loss `mask` [B, T] (1 = token produced by the policy, 0 = prompt, tool output, padding). Functions that take a mask
+return 0 where mask = 0 and let nothing from there (padding may hold -inf) reach the values or the gradients.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+# ---------------------------------------------------------------------------------------------------- masked statistics
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of x where mask is 1 (over `dim`, or everything)."""
+    x = torch.where(mask.bool(), x, 0)
+    return x.sum() if dim is None else x.sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of x where mask is 1; 0 where nothing is masked in (an empty mean is 0, not NaN)."""
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of the masked-in values; unbiased divides by n - 1 (clamped to 1, so one value has variance 0)."""
+    mean = masked_mean(x, mask)
+    n = mask.sum()
+    return masked_sum((x - mean) ** 2, mask) / ((n - 1).clamp(min=1) if unbiased else n.clamp(min=1))
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the masked-in values (unbiased var); shift_mean=False adds the mean back.
+
+    0 where mask = 0 (PPO whitens GAE advantages with this)."""
+    mean = masked_mean(x, mask)
+    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps)
+    return torch.where(mask.bool(), whitened if shift_mean else whitened + mean, 0)
+
+
+# ---------------------------------------------------------------------------------------------- per-sample advantages
+
+
+def _group_stats(rewards: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each sample's group mean, unbiased group std (0 for a group of one) and group size, all [N].
+
+    In float64: the mean of G equal float32 rewards is then exactly that reward, so a constant group's deviations,
+    std and advantages are exactly 0 (in float32 they can be 1e-8 / 1e-8 = O(1) noise)."""
+    _, index, counts = torch.unique(group, return_inverse=True, return_counts=True)
+    x, counts = rewards.double(), counts.double()
+    mean = x.new_zeros(len(counts)).index_add_(0, index, x) / counts
+    square = x.new_zeros(len(counts)).index_add_(0, index, (x - mean[index]) ** 2)
+    std = (square / (counts - 1).clamp(min=1)).sqrt()
+    return tuple(t[index].to(rewards.dtype) for t in (mean, std, counts))
+
+
+def grpo_advantages(rewards: torch.Tensor, group: torch.Tensor, normalize_std: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """GRPO (DeepSeekMath, arXiv 2402.03300): A_i = (r_i - mean_g) / (std_g + eps), unbiased group std. [N] -> [N].
+
+    A zero-variance group, and a group of one, gets A = 0 (no relative signal)."""
+    mean, std, _ = _group_stats(rewards, group)
+    return (rewards - mean) / (std + eps) if normalize_std else rewards - mean
+
+
+def drgrpo_advantages(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Dr.GRPO (arXiv 2503.20783): A_i = r_i - mean_g, no std division. [N] -> [N].
+
+    Its other half is length-unbiased aggregation: use aggregate(..., "seq-mean-token-sum-norm", max_len=<constant>)."""
+    return grpo_advantages(rewards, group, normalize_std=False)
+
+
+def rloo_advantages(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """RLOO (arXiv 2402.14740): A_i = r_i - mean_{j != i in g} r_j = G/(G-1) (r_i - mean_g). A group of one gets 0."""
+    mean, _, size = _group_stats(rewards, group)
+    return torch.where(size > 1, (rewards - mean) * size / (size - 1).clamp(min=1), 0)
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, group: torch.Tensor | None = None,
+                            eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++ (arXiv 2501.03262): rewards whitened over the whole batch, (x - mean) / (std + eps), unbiased std.
+
+    With `group`, x = r - mean_g first ("REINFORCE++-baseline"). Normalised per sample, not per token. [N] -> [N]."""
+    x = rewards.double()  # float64 for the same reason as in _group_stats
+    if group is not None:
+        x = x - _group_stats(x, group)[0]
+    std = x.std() if len(x) > 1 else x.new_zeros(())
+    return ((x - x.mean()) / (std + eps)).to(rewards.dtype)
+
+
+ADVANTAGES = ("grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline")
+
+
+def scalar_advantages(name: str, rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Per-sample advantages [N] by estimator name (one of ADVANTAGES); `group` holds any integer ids [N]."""
+    if name == "grpo":
+        return grpo_advantages(rewards, group)
+    if name == "drgrpo":
+        return drgrpo_advantages(rewards, group)
+    if name == "rloo":
+        return rloo_advantages(rewards, group)
+    if name == "reinforce++":
+        return reinforce_pp_advantages(rewards)
+    if name == "reinforce++-baseline":
+        return reinforce_pp_advantages(rewards, group)
+    raise ValueError(f"unknown advantage estimator {name!r}; expected one of {ADVANTAGES}")
+
+
+def nonconstant_groups(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Bool [N]: True for samples whose group has unequal rewards (DAPO dynamic sampling keeps these)."""
+    ids, index = torch.unique(group, return_inverse=True)
+    n = len(ids)
+    high = rewards.new_full((n,), -math.inf).scatter_reduce_(0, index, rewards, "amax")
+    low = rewards.new_full((n,), math.inf).scatter_reduce_(0, index, rewards, "amin")
+    return (high > low)[index]
+
+
+def token_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Broadcast per-sample advantages [B] to tokens [B, T]; 0 where mask = 0."""
+    return torch.where(mask.bool(), advantages[:, None], 0)
+
+
+# ------------------------------------------------------------------------------------------------------- PPO: GAE
+
+
+def outcome_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token rewards [B, T] holding each sample's score [B] on its last masked-in token, 0 elsewhere."""
+    position = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask.bool(), position, -1).amax(dim=1)
+    if (last < 0).any():
+        raise ValueError(f"samples {(last < 0).nonzero().flatten().tolist()} have no masked-in token to reward")
+    return torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device).scatter_(1, last[:, None], scores[:, None])
+
+
+@torch.no_grad()
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+        lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation (Schulman et al., arXiv 1506.02438) over the masked-in tokens only. [B, T] each.
+
+    delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next, where "next" is the next masked-in token of
+    the row (0 after the last one): a multi-turn mask [1,1,0,0,1] is the 3-token chain 0 -> 1 -> 4, the tool output in
+    between is skipped, not a step. Returns (advantages, returns = advantages + values), both 0 where mask = 0.
+    Rewards must sit on masked-in tokens (see outcome_token_rewards); a reward elsewhere is an error, not dropped."""
+    on = mask.bool()
+    if (torch.where(on, 0, rewards) != 0).any():
+        raise ValueError("gae: nonzero reward on a masked-out token (prompt/tool output); put it on a policy token")
+    next_value = values.new_zeros(values.shape[0])
+    next_adv = values.new_zeros(values.shape[0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        adv = rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * next_adv
+        next_adv = torch.where(on[:, t], adv, next_adv)
+        next_value = torch.where(on[:, t], values[:, t], next_value)
+        advantages[:, t] = torch.where(on[:, t], adv, 0)
+    return advantages, torch.where(on, advantages + values, 0)
+
+
+# -------------------------------------------------------------------------------------------------- policy losses
+
+
+def _truncated_is_weight(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor | None, cap: float | None,
+                         mask: torch.Tensor) -> torch.Tensor | None:
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL"):
+    min(exp(old - engine), C), detached, corrects for the engine sampling from a slightly different distribution."""
+    if cap is None:
+        return None
+    if engine_logprobs is None:
+        raise ValueError("tis_cap is set but no engine_logprobs were given")
+    return torch.where(mask.bool(), old_logprobs - engine_logprobs, 0).exp().clamp(max=cap).detach()
+
+
+def _clipped_objective(ratio: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                       clip_low: float, clip_high: float, dual_clip: float | None,
+                       tis_weight: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+    """max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), dual-clipped for A < 0, times the TIS weight; plus stats."""
+    advantages = torch.where(mask.bool(), advantages, 0)
+    loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high))
+    dual = torch.zeros_like(mask, dtype=torch.bool)
+    if dual_clip is not None:
+        if dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        dual = (advantages < 0) & (loss > -advantages * dual_clip)
+        loss = torch.where(dual, -advantages * dual_clip, loss)
+    if tis_weight is not None:
+        loss = loss * tis_weight
+    with torch.no_grad():
+        r, lr = ratio.detach(), log_ratio.detach()
+        stats = {
+            "clip_frac_low": masked_mean(((advantages < 0) & (r < 1 - clip_low)).float(), mask),
+            "clip_frac_high": masked_mean(((advantages > 0) & (r > 1 + clip_high)).float(), mask),
+            "dual_clip_frac": masked_mean(dual.float(), mask),
+            "approx_kl": masked_mean(lr.exp() - 1 - lr, mask),  # k3 of KL(old || new), >= 0
+            "ratio_mean": masked_mean(r, mask),
+        }
+        if tis_weight is not None:
+            stats["tis_weight_mean"] = masked_mean(tis_weight, mask)
+    values = torch.stack([v.float() for v in stats.values()]).tolist()  # one device sync for all stats
+    return torch.where(mask.bool(), loss, 0), dict(zip(stats, values))
+
+
+def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                        mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
+                        dual_clip: float | None = None, engine_logprobs: torch.Tensor | None = None,
+                        tis_cap: float | None = None) -> tuple[torch.Tensor, dict]:
+    """PPO clipped surrogate per token (arXiv 1707.06347), r = exp(logprobs - old_logprobs), all [B, T].
+
+    Separate clip_low/clip_high is DAPO's clip-higher (arXiv 2503.14476, e.g. 0.2/0.28). dual_clip = c > 1 bounds the
+    loss of A < 0 tokens at -c A when r is huge (arXiv 1912.09729). tis_cap = C multiplies by min(exp(old - engine), C).
+    Returns (token loss [B, T], 0 off-mask; stats: clip_frac_low/high, dual_clip_frac, approx_kl, ratio_mean as floats,
+    token means over this call's mask)."""
+    log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0)
+    return _clipped_objective(log_ratio.exp(), log_ratio, advantages, mask, clip_low, clip_high, dual_clip,
+                              _truncated_is_weight(old_logprobs, engine_logprobs, tis_cap, mask))
+
+
+def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              clip_low: float = 3e-4, clip_high: float = 4e-4, engine_logprobs: torch.Tensor | None = None,
+              tis_cap: float | None = None) -> tuple[torch.Tensor, dict]:
+    """GSPO-token (arXiv 2507.18071): sequence ratio s_i = exp(mean_t(logprobs - old_logprobs)), clipped per sequence.
+
+    Token ratio s_it = sg(s_i) * p_t / sg(p_t): its value is s_i, its gradient flows through each token. The paper's
+    objective is aggregate(..., "seq-mean-token-mean"); clip ranges are ~1e-4 (paper: 3e-4 / 4e-4). Same returns as
+    clipped_policy_loss; clip fractions count tokens of clipped sequences."""
+    on = mask.bool()
+    log_ratio = torch.where(on, logprobs - old_logprobs, 0)
+    seq_log_ratio = masked_mean(log_ratio, mask, dim=-1)[:, None]
+    token_log_ratio = seq_log_ratio.detach() + logprobs - logprobs.detach()
+    ratio = torch.where(on, token_log_ratio, 0).exp()
+    return _clipped_objective(ratio, log_ratio, advantages, mask, clip_low, clip_high, None,
+                              _truncated_is_weight(old_logprobs, engine_logprobs, tis_cap, mask))
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip: float | None = 0.2) -> tuple[torch.Tensor, float]:
+    """PPO clipped value loss 0.5 max((V - R)^2, (clip(V, V_old +- clip) - R)^2) per token [B, T], 0 off-mask.
+
+    Returns (token loss, clip fraction = share of masked tokens where the clipped term is the larger one)."""
+    on = mask.bool()
+    loss = torch.where(on, values - returns, 0) ** 2
+    clipped_frac = values.new_zeros(())
+    if clip is not None:
+        clipped = torch.where(on, old_values + (values - old_values).clamp(-clip, clip) - returns, 0) ** 2
+        clipped_frac = masked_mean((clipped > loss).float().detach(), mask)
+        loss = torch.maximum(loss, clipped)
+    return 0.5 * loss, clipped_frac.item()
+
+
+# ----------------------------------------------------------------------------------------------- KL and entropy
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3",
+               clamp: float = 10.0) -> torch.Tensor:
+    """Per-token estimate of KL(policy || ref) from tokens sampled from the policy (Schulman, "Approximating KL").
+
+    With d = ref - logprobs: k1 = -d (unbiased, can be negative), k2 = d^2 / 2, k3 = exp(d) - 1 - d (unbiased, >= 0,
+    low variance; d clamped to +-20 and the result to <= clamp). Same shape as the inputs; add it to the loss or
+    subtract coef * it from token rewards. Masking is left to the caller (aggregate / masked_sum)."""
+    d = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d ** 2
+    if estimator == "k3":
+        d = d.clamp(-20, 20)
+        return (d.exp() - 1 - d).clamp(max=clamp)
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    logits = logits.float()
+    p = F.softmax(logits, -1)
+    return torch.logsumexp(logits, -1) - torch.where(p > 0, p * logits, 0).sum(-1)  # p = 0 at -inf logits: 0, not NaN
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 4096) -> torch.Tensor:
+    """H = logsumexp(z) - sum softmax(z) z over the vocab, [..., V] -> [...], in fp32, `chunk_size` rows at a time.
+
+    Under autograd each chunk is recomputed in backward, so memory stays at one chunk's fp32 softmax. Entropies already
+    computed elsewhere (policy.packed_logprobs) need nothing from here: masked_mean / aggregate them directly."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    grad = torch.is_grad_enabled() and logits.requires_grad
+    parts = [checkpoint(_entropy, chunk, use_reentrant=False) if grad else _entropy(chunk)
+             for chunk in rows.split(chunk_size)]
+    return torch.cat(parts).reshape(logits.shape[:-1])
+
+
+# ------------------------------------------------------------------------------------------------- aggregation
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", num_tokens: float | None = None,
+              num_seqs: float | None = None, max_len: int | None = None) -> torch.Tensor:
+    """Token losses [B, T] -> scalar, with verl's mode names (l = token loss, m = mask, i = sequence, t = token):
+
+    token-mean               sum_it m l / N_tokens                  (DAPO; every token weighs the same)
+    seq-mean-token-sum       sum_i (sum_t m l) / N_seqs
+    seq-mean-token-mean      sum_i (sum_t m l / sum_t m) / N_seqs   (original GRPO, GSPO)
+    seq-mean-token-sum-norm  sum_it m l / (N_seqs * max_len)        (Dr.GRPO; max_len a constant, e.g. max new tokens)
+
+    Without normalisers, N_tokens / N_seqs are this call's counts (sequences = rows with a masked-in token; an
+    all-masked row counts for nothing). Data parallel / gradient accumulation: pass the GLOBAL counts (summed over
+    every micro-batch of every rank in the optimizer step); then the sum of the returned values over micro-batches and
+    ranks equals the loss of the whole batch at once. DDP/FSDP average gradients over ranks, so multiply by the world
+    size before backward. (verl's seq-mean-token-sum-norm divides the per-micro-batch sum by max_len only; ours
+    also divides by N_seqs, as Dr.GRPO's own code does, so the scale does not grow with the batch.)"""
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGGREGATIONS}")
+    if mode == "token-mean":
+        return masked_sum(token_loss, mask) / (mask.sum().clamp(min=1) if num_tokens is None else max(num_tokens, 1))
+    seq_sum = masked_sum(token_loss, mask, dim=-1)
+    seqs = (mask.sum(-1) > 0).sum().clamp(min=1) if num_seqs is None else max(num_seqs, 1)
+    if mode == "seq-mean-token-sum":
+        return seq_sum.sum() / seqs
+    if mode == "seq-mean-token-mean":
+        return (seq_sum / mask.sum(-1).clamp(min=1)).sum() / seqs
+    if max_len is None:
+        raise ValueError("seq-mean-token-sum-norm needs max_len (a constant horizon, e.g. the max new tokens)")
+    return seq_sum.sum() / (seqs * max_len)
