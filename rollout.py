@@ -160,3 +160,202 @@ def run(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampling: 
         "rollout/truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
     }
     return samples, metrics
+
+
+# ======================================================================================================================
+# VLLMEngine: a colocated vLLM engine (vllm==0.32.0) per rank that sleeps while the policy trains.
+# Per step: wake_up() (weights) -> load_weights(policy.iter_full_weights(model)) (bucketed; then KV cache, fresh prefix
+# cache) -> generate() -> sleep() (level 2: weights and KV cache are discarded, so every wake needs a load).
+# The kwargs builders below are plain functions so `make test-vllm` can check them against the real vllm signatures.
+# ======================================================================================================================
+import os  # noqa: E402  (this section's own imports, kept with the section)
+from typing import Iterator  # noqa: E402
+
+
+def vllm_llm_kwargs(model: str, *, rank: int, seed: int, tensor_parallel_size: int, gpu_memory_utilization: float,
+                    max_model_len: int, max_num_seqs: int, enforce_eager: bool, dtype: str, **extra) -> dict:
+    """Keyword arguments of `vllm.LLM` for one in-process engine per rank (or per tensor-parallel group)."""
+    return dict(
+        model=model,
+        distributed_executor_backend="external_launcher",  # join torchrun's process group, no worker processes
+        tensor_parallel_size=tensor_parallel_size,  # consecutive ranks form one engine
+        enable_sleep_mode=True,
+        seed=seed + rank // tensor_parallel_size,  # one seed per data-parallel engine; TP peers must share it
+        logprobs_mode="processed_logprobs",  # after temperature/top-k/top-p: the distribution actually sampled
+        gpu_memory_utilization=gpu_memory_utilization,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        enforce_eager=enforce_eager,
+        dtype=dtype,
+        **extra,
+    )
+
+
+def vllm_sampling_kwargs(sampling: Sampling) -> dict:
+    """Keyword arguments of `vllm.SamplingParams`: token ids out, plus the logprob of each sampled token."""
+    return dict(
+        n=1,
+        max_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,  # 0 = greedy in vLLM too
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,  # 0 = off in vLLM too
+        stop_token_ids=list(sampling.stop_token_ids),  # the stop token stays in the output, as in HFEngine
+        logprobs=0,  # only the sampled token's logprob
+        flat_logprobs=True,  # flat lists instead of one dict per token: far less garbage to collect
+        detokenize=False,  # text is decoded once, later, for the reward
+    )
+
+
+def vllm_prompt(token_ids: list[int], images: list | None = None) -> dict:
+    """A `vllm.inputs.TokensPrompt` (a TypedDict, so a plain dict). With images, the ids hold one unexpanded image
+    placeholder per image (as `apply_chat_template` writes it): vLLM's processor expands them itself."""
+    prompt = {"prompt_token_ids": list(token_ids)}
+    if images:
+        prompt["multi_modal_data"] = {"image": list(images)}
+    return prompt
+
+
+def bucket_weights(weights: Iterable[tuple[str, torch.Tensor]], cap_bytes: int,
+                   dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs, in order, into lists of at most `cap_bytes` (a bigger tensor travels alone).
+
+    Each tensor is copied (and cast to `dtype`) on the way in: a producer such as an FSDP unshard/reshard loop may
+    reuse a tensor's memory once the iterator moves on, so only the copy is safe to hold until the bucket is loaded.
+    """
+    bucket, size = [], 0
+    for name, tensor in weights:
+        tensor = tensor.detach().to(dtype=dtype or tensor.dtype, copy=True)
+        if bucket and size + tensor.nbytes > cap_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += tensor.nbytes
+    if bucket:
+        yield bucket
+
+
+def completion_from_vllm(output) -> Completion:
+    """A vLLM `RequestOutput` (n=1, logprobs=0) -> Completion holding each sampled token's logprob."""
+    out = output.outputs[0]
+    token_ids, logprobs = list(out.token_ids), out.logprobs
+    if logprobs is None or len(logprobs) != len(token_ids):
+        raise RuntimeError(f"vLLM request {output.request_id}: {len(token_ids)} tokens but "
+                           f"{'no' if logprobs is None else len(logprobs)} logprob positions")
+    if hasattr(logprobs, "start_indices"):  # FlatLogprobs: position i's entries are [start_indices[i], end_indices[i])
+        values = [logprobs.logprobs[logprobs.token_ids.index(tok, start, end)]
+                  for tok, start, end in zip(token_ids, logprobs.start_indices, logprobs.end_indices)]
+    else:  # one {token_id: Logprob} dict per position
+        values = [position[tok].logprob for tok, position in zip(token_ids, logprobs)]
+    if out.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM request {output.request_id} ended with {out.finish_reason!r}, not stop/length")
+    return Completion(token_ids, values, out.finish_reason)
+
+
+class VLLMEngine:
+    """Colocated vLLM: one `vllm.LLM` per rank (or per `tensor_parallel_size` consecutive ranks) inside torchrun.
+
+    Build it on every rank at the same point (it is a collective) before the FSDP model takes GPU memory, then
+    sleep() it. Weights come only from the trainer (never reloaded from disk after a sync). `last_metrics` holds the
+    latest sync seconds/bytes/buckets and generation seconds and tokens/s, for the trainer to log.
+    """
+
+    def __init__(self, model: str, *, seed: int = 0, tensor_parallel_size: int = 1,
+                 gpu_memory_utilization: float = 0.5, max_model_len: int = 4096, max_num_seqs: int = 256,
+                 enforce_eager: bool = False, dtype: str = "bfloat16", sync_bucket_bytes: int = 1 << 30,
+                 **llm_kwargs):
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+        if world % tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must divide the world size {world}")
+        # external_launcher reads these (torchrun sets them; a plain `python` run gets a world of one).
+        for key, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": 29500}.items():
+            os.environ.setdefault(key, str(value))
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine must live in this process (vLLM sets it too)
+        self.tp, self.tp_group, self.tp_rank = tensor_parallel_size, None, 0
+        if tensor_parallel_size > 1:  # new_subgroups is collective: every rank builds all groups in the same order
+            self.tp_group, _ = dist.new_subgroups_by_enumeration(
+                [list(range(start, start + tensor_parallel_size)) for start in range(0, world, tensor_parallel_size)])
+            self.tp_rank = dist.get_rank(self.tp_group)
+        from vllm import LLM
+
+        self.llm = LLM(**vllm_llm_kwargs(
+            model, rank=rank, seed=seed, tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            enforce_eager=enforce_eager, dtype=dtype, **llm_kwargs))
+        self.dtype = getattr(torch, dtype)
+        self.sync_bucket_bytes = sync_bucket_bytes
+        # vLLM's loader rejects a tied lm_head arriving in a call without the embedding it aliases; it is the
+        # same tensor anyway, so it is never sent.
+        text_config = self.llm.llm_engine.model_config.hf_text_config
+        self.tied_lm_head = bool(getattr(text_config, "tie_word_embeddings", False))
+        self.param_names = self.llm.apply_model(lambda m: {name for name, _ in m.named_parameters()})[0]
+        self.state = "awake"  # "asleep" -> wake_up() -> "weights" -> load_weights() -> "awake" -> sleep()
+        self.last_metrics: dict[str, float] = {}
+
+    def wake_up(self) -> None:
+        if self.state != "asleep":
+            return
+        start = time.perf_counter()
+        torch.cuda.empty_cache()  # hand the trainer's cached free blocks back before vLLM maps its weights
+        self.llm.wake_up(["weights"])  # KV cache only after the load: weights and gathered buckets need room first
+        self.state = "weights"
+        self.last_metrics["vllm/wake_seconds"] = time.perf_counter() - start
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.state == "asleep":
+            raise RuntimeError("VLLMEngine.load_weights before wake_up(): the engine's weight memory is unmapped")
+        start, loaded, nbytes, buckets = time.perf_counter(), set(), 0, 0
+        wanted = ((n, t) for n, t in weights if not (self.tied_lm_head and n.endswith("lm_head.weight")))
+        for bucket in bucket_weights(wanted, self.sync_bucket_bytes, self.dtype):
+            # The model runner's model.load_weights (vLLM's own name mapping and TP sharding), in this process.
+            loaded |= self.llm.apply_model(lambda m: m.load_weights(bucket))[0]
+            nbytes += sum(t.nbytes for _, t in bucket)
+            buckets += 1
+        missing = self.param_names - loaded
+        if missing:  # after a level-2 sleep an unloaded parameter is garbage
+            raise RuntimeError(f"VLLMEngine.load_weights: {len(missing)} vLLM parameters got no weights, e.g. "
+                               f"{sorted(missing)[:5]}; the policy's names must match the Hugging Face checkpoint")
+        torch.cuda.empty_cache()
+        if self.state == "weights":
+            self.llm.wake_up(["kv_cache"])
+        self.llm.reset_prefix_cache()  # cached prefixes were computed by the old weights
+        self.llm.llm_engine.reset_encoder_cache()  # so were cached image embeddings
+        self.state = "awake"
+        self.last_metrics |= {"vllm/sync_seconds": time.perf_counter() - start, "vllm/sync_bytes": nbytes,
+                              "vllm/sync_buckets": buckets}
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling,
+                 images: list[list | None] | None = None) -> list[Completion]:
+        """Completions for `prompts` (token ids); `images[i]` are prompt i's images (Qwen2.5-VL style), or None."""
+        if self.state != "awake":
+            raise RuntimeError("VLLMEngine.generate needs wake_up() then load_weights(): "
+                               "a level-2 sleep discards the weights")
+        from vllm import SamplingParams
+
+        images = images if images is not None else [None] * len(prompts)
+        first, count = 0, len(prompts)
+        if self.tp_group is not None:  # TP peers drive one engine together, so they must submit the same requests
+            parts = [None] * self.tp
+            dist.all_gather_object(parts, (prompts, images), group=self.tp_group)
+            first = sum(len(p) for p, _ in parts[: self.tp_rank])
+            prompts, images = [p for ps, _ in parts for p in ps], [i for _, imgs in parts for i in imgs]
+        start = time.perf_counter()
+        outputs = self.llm.generate([vllm_prompt(p, i) for p, i in zip(prompts, images)],
+                                    SamplingParams(**vllm_sampling_kwargs(sampling)), use_tqdm=False)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        self.last_metrics |= {"vllm/generate_seconds": seconds,
+                              "vllm/generate_tokens_per_s": tokens / max(seconds, 1e-9)}
+        return [completion_from_vllm(o) for o in outputs[first : first + count]]
+
+    def sleep(self) -> None:
+        if self.state == "asleep":
+            return
+        start = time.perf_counter()
+        if self.state == "weights":  # a load failed half way: wake fully first, vLLM sleeps only from awake
+            self.llm.wake_up(["kv_cache"])
+        self.llm.sleep(level=2)
+        self.state = "asleep"
+        self.last_metrics["vllm/sleep_seconds"] = time.perf_counter() - start
+# =========================================== end of the VLLMEngine section ============================================

@@ -1,0 +1,200 @@
+"""VLLMEngine's own logic on CPU, without vllm: weight bucketing, output conversion, and the wake/load/generate/sleep
+sequence driven against a small in-memory stand-in for `vllm.LLM` (the real API is checked by `make test-vllm`)."""
+import sys
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rollout
+
+
+def named(sizes: list[int]) -> list[tuple[str, torch.Tensor]]:
+    return [(f"w{i}", torch.full((n,), float(i))) for i, n in enumerate(sizes)]
+
+
+def test_bucket_weights_hand_computed():
+    # float32: 10 elements = 40 bytes, 50 = 200 bytes; cap 100 bytes
+    buckets = list(rollout.bucket_weights(named([10, 10, 50, 10, 10, 10]), cap_bytes=100))
+    assert [[name for name, _ in b] for b in buckets] == [["w0", "w1"], ["w2"], ["w3", "w4"], ["w5"]]
+    # cast to bf16 halves every tensor: 20 + 20 + 100 > 100, so the big one still travels alone
+    buckets = list(rollout.bucket_weights(named([10, 10, 50, 10, 10, 10]), cap_bytes=100, dtype=torch.bfloat16))
+    assert [[name for name, _ in b] for b in buckets] == [["w0", "w1"], ["w2"], ["w3", "w4", "w5"]]
+    assert all(t.dtype == torch.bfloat16 for b in buckets for _, t in b)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 64), max_size=30), cap_elems=st.integers(1, 100))
+def test_bucket_weights_properties(sizes, cap_elems):
+    cap = cap_elems * 4
+    buckets = list(rollout.bucket_weights(named(sizes), cap_bytes=cap))
+    flat = [(name, t) for b in buckets for name, t in b]
+    assert [name for name, _ in flat] == [f"w{i}" for i in range(len(sizes))]  # order kept, nothing dropped
+    assert all(torch.equal(t, torch.full((n,), float(i))) for (_, t), (i, n) in zip(flat, enumerate(sizes)))
+    for i, b in enumerate(buckets):
+        size = sum(t.nbytes for _, t in b)
+        assert b and (size <= cap or len(b) == 1)  # over the cap only as a single tensor
+        if i + 1 < len(buckets):  # greedy: the next tensor did not fit
+            assert size + buckets[i + 1][0][1].nbytes > cap
+
+
+def test_bucket_weights_copies_tensors_the_producer_reuses():
+    buffer = torch.zeros(4)
+
+    def reusing():  # like an FSDP unshard/reshard loop: one storage, refilled for every parameter
+        for i in range(5):
+            buffer.fill_(i)
+            yield f"w{i}", buffer
+
+    buckets = list(rollout.bucket_weights(reusing(), cap_bytes=1 << 20))
+    assert len(buckets) == 1
+    assert [t[0].item() for _, t in buckets[0]] == [0, 1, 2, 3, 4]
+
+
+@dataclass
+class Logprob:
+    logprob: float
+
+
+@dataclass
+class FlatLogprobs:  # the shape of vllm.logprobs.FlatLogprobs
+    start_indices: list
+    end_indices: list
+    token_ids: list
+    logprobs: list
+
+    def __len__(self):
+        return len(self.start_indices)
+
+
+def request_output(token_ids, logprobs, finish_reason="stop", request_id="0"):
+    completion = types.SimpleNamespace(token_ids=token_ids, logprobs=logprobs, finish_reason=finish_reason)
+    return types.SimpleNamespace(request_id=request_id, outputs=[completion])
+
+
+def test_completion_from_vllm_dict_and_flat_logprobs():
+    per_position = [{5: Logprob(-0.5)}, {9: Logprob(-0.1), 7: Logprob(-2.0)}, {2: Logprob(-0.25)}]
+    c = rollout.completion_from_vllm(request_output([5, 7, 2], per_position))
+    assert (c.token_ids, c.logprobs, c.finish_reason) == ([5, 7, 2], [-0.5, -2.0, -0.25], "stop")
+    # flat: position 1 holds the top-1 token (9) before the sampled one (7)
+    flat = FlatLogprobs([0, 1, 3], [1, 3, 4], [5, 9, 7, 2], [-0.5, -0.1, -2.0, -0.25])
+    c = rollout.completion_from_vllm(request_output((5, 7, 2), flat, "length"))
+    assert (c.token_ids, c.logprobs, c.finish_reason) == ([5, 7, 2], [-0.5, -2.0, -0.25], "length")
+
+
+def test_completion_from_vllm_refuses_what_it_cannot_trust():
+    with pytest.raises(RuntimeError, match="request 3: 2 tokens but 1 logprob"):
+        rollout.completion_from_vllm(request_output([5, 7], [{5: Logprob(-0.5)}], request_id="3"))
+    with pytest.raises(RuntimeError, match="no logprob"):
+        rollout.completion_from_vllm(request_output([5], None))
+    with pytest.raises(RuntimeError, match="'abort'"):
+        rollout.completion_from_vllm(request_output([5], [{5: Logprob(-0.5)}], "abort"))
+
+
+def test_kwargs_builders():
+    kw = rollout.vllm_llm_kwargs("m", rank=5, seed=10, tensor_parallel_size=2, gpu_memory_utilization=0.4,
+                                 max_model_len=2048, max_num_seqs=64, enforce_eager=True, dtype="bfloat16")
+    assert kw["seed"] == 12  # rank 5 is in the third TP pair
+    assert kw["distributed_executor_backend"] == "external_launcher" and kw["enable_sleep_mode"] is True
+    assert kw["logprobs_mode"] == "processed_logprobs"
+    sp = rollout.vllm_sampling_kwargs(rollout.Sampling(max_new_tokens=7, temperature=0.6, top_p=0.9, top_k=20,
+                                                       stop_token_ids=[2, 0]))
+    assert sp == dict(n=1, max_tokens=7, temperature=0.6, top_p=0.9, top_k=20, stop_token_ids=[2, 0], logprobs=0,
+                      flat_logprobs=True, detokenize=False)
+    assert rollout.vllm_prompt((1, 2)) == {"prompt_token_ids": [1, 2]}
+    assert rollout.vllm_prompt([1], ["img"]) == {"prompt_token_ids": [1], "multi_modal_data": {"image": ["img"]}}
+
+
+class TinyVLLMModel(torch.nn.Module):
+    """Loads weights by name like a vLLM model (and, like vLLM's loader, refuses names it does not have)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(8, 4)
+        self.proj = torch.nn.Linear(4, 4)
+        self.to(torch.bfloat16)
+
+    def load_weights(self, weights):
+        params, loaded = dict(self.named_parameters()), set()
+        for name, tensor in weights:
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+class FakeLLM:
+    """Records the calls VLLMEngine makes, in order; generates by echoing the prompt's last token."""
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls, self.model = kwargs, [], TinyVLLMModel()
+        text_config = types.SimpleNamespace(tie_word_embeddings=True)
+        self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(hf_text_config=text_config),
+                                                reset_encoder_cache=lambda: self.calls.append(("reset_encoder",)))
+
+    def apply_model(self, fn):
+        self.calls.append(("apply_model",))
+        return [fn(self.model)]
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def generate(self, prompts, params, use_tqdm=True):
+        self.calls.append(("generate", len(prompts)))
+        return [request_output([p["prompt_token_ids"][-1]] * 2, [{p["prompt_token_ids"][-1]: Logprob(-1.0)}] * 2,
+                               request_id=str(i)) for i, p in enumerate(prompts)]
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM, SamplingParams=dict))
+    return rollout.VLLMEngine("some/model", seed=3, sync_bucket_bytes=40)
+
+
+def test_vllm_engine_step_sequence(engine):
+    import os
+
+    llm = engine.llm
+    assert llm.kwargs["model"] == "some/model" and llm.kwargs["seed"] == 3
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="wake_up"):
+        engine.load_weights([])
+    engine.wake_up()
+    with pytest.raises(RuntimeError, match="level-2 sleep discards the weights"):
+        engine.generate([[1]], rollout.Sampling())
+    new = {"embed.weight": torch.randn(8, 4), "proj.weight": torch.randn(4, 4), "proj.bias": torch.randn(4),
+           "lm_head.weight": torch.randn(8, 4)}  # tied to embed: never sent
+    llm.calls.clear()
+    engine.load_weights(iter(new.items()))
+    # embed is 64 bytes in bf16 (over the 40-byte cap: alone), proj weight+bias 32 + 8 bytes (together)
+    assert llm.calls == [("apply_model",), ("apply_model",), ("wake_up", ["kv_cache"]), ("reset_prefix_cache",),
+                         ("reset_encoder",)]
+    for name, tensor in llm.model.named_parameters():
+        assert torch.equal(tensor, new[name].to(torch.bfloat16)), name
+    assert engine.last_metrics["vllm/sync_bytes"] == 64 + 32 + 8 and engine.last_metrics["vllm/sync_buckets"] == 2
+    out = engine.generate([[4, 5], [6]], rollout.Sampling(max_new_tokens=2))
+    assert [(c.token_ids, c.logprobs) for c in out] == [([5, 5], [-1.0, -1.0]), ([6, 6], [-1.0, -1.0])]
+    assert engine.last_metrics["vllm/generate_tokens_per_s"] > 0
+    llm.calls.clear()
+    engine.sleep()
+    engine.sleep()  # already asleep: nothing more to do
+    engine.wake_up()
+    assert llm.calls == [("sleep", 2), ("wake_up", ["weights"])]
+
+
+def test_vllm_engine_refuses_a_partial_sync(engine):
+    engine.sleep()
+    engine.wake_up()
+    with pytest.raises(RuntimeError, match=r"1 vLLM parameters got no weights, e.g. \['proj.bias'\]"):
+        engine.load_weights([("embed.weight", torch.zeros(8, 4)), ("proj.weight", torch.zeros(4, 4))])

@@ -1,0 +1,241 @@
+"""Every vLLM call kiln makes, checked against the real vllm==0.32.0 package (`make test-vllm`, CPU only).
+
+No vLLM engine can start without a GPU, so VLLMEngine is driven against `RecordingLLM`: each call it makes is bound
+to the real `vllm.LLM` method's signature, its weights go through the real vLLM Qwen2 model's `load_weights` (built
+on CPU; only the attention kernel, which holds no weights, is a stand-in), and its outputs are vLLM's own classes.
+"""
+import dataclasses
+import inspect
+import os
+import socket
+import typing
+
+import pytest
+import torch
+import transformers
+import vllm
+from vllm import LLM, SamplingParams
+from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+from vllm.distributed.parallel_state import (destroy_distributed_environment, destroy_model_parallel,
+                                             init_distributed_environment, initialize_model_parallel)
+from vllm.engine.arg_utils import EngineArgs
+from vllm.inputs import TokensPrompt
+from vllm.logprobs import FlatLogprobs, append_logprobs_for_next_position, create_sample_logprobs
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import SamplingType
+from vllm.v1.engine.llm_engine import LLMEngine
+from vllm.v1.executor.abstract import SLEEP_TAGS
+
+import rollout
+
+pytestmark = pytest.mark.vllm
+
+
+def llm_kwargs(model_dir, **overrides):
+    settings = dict(rank=0, seed=0, tensor_parallel_size=1, gpu_memory_utilization=0.5, max_model_len=256,
+                    max_num_seqs=8, enforce_eager=True, dtype="float32") | overrides
+    return rollout.vllm_llm_kwargs(str(model_dir), **settings)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                             tie_word_embeddings=True).save_pretrained(path)
+    return path
+
+
+class StandInAttention(torch.nn.Module):
+    """The attention kernel: vLLM cannot pick a backend without a GPU. It holds no weights (unquantized)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+
+@pytest.fixture(scope="module")
+def vllm_qwen2(model_dir):
+    """(vLLM's Qwen2ForCausalLM on CPU, its ModelConfig, a transformers Qwen2 of the same shape as the weight source)."""
+    model_config = ModelConfig(model=str(model_dir), dtype="float32", skip_tokenizer_init=True)
+    config = VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.MonkeyPatch.context() as patch, set_current_vllm_config(config):
+        import vllm.model_executor.models.qwen2 as vllm_qwen2_module
+
+        patch.setattr(vllm_qwen2_module, "Attention", StandInAttention)
+        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
+        initialize_model_parallel(1)
+        model = vllm_qwen2_module.Qwen2ForCausalLM(vllm_config=config)
+        torch.manual_seed(0)
+        source = transformers.Qwen2ForCausalLM(transformers.AutoConfig.from_pretrained(model_dir))
+        with torch.no_grad():
+            for p in source.parameters():  # no zero biases or unit norms: every loaded tensor must show
+                p.normal_()
+        yield model, model_config, source
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+def test_version():
+    assert vllm.__version__ == "0.32.0"
+
+
+def test_llm_kwargs_are_real_llm_or_engine_args(model_dir):
+    kwargs = llm_kwargs(model_dir, max_num_batched_tokens=4096)  # an extra passed through **llm_kwargs
+    named = inspect.signature(LLM.__init__).parameters
+    engine_fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    assert set(kwargs) - set(named) - engine_fields == set()
+    args = EngineArgs(**kwargs)  # LLM.__init__ forwards everything to EngineArgs
+    assert (args.distributed_executor_backend, args.enable_sleep_mode, args.logprobs_mode) == (
+        "external_launcher", True, "processed_logprobs")
+    # The model config validates dtype, logprobs_mode and max_model_len for real; sleep mode needs a GPU platform.
+    config = dataclasses.replace(args, enable_sleep_mode=False).create_model_config()
+    assert (config.logprobs_mode, config.dtype, config.max_model_len) == ("processed_logprobs", torch.float32, 256)
+    with pytest.raises(Exception, match="Sleep mode is not supported on current platform"):
+        args.create_model_config()
+
+
+def test_external_launcher_keeps_the_engine_in_process(monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    ParallelConfig(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_sampling_params(temperature):
+    sampling = rollout.Sampling(max_new_tokens=9, temperature=temperature, top_p=0.95, top_k=0, stop_token_ids=[2])
+    params = SamplingParams(**rollout.vllm_sampling_kwargs(sampling))
+    assert (params.n, params.max_tokens, params.logprobs, params.flat_logprobs, params.detokenize) == (1, 9, 0, True,
+                                                                                                       False)
+    assert params.stop_token_ids == [2] and params.top_k == 0
+    assert params.sampling_type == (SamplingType.GREEDY if temperature == 0 else SamplingType.RANDOM)
+
+
+def test_tokens_prompt_keys():
+    hints = typing.get_type_hints(TokensPrompt)
+    for prompt in (rollout.vllm_prompt([1, 2, 3]), rollout.vllm_prompt([1, 2], images=["an image"])):
+        assert TokensPrompt.__required_keys__ <= set(prompt) <= set(hints)
+        assert TokensPrompt(**prompt) == prompt
+
+
+def test_bucketed_load_through_the_real_vllm_qwen2(vllm_qwen2):
+    model, _, source = vllm_qwen2
+    loaded = set()
+    state = {n: t for n, t in source.state_dict().items() if n != "lm_head.weight"}
+    buckets = list(rollout.bucket_weights(state.items(), cap_bytes=20_000))
+    assert len(buckets) > 5
+    for bucket in buckets:  # q/k/v and gate/up arrive in separate calls: vLLM stacks each shard as it comes
+        loaded |= model.load_weights(bucket)
+    assert loaded == {name for name, _ in model.named_parameters()}
+    params, attn, mlp = dict(model.named_parameters()), source.model.layers[1].self_attn, source.model.layers[1].mlp
+    assert torch.equal(params["model.layers.1.self_attn.qkv_proj.weight"],
+                       torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert torch.equal(params["model.layers.1.mlp.gate_up_proj.weight"],
+                       torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    assert torch.equal(params["model.embed_tokens.weight"], source.model.embed_tokens.weight)
+
+
+def test_tied_lm_head_alone_in_a_call_is_refused(vllm_qwen2):
+    """Why VLLMEngine never sends a tied lm_head: vLLM 0.32 raises when it comes without its embedding."""
+    model, _, source = vllm_qwen2
+    with pytest.raises(ValueError, match="'lm_head.weight' was skipped because it is tied"):
+        model.load_weights([("lm_head.weight", source.lm_head.weight.detach())])
+
+
+class RecordingLLM:
+    """Stands in for `vllm.LLM`: binds every call to the real signature, records it, and acts on a real model."""
+
+    model = None
+    model_config = None
+
+    def __init__(self, **kwargs):
+        extra = inspect.signature(LLM.__init__).bind(self, **kwargs).arguments.get("kwargs", {})
+        assert set(extra) <= {f.name for f in dataclasses.fields(EngineArgs)}, extra
+        self.kwargs, self.calls = kwargs, []
+        assert callable(LLMEngine.reset_encoder_cache)
+        assert "hf_text_config" in {f.name for f in dataclasses.fields(ModelConfig)}
+        self.llm_engine = type("Engine", (), {})()
+        self.llm_engine.model_config = self.model_config
+        self.llm_engine.reset_encoder_cache = lambda: self._record(LLMEngine.reset_encoder_cache, "reset_encoder_cache")
+
+    def _record(self, real, name, *args, **kwargs):
+        inspect.signature(real).bind(self, *args, **kwargs)
+        self.calls.append((name, args, kwargs))
+
+    def apply_model(self, func):
+        self._record(LLM.apply_model, "apply_model", func)
+        return [func(self.model)]  # what the worker does: func(worker.get_model()), one worker per process
+
+    def wake_up(self, tags=None):
+        assert tags is None or set(tags) <= SLEEP_TAGS, tags
+        self._record(LLM.wake_up, "wake_up", tags)
+        return True
+
+    def sleep(self, level=1, mode="abort"):
+        assert level in (0, 1, 2)
+        self._record(LLM.sleep, "sleep", level=level)
+
+    def reset_prefix_cache(self, *args, **kwargs):
+        self._record(LLM.reset_prefix_cache, "reset_prefix_cache", *args, **kwargs)
+        return True
+
+    def generate(self, prompts, sampling_params=None, **kwargs):
+        self._record(LLM.generate, "generate", prompts, sampling_params, **kwargs)
+        assert isinstance(sampling_params, SamplingParams)
+        outputs = []
+        for i, prompt in enumerate(prompts):
+            assert TokensPrompt.__required_keys__ <= set(prompt) <= set(typing.get_type_hints(TokensPrompt))
+            token_ids, logprobs = [], create_sample_logprobs(sampling_params.flat_logprobs)
+            assert isinstance(logprobs, FlatLogprobs)  # what kiln asks for: no dict per token
+            for step in range(sampling_params.max_tokens):
+                token = (prompt["prompt_token_ids"][-1] + step + 1) % 8  # 7 -> 0: stop token 0 below
+                # vLLM's layout: the sampled token, then the top `logprobs` ones (none for logprobs=0)
+                append_logprobs_for_next_position(logprobs, [token], [-0.5 - step], [None], rank=1,
+                                                  num_logprobs=sampling_params.logprobs)
+                token_ids.append(token)
+                if token in sampling_params.stop_token_ids:
+                    break
+            finish = "stop" if token_ids[-1] in sampling_params.stop_token_ids else "length"
+            completion = CompletionOutput(index=0, text="", token_ids=token_ids, cumulative_logprob=None,
+                                          logprobs=logprobs, finish_reason=finish)
+            outputs.append(RequestOutput(request_id=str(i), prompt=None, prompt_token_ids=prompt["prompt_token_ids"],
+                                         prompt_logprobs=None, outputs=[completion], finished=True))
+        return outputs
+
+
+def test_vllm_engine_against_the_real_api(vllm_qwen2, model_dir, monkeypatch):
+    model, model_config, source = vllm_qwen2
+    monkeypatch.setattr(RecordingLLM, "model", model)
+    monkeypatch.setattr(RecordingLLM, "model_config", model_config)
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    engine = rollout.VLLMEngine(str(model_dir), seed=7, dtype="float32", max_model_len=256,
+                                sync_bucket_bytes=30_000, max_num_batched_tokens=4096)
+    llm = engine.llm
+    assert llm.kwargs == llm_kwargs(model_dir, seed=7, max_num_seqs=256, enforce_eager=False,
+                                    max_model_len=256, max_num_batched_tokens=4096)
+    assert engine.tied_lm_head  # read from vLLM's own model config
+    engine.sleep()
+    engine.wake_up()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()  # what a level-2 sleep leaves behind, as far as kiln may assume
+    engine.load_weights(source.state_dict().items())  # includes the tied lm_head.weight
+    assert torch.equal(model.model.embed_tokens.weight, source.model.embed_tokens.weight)
+    assert all(p.abs().sum() > 0 for p in model.parameters())
+    sampling = rollout.Sampling(max_new_tokens=4, temperature=0.7, stop_token_ids=[0])
+    completions = engine.generate([[1, 2, 3], [6]], sampling, images=[None, ["an image"]])
+    assert [(c.token_ids, c.finish_reason) for c in completions] == [([4, 5, 6, 7], "length"), ([7, 0], "stop")]
+    assert completions[1].logprobs == [-0.5, -1.5]
+    engine.sleep()
+    names = [name for name, _, _ in llm.calls]
+    loads = names.count("apply_model") - 1  # the first one read the parameter names
+    assert loads == engine.last_metrics["vllm/sync_buckets"] > 1
+    assert names == (["apply_model", "sleep", "wake_up"] + ["apply_model"] * loads
+                     + ["wake_up", "reset_prefix_cache", "reset_encoder_cache", "generate", "sleep"])
+    wakes = [args[0] for name, args, _ in llm.calls if name == "wake_up"]
+    assert wakes == [["weights"], ["kv_cache"]]
+    assert [kwargs for name, _, kwargs in llm.calls if name == "sleep"] == [{"level": 2}, {"level": 2}]
+    prompts = next(args[0] for name, args, _ in llm.calls if name == "generate")
+    assert prompts[1] == {"prompt_token_ids": [6], "multi_modal_data": {"image": ["an image"]}}
