@@ -224,12 +224,12 @@ def bucket_weights(weights: Iterable[tuple[str, torch.Tensor]], cap_bytes: int,
     """
     bucket, size = [], 0
     for name, tensor in weights:
-        tensor = tensor.detach().to(dtype=dtype or tensor.dtype, copy=True)
-        if bucket and size + tensor.nbytes > cap_bytes:
+        nbytes = tensor.numel() * (dtype or tensor.dtype).itemsize
+        if bucket and size + nbytes > cap_bytes:  # hand the full bucket over before copying more: peak ~ one cap
             yield bucket
             bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += tensor.nbytes
+        bucket.append((name, tensor.detach().to(dtype=dtype or tensor.dtype, copy=True)))
+        size += nbytes
     if bucket:
         yield bucket
 
@@ -312,6 +312,7 @@ class VLLMEngine:
             loaded |= self.llm.apply_model(lambda m: m.load_weights(bucket))[0]
             nbytes += sum(t.nbytes for _, t in bucket)
             buckets += 1
+            del bucket  # freed before the next one is gathered
         missing = self.param_names - loaded
         if missing:  # after a level-2 sleep an unloaded parameter is garbage
             raise RuntimeError(f"VLLMEngine.load_weights: {len(missing)} vLLM parameters got no weights, e.g. "
