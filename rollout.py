@@ -217,18 +217,16 @@ def vllm_prompt(token_ids: list[int], images: list | None = None) -> dict:
 
 def bucket_weights(weights: Iterable[tuple[str, torch.Tensor]], cap_bytes: int,
                    dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group (name, tensor) pairs, in order, into lists of at most `cap_bytes` (a bigger tensor travels alone).
-
-    Each tensor is copied (and cast to `dtype`) on the way in: a producer such as an FSDP unshard/reshard loop may
-    reuse a tensor's memory once the iterator moves on, so only the copy is safe to hold until the bucket is loaded.
-    """
+    """Group (name, tensor) pairs, in order, into lists of at most `cap_bytes` (a bigger tensor travels alone),
+    cast to `dtype`. Tensors are held until their bucket is loaded, so the producer must not reuse their memory
+    meanwhile (`policy.iter_full_weights` yields fresh copies)."""
     bucket, size = [], 0
     for name, tensor in weights:
         nbytes = tensor.numel() * (dtype or tensor.dtype).itemsize
-        if bucket and size + nbytes > cap_bytes:  # hand the full bucket over before copying more: peak ~ one cap
+        if bucket and size + nbytes > cap_bytes:  # hand the full bucket over before taking (and casting) more
             yield bucket
             bucket, size = [], 0
-        bucket.append((name, tensor.detach().to(dtype=dtype or tensor.dtype, copy=True)))
+        bucket.append((name, tensor.detach().to(dtype or tensor.dtype)))
         size += nbytes
     if bucket:
         yield bucket

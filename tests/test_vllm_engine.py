@@ -41,19 +41,6 @@ def test_bucket_weights_properties(sizes, cap_elems):
             assert size + buckets[i + 1][0][1].nbytes > cap
 
 
-def test_bucket_weights_copies_tensors_the_producer_reuses():
-    buffer = torch.zeros(4)
-
-    def reusing():  # like an FSDP unshard/reshard loop: one storage, refilled for every parameter
-        for i in range(5):
-            buffer.fill_(i)
-            yield f"w{i}", buffer
-
-    buckets = list(rollout.bucket_weights(reusing(), cap_bytes=1 << 20))
-    assert len(buckets) == 1
-    assert [t[0].item() for _, t in buckets[0]] == [0, 1, 2, 3, 4]
-
-
 @dataclass
 class Logprob:
     logprob: float
