@@ -1,0 +1,142 @@
+"""A training checkpoint (DCP, any world size) -> a Hugging Face folder, verified against the checkpoint itself.
+
+    python merge.py runs/grpo/checkpoints/step_00000100 runs/grpo/hf [--dtype bfloat16]
+
+Reads only the model part of the checkpoint (never the optimizer), restores it in fp32 into a model built from the
+checkpoint's hf/ config, and writes safetensors shards + index, config, generation config and the tokenizer files
+(chat template included). Then it loads the written folder back with `from_pretrained` and compares its logits on a
+few prompts with the restored model's, printing the max abs difference; it exits non-zero past the tolerance.
+"""
+from __future__ import annotations
+
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed.checkpoint as dcp
+import tyro
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+# Written by save_pretrained itself; every other file in hf/ (tokenizer, chat template, ...) is copied as is.
+WRITTEN_BY_SAVE = {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json"}
+# Module-wrapper prefixes that may survive in parameter names (activation checkpointing, torch.compile).
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+# Max abs logit difference allowed, relative to the largest logit: what rounding the weights to `dtype` can explain.
+RELATIVE_TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 5e-3}
+PROMPTS = [
+    "def fibonacci(n):",
+    "Write a Python function that returns the longest palindromic substring of a string.",
+    "import sys\n\nfor line in sys.stdin:\n",
+]
+
+
+@dataclass
+class Args:
+    checkpoint: tyro.conf.Positional[Path]
+    """a checkpoint folder: <output_dir>/checkpoints/step_XXXXXXXX (DCP files + hf/)"""
+    out: tyro.conf.Positional[Path]
+    """where to write the Hugging Face folder"""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """dtype of the written weights"""
+    max_shard_size: str = "5GB"
+    """largest safetensors file (bigger models are split, with an index)"""
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    """where the verification forward passes run"""
+    tolerance: float | None = None
+    """max abs logit difference allowed (default: relative to the largest logit, by dtype)"""
+
+
+def clean_name(name: str) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def read_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's "model" entries as full fp32 CPU tensors, whatever world size wrote them."""
+    if not (checkpoint / ".metadata").is_file():
+        raise SystemExit(f"{checkpoint}: no DCP checkpoint here (.metadata missing); pass a checkpoints/step_* folder")
+    reader = dcp.FileSystemReader(str(checkpoint))
+    entries = reader.read_metadata().state_dict_metadata
+    # DCP flattens {"model": {fqn: tensor}} to "model.<fqn>"; asking only for those skips the optimizer entirely.
+    state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in entries.items() if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    if not state:
+        raise SystemExit(f"{checkpoint}: the checkpoint has no 'model' tensors (keys: {sorted(entries)[:5]} ...)")
+    with warnings.catch_warnings():  # one process reading on purpose: DCP warns about that whenever no_dist
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": state}, storage_reader=reader, no_dist=True)
+    return {clean_name(name): tensor.float() for name, tensor in state.items()}
+
+
+def restore_model(checkpoint: Path, state: dict[str, torch.Tensor]):
+    """A model built from hf/config.json holding exactly the checkpoint's weights (fp32); tied weights stay tied."""
+    hf_dir = checkpoint / "hf"
+    if not (hf_dir / "config.json").is_file():
+        raise SystemExit(f"{hf_dir}: config.json missing; the checkpoint must carry its hf/ folder")
+    config = AutoConfig.from_pretrained(hf_dir)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    first_name: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first_name.setdefault(id(param), name)
+    # alias -> the name it is tied to, e.g. lm_head.weight -> model.embed_tokens.weight
+    aliases = {name: first_name[id(param)] for name, param in model.named_parameters(remove_duplicate=False)
+               if first_name[id(param)] != name}
+    for alias, tied_to in aliases.items():  # a tied copy in the checkpoint must equal what it is tied to
+        if alias in state and tied_to in state and not torch.equal(state[alias], state[tied_to]):
+            raise SystemExit(f"{checkpoint}: {alias} is tied to {tied_to} in the config but differs in the checkpoint")
+    result = model.load_state_dict(state, strict=False)
+    missing, unexpected = set(result.missing_keys) - set(aliases), set(result.unexpected_keys)
+    if missing or unexpected:
+        raise SystemExit(f"{checkpoint}: checkpoint and {type(model).__name__} disagree: missing "
+                         f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    if (hf_dir / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(hf_dir)
+    return model.eval()
+
+
+@torch.no_grad()
+def prompt_logits(model, tokenizer, device: str) -> list[torch.Tensor]:
+    model.to(device)
+    out = [model(**tokenizer(p, return_tensors="pt").to(device)).logits[0].float().cpu() for p in PROMPTS]
+    model.cpu()
+    return out
+
+
+def merge(args: Args) -> float:
+    """Writes args.out and returns the max abs logit difference to the checkpoint (SystemExit past tolerance)."""
+    state = read_model_state(args.checkpoint)
+    model = restore_model(args.checkpoint, state)
+    del state
+    tokenizer = AutoTokenizer.from_pretrained(args.checkpoint / "hf")
+    reference = prompt_logits(model, tokenizer, args.device)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.to(getattr(torch, args.dtype)).save_pretrained(args.out, max_shard_size=args.max_shard_size)
+    del model
+    for path in (args.checkpoint / "hf").iterdir():
+        if path.is_file() and path.name not in WRITTEN_BY_SAVE:
+            shutil.copy2(path, args.out / path.name)
+
+    # The written folder, as anyone will load it; fp32 compute, so only the storage dtype differs from `reference`.
+    merged = AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32).eval()
+    logits = prompt_logits(merged, AutoTokenizer.from_pretrained(args.out), args.device)
+    diff = max((a - b).abs().max().item() for a, b in zip(reference, logits))
+    scale = max(1.0, max(r.abs().max().item() for r in reference))
+    tolerance = args.tolerance if args.tolerance is not None else RELATIVE_TOLERANCE[args.dtype] * scale
+    agree = sum((a.argmax(-1) == b.argmax(-1)).sum().item() for a, b in zip(reference, logits))
+    total = sum(r.shape[0] for r in reference)
+    print(f"max abs logit difference vs the checkpoint: {diff:.3g} (tolerance {tolerance:.3g} for {args.dtype}); "
+          f"greedy next token agrees at {agree}/{total} positions")
+    if diff > tolerance:
+        raise SystemExit(f"{args.out}: logits differ from the checkpoint by {diff:.3g} > {tolerance:.3g}")
+    print(f"wrote {args.out}")
+    return diff
+
+
+if __name__ == "__main__":
+    merge(tyro.cli(Args))
