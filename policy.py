@@ -1,0 +1,396 @@
+"""The model being trained: build or load a Hugging Face causal LM, shard it with FSDP2, compute per-token logprobs
+of packed sequences in chunks, save/restore atomic DCP checkpoints, and stream full weights to an inference engine.
+
+Every function works on a plain model and on a `shard_model`-ed one, with or without torchrun.
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # kiln never downloads a model; read by huggingface_hub at import
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from huggingface_hub import save_torch_state_dict, snapshot_download
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen2ForCausalLM)
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_SPLIT_REGEX
+
+# Ids 0..5 in every tiny tokenizer; the agent tokens are ordinary (non-special) added tokens, as in Qwen2.5.
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+AGENT_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+# Qwen2.5's chat format: tool calls as <tool_call> JSON blocks, consecutive tool results grouped in one user turn,
+# image parts as vision placeholders. No default system prompt is injected.
+CHAT_TEMPLATE = (
+    "{%- macro render(content) %}{% if content is string %}{{ content }}{% elif content %}{% for part in content %}"
+    "{% if part.type == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part.type == 'text' %}{{ part.text }}{% endif %}{% endfor %}{% endif %}{% endmacro %}"
+    "{%- set skip_first = tools and messages and messages[0].role == 'system' %}"
+    "{%- if tools %}{{ '<|im_start|>system\\n' }}"
+    "{%- if skip_first %}{{ render(messages[0].content) + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou may call these functions (JSON signatures):\\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nTo call one, reply with <tool_call>\\n{\"name\": <name>, \"arguments\": <JSON object>}"
+    "\\n</tool_call><|im_end|>\\n' }}{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}"
+    "{%- if loop.first or loop.previtem.role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + render(message.content) + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem.role != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{%- elif not (loop.first and skip_first) %}{{ '<|im_start|>' + message.role }}"
+    "{%- if message.content or not message.tool_calls %}{{ '\\n' + render(message.content) }}{% endif %}"
+    "{%- for call in message.tool_calls or [] %}{% set fn = call.function if call.function is defined else call %}"
+    "{{ '\\n<tool_call>\\n{\"name\": ' + (fn.name | tojson) + ', \"arguments\": ' }}"
+    "{{ fn.arguments if fn.arguments is string else (fn.arguments | tojson) }}{{ '}\\n</tool_call>' }}"
+    "{%- endfor %}{{ '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def make_tiny_model(out_dir, corpus: list[str], vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 2,
+                    num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+                    max_position_embeddings: int = 4096, seed: int = 0) -> Path:
+    """A Qwen2-shaped model from a config plus a byte-level BPE tokenizer trained on `corpus`, saved as a Hugging
+    Face folder. Deterministic for a given corpus and seed; nothing is downloaded."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # Qwen2.5's pipeline (NFC, its split regex, byte level): what transformers' Qwen2Tokenizer rebuilds on load.
+    # Byte-level BPE round-trips any NFC text exactly; code is NFC.
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t in AGENT_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left",
+        clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE, model_max_length=max_position_embeddings)
+    tokenizer.save_pretrained(out)
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=True, bos_token_id=pad,
+        eos_token_id=eos, pad_token_id=pad)
+    with torch.random.fork_rng():  # seeded init without disturbing the caller's RNG stream
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    # eos as in Qwen2.5-Instruct: <|im_end|> and <|endoftext|> both end a generation.
+    model.generation_config = GenerationConfig(bos_token_id=pad, eos_token_id=[eos, pad], pad_token_id=pad)
+    model.save_pretrained(out)
+    return out
+
+
+def load_model(path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
+    """A Hugging Face causal LM from a local folder (or the local hub cache), on CPU, in `dtype`."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                local_files_only=True)
+
+
+def load_tokenizer(path):
+    """The tokenizer saved next to the model (left padding for generation comes from its config)."""
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def stop_token_ids(tokenizer, path) -> list[int]:
+    """Token ids that end a generation: the generation config's eos ids plus the tokenizer's eos."""
+    try:
+        eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's eos alone
+        eos = None
+    eos = eos if isinstance(eos, list) else [eos]
+    return list(dict.fromkeys(i for i in [*eos, tokenizer.eos_token_id] if i is not None))
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """(rank, world_size, device). Under torchrun joins the job's group (gloo on CPU, nccl + gloo on CUDA); a plain
+    `python` run gets a one-process group, so FSDP2, DCP and collectives run the same code either way."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, device_id=device if cuda else None)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def shard_model(model, mixed_precision: bool = False, activation_checkpointing: bool = False,
+                reshard_after_forward: bool = True):
+    """FSDP2 `fully_shard` on every decoder layer (the model's `_no_split_modules`) and then the root, in place.
+    mixed_precision: bf16 compute with fp32 master weights and fp32 gradient reduction. Activation checkpointing is
+    Hugging Face's (it keeps parameter names unchanged). Needs `init_distributed()` first."""
+    if not dist.is_initialized():
+        raise RuntimeError("shard_model needs a process group: call policy.init_distributed() first")
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
+        else MixedPrecisionPolicy()
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"{type(model).__name__}: no decoder layers found (_no_split_modules={layer_classes})")
+    for layer in layers:
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mp_policy=policy)  # the root stays unsharded after forward: backward needs it first
+    return model
+
+
+class _ChunkedChosenLogprobs(torch.autograd.Function):
+    """log p(target) and optionally the entropy of softmax(hidden @ weight.T / temperature), row chunk by row chunk,
+    in fp32 (fp64 for an fp64 model). Backward recomputes each chunk's logits, so at no point is more than one chunk's [rows, vocab] alive."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy):
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        out = torch.empty(len(hidden), 2 if with_entropy else 1, dtype=dtype, device=hidden.device)
+        lse = torch.empty(len(hidden), dtype=dtype, device=hidden.device)
+        for i in range(0, len(hidden), chunk_size):
+            rows = slice(i, i + chunk_size)
+            z = _logits(hidden[rows], weight, temperature)
+            lse[rows] = torch.logsumexp(z, dim=-1)
+            out[rows, 0] = z.gather(1, targets[rows, None]).squeeze(1) - lse[rows]
+            if with_entropy:
+                out[rows, 1] = lse[rows] - (torch.softmax(z, dim=-1) * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse, out)
+        ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets, lse, out = ctx.saved_tensors
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if want_weight else None
+        for i in range(0, len(hidden), ctx.chunk_size):
+            rows = slice(i, i + ctx.chunk_size)
+            logp = _logits(hidden[rows], weight, ctx.temperature).sub_(lse[rows, None])
+            g_lp = grad_out[rows, 0, None]
+            if ctx.with_entropy:  # dH/dz = -p (log p + H); d log p_y/dz = onehot(y) - p
+                p = logp.exp()
+                g = logp.add_(out[rows, 1, None]).mul_(grad_out[rows, 1, None]).add_(g_lp).mul_(p).neg_()
+                del p
+            else:
+                g = logp.exp_().mul_(-g_lp)
+            g.scatter_add_(1, targets[rows, None], g_lp).div_(ctx.temperature)
+            if want_hidden:
+                grad_hidden[rows] = g.to(weight.dtype) @ weight
+            if want_weight:
+                grad_weight.addmm_(g.T, hidden[rows].to(g.dtype))
+        return grad_hidden, grad_weight.to(weight.dtype) if want_weight else None, None, None, None, None
+
+
+def _logits(hidden, weight, temperature):
+    # The matmul runs in the model's dtype (as the lm_head would), the softmax math in fp32 or wider.
+    logits = hidden @ weight.T
+    return logits.to(torch.promote_types(logits.dtype, torch.float32)).div_(temperature)
+
+
+def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0, chunk_size: int = 512,
+                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token logprobs (and entropies) of `sequences` in one packed forward: ids concatenated into one row,
+    position ids restarting per sequence, no padding. Flat fp32 outputs aligned with the concatenated ids: entry j is
+    log p(ids[j] | earlier ids of its sequence) under softmax(logits / temperature), and 0 at each sequence's first
+    token. The model's output layer is swapped for a chunked chosen-token computation for this one call, so the
+    [tokens, vocab] logits never exist, and FSDP2's root hooks still gather the head's weight as usual."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise ValueError("packed_logprobs needs at least one sequence and no empty ones")
+    device = next(model.parameters()).device
+    ids = torch.tensor([t for s in sequences for t in s], device=device)
+    positions = torch.cat([torch.arange(len(s), device=device) for s in sequences])
+    ends = torch.tensor([len(s) for s in sequences], device=device).cumsum(0) - 1
+    has_next = torch.ones(len(ids), dtype=torch.bool, device=device)
+    has_next[ends] = False
+    source = has_next.nonzero().squeeze(1)  # the hidden state at j predicts token j + 1 of the same sequence
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(f"{type(model).__name__}: an output layer with a bias is not supported")
+
+    def chosen_token_head(hidden):
+        return _ChunkedChosenLogprobs.apply(hidden[0, source], head.weight, ids[source + 1], temperature, chunk_size,
+                                            with_entropy)
+
+    head.forward = chosen_token_head
+    try:  # use_cache=False matters: with a cache, transformers skips the per-sequence (block-diagonal) mask
+        out = model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits
+    finally:
+        del head.forward
+    zeros = out.new_zeros(len(ids))
+    logprobs = zeros.index_copy(0, source + 1, out[:, 0])
+    return logprobs, zeros.index_copy(0, source + 1, out[:, 1]) if with_entropy else None
+
+
+def clip_grad_norm(model, max_norm: float) -> float:
+    """Clips gradients to a total norm of `max_norm`; returns the norm before clipping (global under FSDP2)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+
+
+def _hf_name(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+@torch.no_grad()  # a decorator, not a `with`: on a generator it never leaks no-grad into the caller's code
+def iter_full_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, full tensor) for every parameter, one FSDP unit at a time: each decoder layer is gathered,
+    yielded and resharded before the next, the root's own parameters (embeddings, norm, lm_head) come last. A tied
+    lm_head is not repeated (HF checkpoints omit it too). Under FSDP2 the tensors are fresh copies in the compute
+    dtype (bf16 with mixed precision); every rank must iterate, in step, and every rank receives everything."""
+    units = sorted((m for m in model.modules() if isinstance(m, FSDPModule)), key=lambda m: m is model)
+    if not units:
+        for name, param in model.named_parameters():
+            yield _hf_name(name), param.detach()
+        return
+    prefix = {module: name for name, module in model.named_modules()}
+    done = set()
+    for unit in units:
+        unit.unshard()
+        for name, param in unit.named_parameters(prefix=prefix[unit]):
+            if not isinstance(param, DTensor) and name not in done:  # DTensor: another unit's, still sharded
+                done.add(name)
+                yield _hf_name(name), param.detach().clone()
+        unit.reshard()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+_CHECKPOINT = re.compile(r"step_(\d+)")
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".index.json")
+
+
+def _copy_hf_files(hf_source_dir, dest: Path) -> None:
+    """Config, generation config, tokenizer and processor files of the source model: everything but weights."""
+    source = Path(hf_source_dir)
+    if not source.is_dir():
+        source = Path(snapshot_download(str(hf_source_dir), local_files_only=True))
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.is_file() and not f.name.endswith(_WEIGHT_FILES):
+            shutil.copy2(f, dest / f.name)
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(output_dir, step: int, model, optimizer, trainer_state: dict, hf_source_dir,
+                    keep_last: int | None = None) -> Path:
+    """<output_dir>/checkpoints/step_XXXXXXXX: a DCP checkpoint of {"model", "optimizer"} (sharded, any world size
+    can read it), trainer_state.json, rng/rank{r}.pt and hf/ (config + tokenizer files of `hf_source_dir`). Written
+    into a temp dir that rank 0 renames once every rank is done, so a crash mid-save leaves the last good checkpoint
+    as the newest. keep_last: delete older checkpoints beyond this many. Collective: call on every rank."""
+    root = Path(output_dir) / "checkpoints"
+    final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
+    rank = _rank()
+    payload = json.dumps(trainer_state, indent=1)  # fail before writing anything if it is not JSON
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
+        (tmp / "rng").mkdir(parents=True)
+    _barrier()
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(state, checkpoint_id=tmp)
+    torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+    if rank == 0:
+        _copy_hf_files(hf_source_dir, tmp / "hf")
+        (tmp / "trainer_state.json").write_text(payload)
+    _barrier()
+    if rank == 0:
+        if final.exists():  # the same step saved again (a resumed run): swap, then drop the old copy
+            old = root / f".old_step_{step:08d}"
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+        if keep_last:
+            for stale in _complete_checkpoints(root)[:-keep_last]:
+                shutil.rmtree(stale)
+    _barrier()
+    return final
+
+
+def _complete_checkpoints(root: Path) -> list[Path]:
+    found = [p for p in root.glob("step_*") if _CHECKPOINT.fullmatch(p.name) and (p / "trainer_state.json").is_file()]
+    return sorted(found, key=lambda p: int(_CHECKPOINT.fullmatch(p.name).group(1)))
+
+
+def latest_checkpoint(output_dir) -> Path | None:
+    """The newest complete checkpoint under <output_dir>/checkpoints, or None (temp dirs of interrupted saves are
+    never returned)."""
+    found = _complete_checkpoints(Path(output_dir) / "checkpoints")
+    return found[-1] if found else None
+
+
+def load_checkpoint(path, model, optimizer=None) -> dict:
+    """Restores model (and optimizer) state and this rank's RNG streams from `path`; returns the trainer state.
+    Collective: call on every rank, after `shard_model` and before the first step."""
+    path = Path(path)
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    rng_file = path / "rng" / f"rank{_rank()}.pt"
+    if rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    else:
+        print(f"warning: {rng_file} missing (saved with a smaller world size?): rank {_rank()} keeps its RNG streams")
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def save_hf(model, hf_source_dir, out_dir) -> Path:
+    """The model's current weights as a Hugging Face folder (safetensors shards + the source's config and tokenizer
+    files), in the training dtype. Collective: call on every rank; rank 0 writes."""
+    out = Path(out_dir)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if _rank() == 0:
+        if getattr(model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)  # tied to the embeddings; HF checkpoints omit it
+        _copy_hf_files(hf_source_dir, out)
+        save_torch_state_dict(state, out)
+    _barrier()
+    return out

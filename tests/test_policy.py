@@ -1,0 +1,229 @@
+"""policy.py: tiny model + tokenizer, chat template, packed chunked logprobs, checkpoints; FSDP2 checks in one torchrun."""
+
+import filecmp
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import policy
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = [inspect.getsource(m) for m in (json.decoder, json.encoder, textwrap, inspect)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return policy.make_tiny_model(tmp_path_factory.mktemp("tiny"), CORPUS, seed=3)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return policy.load_model(model_dir)
+
+
+def test_tiny_model_is_deterministic_and_qwen_shaped(model_dir, tmp_path):
+    again = policy.make_tiny_model(tmp_path, CORPUS, seed=3)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json", "model.safetensors"):
+        assert filecmp.cmp(model_dir / name, again / name, shallow=False), name
+    config = json.loads((model_dir / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["tie_word_embeddings"]) == (2, 64, True)
+    assert (config["eos_token_id"], config["pad_token_id"]) == (2, 0)
+    assert json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"] == [2, 0]
+    model = policy.load_model(model_dir)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.config.vocab_size == len(policy.load_tokenizer(model_dir))
+
+
+def test_tokenizer_round_trips_code_and_knows_the_agent_tokens(model_dir):
+    tokenizer = policy.load_tokenizer(model_dir)
+    assert tokenizer.padding_side == "left"
+    assert (tokenizer.pad_token, tokenizer.eos_token) == ("<|endoftext|>", "<|im_end|>")
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+    assert tokenizer.convert_tokens_to_ids(specials) == [0, 1, 2, 3, 4, 5]
+    assert policy.stop_token_ids(tokenizer, model_dir) == [2, 0]
+    codes = [inspect.getsource(subprocess.Popen.communicate), "def f(x):\n\tif x:\r\n    return '  ünïcødé → λ 🙂'\n\n\n",
+             "   leading and trailing   \n", "a = [1,2 ,3]  # <tool_call> inside code </tool_call>\x00\x7f", ""]
+    for code in codes:
+        ids = tokenizer.encode(code)
+        assert tokenizer.decode(ids) == code
+    for token in ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]:
+        (token_id,) = tokenizer.encode(token)
+        assert token_id >= 6 and tokenizer.decode([token_id], skip_special_tokens=True) == token  # not special
+    assert len(tokenizer.encode(CORPUS[1])) < len(CORPUS[1].encode()) / 2  # the BPE merges learned something
+
+
+def test_chat_template_renders_tool_calls_and_grouped_tool_responses(model_dir):
+    tokenizer = policy.load_tokenizer(model_dir)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Run it."},
+        {"role": "assistant", "content": "Sure.", "tool_calls": [
+            {"type": "function", "function": {"name": "python", "arguments": {"code": "print(1)"}}},
+            {"type": "function", "function": {"name": "ls", "arguments": '{"path": "."}'}}]},
+        {"role": "tool", "content": "1"},
+        {"role": "tool", "content": "a.py"},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "python", "arguments": {}}}]},
+        {"role": "tool", "content": "ok"},
+        {"role": "assistant", "content": "Done."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this?"}]},
+    ]
+    expected = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nRun it.<|im_end|>\n"
+        "<|im_start|>assistant\nSure.\n<tool_call>\n{\"name\": \"python\", \"arguments\": {\"code\": \"print(1)\"}}\n"
+        "</tool_call>\n<tool_call>\n{\"name\": \"ls\", \"arguments\": {\"path\": \".\"}}\n</tool_call><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\na.py\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n<tool_call>\n{\"name\": \"python\", \"arguments\": {}}\n</tool_call><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\nok\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\nDone.<|im_end|>\n"
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>And this?<|im_end|>\n"
+    )
+    assert tokenizer.apply_chat_template(messages, tokenize=False) == expected
+    prompt = tokenizer.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
+    assert prompt == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nRun it.<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    assert tokenizer.decode(ids) == expected and ids.count(tokenizer.convert_tokens_to_ids("<tool_call>")) == 3
+    with_tools = tokenizer.apply_chat_template(messages[:2], tools=[{"name": "python"}], tokenize=False)
+    assert with_tools.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n") and '\n{"name": "python"}\n' in with_tools
+    assert with_tools.count("<|im_start|>system") == 1 and with_tools.endswith("<|im_start|>user\nRun it.<|im_end|>\n")
+
+
+SEQUENCES = [[1, 40, 41, 42, 43, 44, 45, 2], [7, 8], [300, 301, 17, 250, 9], [11]]
+
+
+def naive_logprobs(model, sequences, temperature=1.0, packed=True, position_ids=True):
+    """Full [tokens, vocab] log_softmax (the thing packed_logprobs avoids), as flat aligned outputs."""
+    if packed:
+        ids = torch.tensor([[t for s in sequences for t in s]])
+        positions = torch.cat([torch.arange(len(s)) for s in sequences])[None] if position_ids else None
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0].float() / temperature
+        rows = torch.split(logits, [len(s) for s in sequences])
+    else:
+        rows = [model(input_ids=torch.tensor([s])).logits[0].float() / temperature for s in sequences]
+    lps, ents = [], []
+    for s, z in zip(sequences, rows):
+        logp = z.log_softmax(-1)
+        lps += [logp.new_zeros(1), logp[:-1].gather(1, torch.tensor(s[1:])[:, None]).squeeze(1)]
+        ents += [logp.new_zeros(1), -(logp.exp() * logp).sum(-1)[:-1]]
+    return torch.cat(lps), torch.cat(ents)
+
+
+def test_packed_equals_per_sequence_forwards(model):
+    with torch.no_grad():
+        lp, ent = policy.packed_logprobs(model, SEQUENCES, with_entropy=True)
+        separate_lp, separate_ent = naive_logprobs(model, SEQUENCES, packed=False)
+        unmasked_lp, _ = naive_logprobs(model, SEQUENCES, position_ids=False)
+    assert lp.shape == (sum(map(len, SEQUENCES)),) and lp.dtype == torch.float32
+    torch.testing.assert_close(lp, separate_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, separate_ent, atol=1e-5, rtol=0)
+    # Without restarting positions the sequences would attend to each other: the test can tell.
+    assert (unmasked_lp - separate_lp).abs().max() > 1e-3
+    starts = [0, 8, 10, 15]
+    assert lp[starts].eq(0).all() and ent[starts].eq(0).all() and (lp[1:8] < 0).all()
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float64, 1e-6), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_chunked_equals_naive_including_gradients(model_dir, temperature, dtype, tolerance):
+    """fp64 shows the chunked math is the naive math (1e-6 is far above fp64 rounding); fp32 shows rounding stays
+    small in the dtype training uses (absolute for logprobs, relative to each tensor's largest entry otherwise)."""
+    weights = torch.randn(sum(map(len, SEQUENCES)), generator=torch.Generator().manual_seed(0), dtype=dtype)
+    results = []
+    for method in ("chunked", "naive"):
+        model = policy.load_model(model_dir, dtype=dtype)
+        if method == "chunked":
+            lp, ent = policy.packed_logprobs(model, SEQUENCES, temperature, chunk_size=3, with_entropy=True)
+        else:
+            lp, ent = naive_logprobs(model, SEQUENCES, temperature)
+        ((weights * lp).sum() + (weights.flip(0) * ent).sum()).backward()
+        results.append({"logprobs": lp.detach(), "entropy": ent.detach()} | {n: p.grad for n, p in model.named_parameters()})
+    chunked, naive = results
+    assert chunked["logprobs"].dtype == dtype and chunked.keys() == naive.keys()
+    assert (chunked["logprobs"] - naive["logprobs"]).abs().max() <= tolerance
+    for name, value in naive.items():
+        assert (chunked[name] - value).abs().max() <= tolerance * max(1.0, value.abs().max()), name
+    assert naive["model.embed_tokens.weight"].abs().sum() > 0
+
+
+def test_temperature_and_entropy_by_hand(model):
+    sequence = [5, 60, 61, 62]
+    with torch.no_grad():
+        cold, cold_ent = policy.packed_logprobs(model, [sequence], temperature=0.5, with_entropy=True)
+        warm, _ = policy.packed_logprobs(model, [sequence], temperature=1.0)
+        z = model(torch.tensor([sequence])).logits[0, 1].double() / 0.5  # predicts token 61 after [5, 60]
+    p = torch.softmax(z, -1)
+    assert abs(cold[2].item() - torch.log(p[61]).item()) < 1e-5
+    assert abs(cold_ent[2].item() - (-(p * p.log()).sum()).item()) < 1e-5
+    assert (cold - warm).abs().max() > 1e-3
+
+
+def test_packed_logprobs_rejects_bad_input(model):
+    with pytest.raises(ValueError, match="temperature"):
+        policy.packed_logprobs(model, SEQUENCES, temperature=0.0)
+    with pytest.raises(ValueError, match="empty"):
+        policy.packed_logprobs(model, [[1, 2], []])
+    assert "forward" not in vars(model.lm_head)  # the swapped head never outlives a call
+
+
+def test_world_one_without_torchrun(model_dir, model):
+    """Plain `python`: a one-process group, so shard_model and every function run the FSDP2 code path."""
+    created = not dist.is_initialized()  # another test file may have made the one-process group already
+    try:
+        assert policy.init_distributed() == (0, 1, torch.device("cpu"))
+        sharded = policy.shard_model(policy.load_model(model_dir), mixed_precision=False, activation_checkpointing=True)
+        lp, _ = policy.packed_logprobs(sharded, SEQUENCES)
+        with torch.no_grad():
+            ref, _ = policy.packed_logprobs(model, SEQUENCES)
+        torch.testing.assert_close(lp.detach(), ref, atol=1e-6, rtol=0)
+        lp.sum().backward()
+        assert policy.clip_grad_norm(sharded, 1.0) > 0
+        assert dict(policy.iter_full_weights(sharded)).keys() == dict(model.named_parameters()).keys()
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def test_interrupted_save_is_ignored(model_dir, tmp_path, monkeypatch):
+    model = policy.load_model(model_dir)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert policy.latest_checkpoint(tmp_path) is None
+    good = policy.save_checkpoint(tmp_path, 10, model, optimizer, {"step": 10}, hf_source_dir=model_dir)
+    assert policy.latest_checkpoint(tmp_path) == good
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("killed mid-save")
+
+    monkeypatch.setattr(policy.dcp, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        policy.save_checkpoint(tmp_path, 20, model, optimizer, {"step": 20}, hf_source_dir=model_dir)
+    assert (tmp_path / "checkpoints" / ".tmp_step_00000020").is_dir()  # the debris a crash leaves
+    assert policy.latest_checkpoint(tmp_path) == good
+    assert policy.load_checkpoint(good, model, optimizer) == {"step": 10}
+    monkeypatch.undo()
+    again = policy.save_checkpoint(tmp_path, 20, model, optimizer, {"step": 20}, hf_source_dir=model_dir)
+    assert policy.latest_checkpoint(tmp_path) == again and not (tmp_path / "checkpoints" / ".tmp_step_00000020").exists()
+    with pytest.raises(TypeError):  # not JSON: refused before anything is written
+        policy.save_checkpoint(tmp_path, 30, model, optimizer, {"step": object()}, hf_source_dir=model_dir)
+    assert policy.latest_checkpoint(tmp_path) == again
+
+
+@pytest.mark.slow
+def test_fsdp2_two_ranks(model_dir, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(ROOT / "tests" / "dist_policy.py"), str(model_dir), str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=600)
+    passed = {line[3:] for line in result.stdout.splitlines() if line.startswith("ok ")}
+    expected = {"iter_full_weights", "packed_logprobs_sharded", "gradients_sharded", "clip_grad_norm",
+                "train_step_changes_params", "checkpoint_roundtrip", "checkpoint_resave_and_prune", "save_hf",
+                "mixed_precision"}
+    assert result.returncode == 0 and passed == expected, result.stdout[-3000:] + result.stderr[-6000:]
