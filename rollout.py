@@ -133,6 +133,37 @@ def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def encode_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Chat messages -> (ids, loss mask), 1 exactly on assistant tokens (content and its end-of-turn token).
+
+    Each message is tokenized alone as the text the template appends for it, so a conversation's ids are the
+    concatenation a multi-turn rollout builds turn by turn: the same ids for training and for generation.
+    """
+    ids, mask, rendered = [], [], ""
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            header = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            glue = tokenizer(header[len(rendered):], add_special_tokens=False)["input_ids"]
+            ids += glue
+            mask += [0] * len(glue)
+            rendered = header
+        text = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not text.startswith(rendered):
+            raise ValueError(f"chat template does not render message {i} as an extension of the ones before it")
+        piece = tokenizer(text[len(rendered):], add_special_tokens=False)["input_ids"]
+        if message["role"] == "assistant":
+            # Trained: everything up to and including the end-of-turn token; the template's trailing glue is not.
+            end = len(piece)
+            while end > 0 and piece[end - 1] != tokenizer.convert_tokens_to_ids("<|im_end|>"):
+                end -= 1
+            mask += [1] * end + [0] * (len(piece) - end)
+        else:
+            mask += [0] * len(piece)
+        ids += piece
+        rendered = text
+    return ids, mask
+
+
 def run(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampling: Sampling,
         first_group: int = 0) -> tuple[list[Sample], dict]:
     """Single-turn rollout: each row's prompt is sampled `group_size` times. Returns samples and metrics."""

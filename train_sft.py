@@ -1,0 +1,179 @@
+"""Supervised fine-tuning on conversations: the cold start before RL.
+
+`torchrun --nproc-per-node 8 train_sft.py --model ... --data conversations.jsonl`. The same masks (assistant
+tokens only), packing, FSDP2 and checkpoints as the RL scripts. A data row is either `{"messages": [...]}`
+(tool turns included) or a kiln row whose `extra_info["solution"]` becomes the assistant's answer.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import tyro
+from tqdm import tqdm
+
+import data_prep
+import losses
+import policy
+import rollout
+
+
+@dataclass
+class Args:
+    model: str = "runs/tiny-model"
+    """model to fine-tune: a Hugging Face folder or hub name"""
+    data: str = "runs/toy/train.parquet"
+    """conversations (.jsonl/.parquet with `messages`) or kiln rows with extra_info.solution"""
+    output_dir: str = "runs/sft"
+    """where metrics.jsonl, checkpoints/ and the final Hugging Face folder hf/ go"""
+    seed: int = 0
+    """seed for data order and initialisation"""
+    steps: int = 100
+    """optimizer steps"""
+    batch_size: int = 32
+    """conversations per optimizer step across all ranks (must divide by the world size)"""
+    micro_batch_tokens: int = 8192
+    """tokens packed into one forward/backward"""
+    lr: float = 1e-5
+    """peak learning rate (AdamW), cosine decay to 10% after warm-up"""
+    warmup_steps: int = 0
+    """linear warm-up steps"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    mixed_precision: bool = False
+    """bf16 parameters with fp32 reductions (use on GPUs)"""
+    activation_checkpointing: bool = False
+    """recompute decoder layers in backward to save memory"""
+    save_every: int = 0
+    """checkpoint every N steps (0 = only at the end)"""
+    resume: bool = False
+    """continue from the newest checkpoint in output_dir"""
+
+
+def conversation(row: dict, where: str) -> list[dict]:
+    if "messages" in row:
+        return list(row["messages"])
+    solution = row.get("extra_info", {}).get("solution")
+    if solution is None:
+        raise SystemExit(f"{where}: neither `messages` nor `extra_info.solution` to train on")
+    return list(row["prompt"]) + [{"role": "assistant", "content": f"```python\n{solution}\n```"}]
+
+
+def load_conversations(path: str) -> list[list[dict]]:
+    if path.endswith(".jsonl"):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    else:
+        rows = data_prep.load_rows(path)
+    return [conversation(row, f"{path} row {i}") for i, row in enumerate(rows)]
+
+
+def main(args: Args) -> dict:
+    rank, world, device = policy.init_distributed()
+    if args.batch_size % world:
+        raise SystemExit(f"--batch-size {args.batch_size} must divide by the world size {world}")
+    torch.manual_seed(args.seed)
+    tokenizer = policy.load_tokenizer(args.model)
+    encoded = [rollout.encode_conversation(tokenizer, c) for c in load_conversations(args.data)]
+    model = policy.shard_model(policy.load_model(args.model).to(device), mixed_precision=args.mixed_precision,
+                               activation_checkpointing=args.activation_checkpointing)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(args, s))
+    step = 0
+    checkpoint = policy.latest_checkpoint(args.output_dir) if args.resume else None
+    if checkpoint is not None:
+        state = policy.load_checkpoint(checkpoint, model, optimizer)
+        scheduler.load_state_dict(state["scheduler"])
+        step = state["step"]
+    out = Path(args.output_dir)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    per_rank = args.batch_size // world
+    metrics = {}
+    bar = tqdm(total=args.steps, initial=step, desc="sft", disable=rank != 0)
+    while step < args.steps:
+        # A seeded permutation per epoch: resuming at `step` replays exactly the same batches.
+        start = step * args.batch_size + rank * per_rank
+        picked = []
+        for pos in range(start, start + per_rank):
+            epoch, offset = divmod(pos, len(encoded))
+            picked.append(encoded[epoch_order(len(encoded), args.seed + epoch)[offset]])
+        tokens = sum_over_ranks(sum(sum(mask) for _, mask in picked), world)
+        micro_batches = pack(picked, args.micro_batch_tokens, world)
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for micro in micro_batches:
+            weight = 1.0 if micro else 0.0  # an empty micro-batch keeps FSDP collectives in step across ranks
+            micro = micro or picked[:1]
+            logprobs, _ = policy.packed_logprobs(model, [ids for ids, _ in micro])
+            mask = torch.tensor([m for _, mask in micro for m in mask], dtype=torch.float32) * weight
+            loss = -losses.masked_sum(logprobs, mask) / tokens * world  # FSDP averages gradients over ranks
+            loss.backward()
+            loss_sum += loss.item() / world
+        grad_norm = policy.clip_grad_norm(model, args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        metrics = {"step": step, "loss": sum_over_ranks(loss_sum, world), "grad_norm": grad_norm,
+                   "lr": scheduler.get_last_lr()[0], "tokens": tokens}
+        if rank == 0:
+            with open(out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+        if (args.save_every and step % args.save_every == 0) or step == args.steps:
+            policy.save_checkpoint(args.output_dir, step, model, optimizer,
+                                   {"step": step, "scheduler": scheduler.state_dict()}, hf_source_dir=args.model)
+    bar.close()
+    policy.save_hf(model, args.model, out / "hf")
+    if rank == 0:
+        print(f"sft done: final loss {metrics.get('loss', float('nan')):.4f}, Hugging Face folder {out / 'hf'}")
+    return metrics
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_order(n: int, seed: int) -> list[int]:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def pack(items: list[tuple[list[int], list[int]]], max_tokens: int, world: int) -> list[list]:
+    """Greedy packing into micro-batches of at most `max_tokens`, padded with empty ones to the max over ranks."""
+    micro, current, used = [], [], 0
+    for item in items:
+        if current and used + len(item[0]) > max_tokens:
+            micro.append(current)
+            current, used = [], 0
+        current.append(item)
+        used += len(item[0])
+    if current:
+        micro.append(current)
+    count = torch.tensor(len(micro))
+    if world > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return micro + [[] for _ in range(int(count) - len(micro))]
+
+
+def sum_over_ranks(value: float, world: int) -> float:
+    if world == 1:
+        return value
+    x = torch.tensor(float(value), dtype=torch.float64)
+    dist.all_reduce(x)
+    return x.item()
+
+
+def lr_factor(args: Args, step: int) -> float:
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
