@@ -169,10 +169,19 @@ class _ChunkedChosenLogprobs(torch.autograd.Function):
         for i in range(0, len(hidden), chunk_size):
             rows = slice(i, i + chunk_size)
             z = _logits(hidden[rows], weight, temperature)
-            lse[rows] = torch.logsumexp(z, dim=-1)
-            out[rows, 0] = z.gather(1, targets[rows, None]).squeeze(1) - lse[rows]
-            if with_entropy:
-                out[rows, 1] = lse[rows] - (torch.softmax(z, dim=-1) * z).sum(-1)
+            chosen = z.gather(1, targets[rows, None]).squeeze(1)
+            top = z.amax(dim=-1, keepdim=True)
+            z.sub_(top)  # in place from here on: one [rows, vocab] buffer (two with entropy)
+            if with_entropy:  # H = lse - E_p[z] = log(sum e) - sum(e * z) / sum(e), with e = exp(z - max)
+                e = z.exp()
+                total = e.sum(-1)
+                out[rows, 1] = total.log() - e.mul_(z).sum(-1) / total
+                del e
+            else:
+                total = z.exp_().sum(-1)
+            lse[rows] = top.squeeze(1) + total.log()
+            out[rows, 0] = chosen - lse[rows]
+            del z  # before the next chunk's logits exist, not after
         ctx.save_for_backward(hidden, weight, targets, lse, out)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         return out
@@ -198,6 +207,7 @@ class _ChunkedChosenLogprobs(torch.autograd.Function):
                 grad_hidden[rows] = g.to(weight.dtype) @ weight
             if want_weight:
                 grad_weight.addmm_(g.T, hidden[rows].to(g.dtype))
+            del logp, g
         return grad_hidden, grad_weight.to(weight.dtype) if want_weight else None, None, None, None, None
 
 
@@ -391,6 +401,7 @@ def save_hf(model, hf_source_dir, out_dir) -> Path:
         if getattr(model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)  # tied to the embeddings; HF checkpoints omit it
         _copy_hf_files(hf_source_dir, out)
-        save_torch_state_dict(state, out)
+        # Gathered tensors can be views into one larger buffer; safetensors wants each to own its storage.
+        save_torch_state_dict({name: tensor.clone() for name, tensor in state.items()}, out)
     _barrier()
     return out
