@@ -12,7 +12,6 @@ import typing
 
 import pytest
 import torch
-import transformers
 import vllm
 from vllm import LLM, SamplingParams
 from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
@@ -26,6 +25,7 @@ from vllm.sampling_params import SamplingType
 from vllm.v1.engine.llm_engine import LLMEngine
 from vllm.v1.executor.abstract import SLEEP_TAGS
 
+import policy
 import rollout
 
 pytestmark = pytest.mark.vllm
@@ -39,11 +39,9 @@ def llm_kwargs(model_dir, **overrides):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-qwen2")
-    transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                             tie_word_embeddings=True).save_pretrained(path)
-    return path
+    """kiln's own tiny model (Qwen2-shaped, tied embeddings), so policy's parameter names meet vLLM's loader."""
+    corpus = ["def add(a, b):\n    return a + b\n", "for i in range(3):\n    print(i)\n"] * 20
+    return policy.make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), corpus)
 
 
 class StandInAttention(torch.nn.Module):
@@ -55,7 +53,7 @@ class StandInAttention(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def vllm_qwen2(model_dir):
-    """(vLLM's Qwen2ForCausalLM on CPU, its ModelConfig, a transformers Qwen2 of the same shape as the weight source)."""
+    """(vLLM's Qwen2ForCausalLM on CPU, its ModelConfig, the same model loaded by kiln's policy as weight source)."""
     model_config = ModelConfig(model=str(model_dir), dtype="float32", skip_tokenizer_init=True)
     config = VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"))
     with socket.socket() as s:
@@ -68,8 +66,7 @@ def vllm_qwen2(model_dir):
         init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
         initialize_model_parallel(1)
         model = vllm_qwen2_module.Qwen2ForCausalLM(vllm_config=config)
-        torch.manual_seed(0)
-        source = transformers.Qwen2ForCausalLM(transformers.AutoConfig.from_pretrained(model_dir))
+        source = policy.load_model(model_dir)
         with torch.no_grad():
             for p in source.parameters():  # no zero biases or unit norms: every loaded tensor must show
                 p.normal_()
@@ -134,7 +131,8 @@ def test_bucketed_load_through_the_real_vllm_qwen2(vllm_qwen2):
                        torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
     assert torch.equal(params["model.layers.1.mlp.gate_up_proj.weight"],
                        torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-    assert torch.equal(params["model.embed_tokens.weight"], source.model.embed_tokens.weight)
+    embed = source.model.embed_tokens.weight  # vLLM pads the vocabulary (301 -> 320 rows here)
+    assert torch.equal(params["model.embed_tokens.weight"][: embed.shape[0]], embed)
 
 
 def test_tied_lm_head_alone_in_a_call_is_refused(vllm_qwen2):
@@ -221,8 +219,9 @@ def test_vllm_engine_against_the_real_api(vllm_qwen2, model_dir, monkeypatch):
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()  # what a level-2 sleep leaves behind, as far as kiln may assume
-    engine.load_weights(source.state_dict().items())  # includes the tied lm_head.weight
-    assert torch.equal(model.model.embed_tokens.weight, source.model.embed_tokens.weight)
+    engine.load_weights(policy.iter_full_weights(source))  # exactly what the trainer streams
+    embed = source.model.embed_tokens.weight
+    assert torch.equal(model.model.embed_tokens.weight[: embed.shape[0]], embed)
     assert all(p.abs().sum() > 0 for p in model.parameters())
     sampling = rollout.Sampling(max_new_tokens=4, temperature=0.7, stop_token_ids=[0])
     completions = engine.generate([[1, 2, 3], [6]], sampling, images=[None, ["an image"]])
