@@ -140,11 +140,13 @@ def shard_model(model, mixed_precision: bool = False, activation_checkpointing: 
                 reshard_after_forward: bool = True):
     """FSDP2 `fully_shard` on every decoder layer (the model's `_no_split_modules`) and then the root, in place.
     mixed_precision: bf16 compute with fp32 master weights and fp32 gradient reduction. Activation checkpointing is
-    Hugging Face's (it keeps parameter names unchanged). Needs `init_distributed()` first."""
+    Hugging Face's (it keeps parameter names unchanged) and acts only in train mode, so the model is left in train
+    mode then. Needs `init_distributed()` first."""
     if not dist.is_initialized():
         raise RuntimeError("shard_model needs a process group: call policy.init_distributed() first")
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # from_pretrained returns eval mode, where transformers silently skips checkpointing
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
         else MixedPrecisionPolicy()
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])

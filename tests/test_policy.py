@@ -183,7 +183,10 @@ def test_world_one_without_torchrun(model_dir, model):
         with torch.no_grad():
             ref, _ = policy.packed_logprobs(model, SEQUENCES)
         torch.testing.assert_close(lp.detach(), ref, atol=1e-6, rtol=0)
+        mlp, calls = sharded.model.layers[0].mlp, []
+        mlp.forward = lambda x, forward=mlp.forward: calls.append(1) or forward(x)  # (recompute skips module hooks)
         lp.sum().backward()
+        assert calls == [1], "activation checkpointing must recompute the layer in backward"
         assert policy.clip_grad_norm(sharded, 1.0) > 0
         assert dict(policy.iter_full_weights(sharded)).keys() == dict(model.named_parameters()).keys()
     finally:
