@@ -161,7 +161,8 @@ def shard_model(model, mixed_precision: bool = False, activation_checkpointing: 
 
 class _ChunkedChosenLogprobs(torch.autograd.Function):
     """log p(target) and optionally the entropy of softmax(hidden @ weight.T / temperature), row chunk by row chunk,
-    in fp32 (fp64 for an fp64 model). Backward recomputes each chunk's logits, so at no point is more than one chunk's [rows, vocab] alive."""
+    in fp32 (fp64 for an fp64 model). Backward recomputes each chunk's logits: at no point is more than one chunk's
+    [rows, vocab] alive."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy):

@@ -1,4 +1,5 @@
-"""policy.py: tiny model + tokenizer, chat template, packed chunked logprobs, checkpoints; FSDP2 checks in one torchrun."""
+"""policy.py: tiny model + tokenizer, chat template, packed chunked logprobs, checkpoints; the FSDP2 checks run in
+one torchrun launch (tests/dist_policy.py)."""
 
 import filecmp
 import inspect
@@ -49,7 +50,8 @@ def test_tokenizer_round_trips_code_and_knows_the_agent_tokens(model_dir):
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
     assert tokenizer.convert_tokens_to_ids(specials) == [0, 1, 2, 3, 4, 5]
     assert policy.stop_token_ids(tokenizer, model_dir) == [2, 0]
-    codes = [inspect.getsource(subprocess.Popen.communicate), "def f(x):\n\tif x:\r\n    return '  ünïcødé → λ 🙂'\n\n\n",
+    codes = [inspect.getsource(subprocess.Popen.communicate),
+             "def f(x):\n\tif x:\r\n    return '  ünïcødé → λ 🙂'\n\n\n",
              "   leading and trailing   \n", "a = [1,2 ,3]  # <tool_call> inside code </tool_call>\x00\x7f", ""]
     for code in codes:
         ids = tokenizer.encode(code)
@@ -88,11 +90,12 @@ def test_chat_template_renders_tool_calls_and_grouped_tool_responses(model_dir):
     )
     assert tokenizer.apply_chat_template(messages, tokenize=False) == expected
     prompt = tokenizer.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
-    assert prompt == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nRun it.<|im_end|>\n<|im_start|>assistant\n"
+    assert prompt == expected[: expected.index("<|im_start|>assistant")] + "<|im_start|>assistant\n"
     ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
     assert tokenizer.decode(ids) == expected and ids.count(tokenizer.convert_tokens_to_ids("<tool_call>")) == 3
     with_tools = tokenizer.apply_chat_template(messages[:2], tools=[{"name": "python"}], tokenize=False)
-    assert with_tools.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n") and '\n{"name": "python"}\n' in with_tools
+    assert with_tools.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert '\n{"name": "python"}\n' in with_tools
     assert with_tools.count("<|im_start|>system") == 1 and with_tools.endswith("<|im_start|>user\nRun it.<|im_end|>\n")
 
 
@@ -144,7 +147,8 @@ def test_chunked_equals_naive_including_gradients(model_dir, temperature, dtype,
         else:
             lp, ent = naive_logprobs(model, SEQUENCES, temperature)
         ((weights * lp).sum() + (weights.flip(0) * ent).sum()).backward()
-        results.append({"logprobs": lp.detach(), "entropy": ent.detach()} | {n: p.grad for n, p in model.named_parameters()})
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        results.append({"logprobs": lp.detach(), "entropy": ent.detach()} | grads)
     chunked, naive = results
     assert chunked["logprobs"].dtype == dtype and chunked.keys() == naive.keys()
     assert (chunked["logprobs"] - naive["logprobs"]).abs().max() <= tolerance
@@ -194,6 +198,7 @@ def test_world_one_without_torchrun(model_dir, model):
             dist.destroy_process_group()
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no process group: DCP runs single-process
 def test_interrupted_save_is_ignored(model_dir, tmp_path, monkeypatch):
     model = policy.load_model(model_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -212,7 +217,8 @@ def test_interrupted_save_is_ignored(model_dir, tmp_path, monkeypatch):
     assert policy.load_checkpoint(good, model, optimizer) == {"step": 10}
     monkeypatch.undo()
     again = policy.save_checkpoint(tmp_path, 20, model, optimizer, {"step": 20}, hf_source_dir=model_dir)
-    assert policy.latest_checkpoint(tmp_path) == again and not (tmp_path / "checkpoints" / ".tmp_step_00000020").exists()
+    assert policy.latest_checkpoint(tmp_path) == again
+    assert not (tmp_path / "checkpoints" / ".tmp_step_00000020").exists()
     with pytest.raises(TypeError):  # not JSON: refused before anything is written
         policy.save_checkpoint(tmp_path, 30, model, optimizer, {"step": object()}, hf_source_dir=model_dir)
     assert policy.latest_checkpoint(tmp_path) == again
