@@ -1,7 +1,9 @@
 """run_h200.sh / run_a100.sh in DRY_RUN mode: the torchrun command they would run, and the Args it resolves to."""
+import json
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,3 +53,19 @@ def test_single_node_defaults():
     assert shlex.split(out.stdout)[:12] == ["torchrun", "--nnodes", "1", "--node-rank", "0", "--nproc-per-node", "8",
                                             "--master-addr", "127.0.0.1", "--master-port", "29500", "train_grpo.py"]
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(TUNED))
+def test_dry_run_resolves_every_default_into_train_grpo_args(script, tmp_path):
+    out = dry_run(script, "--lr", "3e-6", "--no-activation-checkpointing", "--output-dir", str(tmp_path / "run"),
+                  PYTHON=sys.executable)
+    assert out.returncode == 0, out.stderr  # tyro refuses any default that is not an Args field
+    command, _, printed = out.stdout.partition("\n")
+    assert command.startswith("torchrun ")
+    args = json.loads(printed)
+    memory, micro_batch = TUNED[script]
+    assert args["lr"] == 3e-6 and args["activation_checkpointing"] is False
+    assert args["vllm_gpu_memory_utilization"] == float(memory) and args["micro_batch_tokens"] == int(micro_batch)
+    assert (args["model"], args["engine"], args["mixed_precision"]) == ("Qwen/Qwen2.5-Coder-7B-Instruct", "vllm", True)
+    assert (args["group_size"], args["max_new_tokens"], args["vllm_max_model_len"]) == (8, 2048, 3072)
+    assert not (tmp_path / "run").exists()  # a dry run starts nothing
