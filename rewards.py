@@ -1,0 +1,222 @@
+"""Turning a finished sample into a number: reward functions keyed by `data_source`, and the eval CLI.
+
+    python rewards.py score SAMPLES.jsonl --data ROWS.parquet [--out results.jsonl]
+
+grades completions alone (one JSON object per line: {"task_id": "<data_source>/<index>", "completion": ...})
+and prints pass@1 and unbiased pass@k by data source and difficulty, error categories and throughput.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from math import comb
+import re
+from typing import Callable
+
+import tyro
+
+import sandbox
+
+# Big APPS answers have thousands of digits; int() refuses them by default.
+sys.set_int_max_str_digits(0)
+
+
+@dataclass
+class Reward:
+    score: float
+    info: dict = field(default_factory=dict)
+
+
+CODE_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.S | re.I)
+
+
+def extract_code(text: str) -> str | None:
+    """The last fenced code block (a model's final answer comes last); with no fence at all, the whole text if
+    it parses as Python; otherwise None ("no_code")."""
+    blocks = CODE_BLOCK.findall(text)
+    if blocks:
+        return blocks[-1]
+    if "```" not in text and text.strip() and sandbox.syntax_error(text) is None:
+        return text
+    return None
+
+
+def format_reward(text: str) -> float:
+    """1.0 when the completion holds exactly one fenced python block (the answer format we ask for), else 0.0."""
+    return float(len(CODE_BLOCK.findall(text)) == 1)
+
+
+def _from_verdicts(verdicts: list[sandbox.Verdict], all_or_nothing: bool) -> Reward:
+    passed = sum(v.status == "pass" for v in verdicts)
+    failed = [v.status for v in verdicts if v.status != "pass"]
+    score = float(passed == len(verdicts)) if all_or_nothing else passed / len(verdicts)
+    return Reward(score, {"passed": passed, "total": len(verdicts), "verdicts": [list(v) for v in verdicts],
+                          "error": Counter(failed).most_common(1)[0][0] if failed else None})
+
+
+def io_reward(code: str, truth: dict, limits: sandbox.Limits) -> Reward:
+    """APPS / CodeContests / TACO: fraction of test cases passed (stdin/stdout, or calls when fn_name is set)."""
+    if truth.get("fn_name"):
+        verdicts = sandbox.run_call_tests(code, truth["fn_name"], truth["inputs"], truth["outputs"], limits)
+    else:
+        verdicts = sandbox.run_stdio_tests(code, truth["inputs"], truth["outputs"], limits)
+    return _from_verdicts(verdicts, all_or_nothing=False)
+
+
+def humaneval_reward(code: str, truth: dict, limits: sandbox.Limits) -> Reward:
+    """HumanEval: 1 if `check(entry_point)` passes. A completion that only writes the body gets the prompt."""
+    entry = truth["entry_point"]
+    if not re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", code, re.M):
+        code = truth["prompt"] + code
+    verdicts = sandbox.run_assert_tests(code, [f"check({entry})"], setup=truth["prompt"] + "\n" + truth["test"],
+                                        remote=[entry], limits=limits)
+    return _from_verdicts(verdicts, all_or_nothing=True)
+
+
+def assert_reward(all_or_nothing: bool) -> Callable:
+    """MBPP (all asserts pass -> 1, else 0) and the toy task (fraction of asserts passed)."""
+    def reward(code: str, truth: dict, limits: sandbox.Limits) -> Reward:
+        verdicts = sandbox.run_assert_tests(code, truth["test_list"], setup=truth.get("test_setup_code", ""),
+                                            limits=limits)
+        return _from_verdicts(verdicts, all_or_nothing)
+    return reward
+
+
+REWARDS: dict[str, Callable[[str, dict, sandbox.Limits], Reward]] = {
+    "apps": io_reward, "codecontests": io_reward, "taco": io_reward, "livecodebench": io_reward,
+    "humaneval": humaneval_reward,
+    "mbpp": assert_reward(all_or_nothing=True),
+    "toy": assert_reward(all_or_nothing=False),
+}
+
+
+def score(row: dict, completion: str, limits: sandbox.Limits = sandbox.Limits()) -> Reward:
+    """The reward of one completion for one row (kiln's row schema); tests run in the sandbox."""
+    source = row["data_source"]
+    if source not in REWARDS:
+        raise KeyError(f"no reward function for data_source {source!r}; known: {sorted(REWARDS)}")
+    truth = json.loads(row["reward_model"]["ground_truth"])
+    code = extract_code(completion)
+    if code is None and source == "humaneval" and sandbox.syntax_error(truth["prompt"] + completion) is None:
+        code = completion  # HumanEval's native format: a function body continuing the prompt
+    if code is None:
+        return Reward(0.0, {"error": "no_code", "passed": 0, "total": None, "format": 0.0})
+    reward = REWARDS[source](code, truth, limits)
+    reward.info["format"] = format_reward(completion)
+    return reward
+
+
+def score_batch(rows: list[dict], completions: list[str], max_workers: int | None = None,
+                limits: sandbox.Limits = sandbox.Limits()) -> list[Reward]:
+    """`score` for many samples at once, in parallel (each test still runs in its own sandboxed process)."""
+    if len(rows) != len(completions):
+        raise ValueError(f"{len(rows)} rows but {len(completions)} completions")
+    with ThreadPoolExecutor(max_workers or sandbox.default_workers()) as pool:
+        return list(pool.map(lambda rc: score(rc[0], rc[1], limits), zip(rows, completions)))
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021): 1 - C(n-c, k) / C(n, k) for n samples of which c pass."""
+    return 1.0 if n - c < k else 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def report(rows_by_id: dict[str, dict], task_ids: list[str], rewards: list[Reward]) -> dict:
+    """pass@k for every k the samples allow (k <= the fewest samples of any task), overall, by data source
+    and by difficulty; mean reward; counts of error categories."""
+    per_task = defaultdict(list)
+    for task_id, reward in zip(task_ids, rewards):
+        per_task[task_id].append(reward.score >= 1.0)
+    groups = defaultdict(list)
+    for task_id, passes in per_task.items():
+        row = rows_by_id[task_id]
+        groups["all"].append(passes)
+        groups[row["data_source"]].append(passes)
+        difficulty = row.get("extra_info", {}).get("difficulty")
+        if difficulty is not None:
+            groups[f"{row['data_source']}/{difficulty}"].append(passes)
+    fewest = min(len(p) for p in per_task.values())
+    ks = sorted({k for k in (1, 2, 4, 5, 8, 10, 16, 20, 32, 50, 64, 100) if k <= fewest} | {fewest})
+    table = {}
+    for name, tasks in groups.items():
+        table[name] = {"tasks": len(tasks)} | {
+            f"pass@{k}": sum(pass_at_k(len(p), sum(p), k) for p in tasks) / len(tasks) for k in ks}
+    return {"pass": table, "mean_reward": sum(r.score for r in rewards) / len(rewards),
+            "errors": dict(Counter(r.info.get("error") for r in rewards if r.info.get("error")))}
+
+
+def read_samples(path: str, rows_by_id: dict[str, dict]) -> tuple[list[str], list[str]]:
+    task_ids, completions = [], []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                sample = json.loads(line)
+                task_id, completion = sample["task_id"], sample["completion"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise SystemExit(f"{path} line {number}: a sample must be a JSON object with \"task_id\" and "
+                                 f"\"completion\" ({type(e).__name__}: {e})")
+            if not isinstance(completion, str):
+                raise SystemExit(f"{path} line {number}: \"completion\" must be a string")
+            if task_id not in rows_by_id:
+                raise SystemExit(f"{path} line {number}: unknown task id {task_id!r} (not in the --data rows)")
+            task_ids.append(task_id)
+            completions.append(completion)
+    if not task_ids:
+        raise SystemExit(f"{path}: no samples")
+    return task_ids, completions
+
+
+@dataclass
+class ScoreArgs:
+    samples: tyro.conf.Positional[str]
+    """JSONL of {"task_id": "<data_source>/<index>", "completion": "..."}"""
+    data: str
+    """the rows the samples answer (parquet / jsonl / HF dataset name), in kiln's row schema"""
+    out: str | None = None
+    """write one result per sample (task_id, score, info) here"""
+    workers: int | None = None
+    """samples graded at once (default: 2 x cores + 1)"""
+    timeout: float = 6.0
+    """wall seconds per test run"""
+
+
+def main(args: ScoreArgs) -> dict:
+    import data_prep
+    from tqdm import tqdm
+
+    rows_by_id = {data_prep.row_id(r): r for r in data_prep.load_rows(args.data)}
+    task_ids, completions = read_samples(args.samples, rows_by_id)
+    limits = sandbox.Limits(timeout=args.timeout)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(args.workers or sandbox.default_workers()) as pool:
+        results = list(tqdm(pool.map(lambda tc: score(rows_by_id[tc[0]], tc[1], limits), zip(task_ids, completions)),
+                            total=len(task_ids), desc="grading", disable=len(task_ids) < 50))
+    seconds = time.perf_counter() - start
+    summary = report(rows_by_id, task_ids, results) | {"samples": len(results), "seconds": seconds,
+                                                        "samples_per_s": len(results) / seconds}
+    if args.out:
+        with open(args.out, "w") as f:
+            for task_id, r in zip(task_ids, results):
+                f.write(json.dumps({"task_id": task_id, "score": r.score, "info": r.info}) + "\n")
+    print_report(summary)
+    return summary
+
+
+def print_report(summary: dict) -> None:
+    ks = sorted({k for row in summary["pass"].values() for k in row if k.startswith("pass@")},
+                key=lambda k: int(k[5:]))
+    print(f"{'group':<28}{'tasks':>7}" + "".join(f"{k:>10}" for k in ks))
+    for name, row in sorted(summary["pass"].items(), key=lambda kv: (kv[0] != "all", kv[0])):
+        print(f"{name:<28}{row['tasks']:>7}" + "".join(f"{row[k]:>10.3f}" for k in ks))
+    print(f"mean reward {summary['mean_reward']:.3f}; errors: "
+          + (", ".join(f"{k} {v}" for k, v in sorted(summary["errors"].items())) or "none"))
+    print(f"{summary['samples']} samples in {summary['seconds']:.1f}s ({summary['samples_per_s']:.1f}/s)")
+
+
+if __name__ == "__main__":
+    main(tyro.extras.subcommand_cli_from_dict({"score": ScoreArgs}))
