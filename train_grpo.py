@@ -31,9 +31,9 @@ import rollout
 
 @dataclass
 class Args:
-    model: str = "runs/tiny-model"
-    """policy to train: a Hugging Face folder or hub name"""
-    data: str = "runs/toy/train.parquet"
+    model: str = "runs/demo/sft/hf"
+    """policy to train: a Hugging Face folder or hub name (default: the SFT'd tiny model `make demo` builds)"""
+    data: str = "runs/demo/train.parquet"
     """training rows (parquet / jsonl / HF dataset name) in kiln's row schema"""
     eval_data: str | None = None
     """held-out rows, evaluated greedily every `eval_every` steps"""
@@ -148,7 +148,6 @@ class Trainer:
     score_fn: ScoreFn
     step: int = 0
     data_pos: int = 0
-    weights_stale: bool = True
 
 
 def main(args: Args, score_fn: ScoreFn = rewards.score_batch) -> Trainer:
@@ -236,16 +235,14 @@ def train_step(t: Trainer) -> dict:
     rows = next_rows(t)
 
     # 2-4. Rollouts: wake the engine, give it the current weights, generate, put it back to sleep.
-    with timer("wake_and_sync"):
+    with timer("wake_and_sync"):  # a level-2 sleep drops the engine's weights: every wake-up needs a sync
         t.engine.wake_up()
-        if t.weights_stale:
-            t.engine.load_weights(policy.iter_full_weights(t.model))
-            t.weights_stale = False
+        t.engine.load_weights(policy.iter_full_weights(t.model))
     with timer("rollout"):
         samples, rollout_metrics = rollout.run(t.engine, t.tokenizer, rows, args.group_size, t.sampling,
                                                first_group=t.rank * len(rows))
         t.engine.sleep()
-    metrics |= rollout_metrics
+    metrics |= rollout_metrics | getattr(t.engine, "last_metrics", {})
 
     # 5. Rewards, in parallel in the sandbox.
     with timer("reward"):
@@ -278,7 +275,6 @@ def train_step(t: Trainer) -> dict:
                 for k, v in update(t, batch, mb, old_logprobs, ref_logprobs).items():
                     update_metrics[k].append(v)
         t.scheduler.step()
-        t.weights_stale = True
     metrics |= {k: sum(v) / len(v) for k, v in update_metrics.items()}
 
     # 9. Metrics and sample completions.
@@ -357,9 +353,7 @@ def evaluate(t: Trainer) -> dict:
     rows = t.eval_rows[t.rank :: t.world]
     greedy = dataclasses.replace(t.sampling, temperature=0.0)
     t.engine.wake_up()
-    if t.weights_stale:
-        t.engine.load_weights(policy.iter_full_weights(t.model))
-        t.weights_stale = False
+    t.engine.load_weights(policy.iter_full_weights(t.model))
     samples, _ = rollout.run(t.engine, t.tokenizer, rows, 1, greedy)
     t.engine.sleep()
     results = t.score_fn([s.row for s in samples], [s.text for s in samples])
