@@ -1,0 +1,1213 @@
+"""Running untrusted code: isolated program runs and test drivers that a program cannot fool.
+
+Processes. The first call starts a *zygote*: `python -I -S sandbox.py --zygote` with an empty environment,
+made PID 1 of fresh network (a downed loopback only), mount (new tmpfs on /tmp, /var/tmp, /dev/shm,
+/run/lock; /root and /home hidden) and PID namespaces by `unshare`. The zygote never looks at jobs: it only
+forks, from its own clean memory,
+  - *supervisors* (root, trusted, reused): each takes one job at a time from the caller, runs the tests,
+    enforces time limits and cleans up;
+  - *programs*, one per run, on a supervisor's request: own session, a fresh unprivileged uid, rlimits
+    (address space, CPU, processes, file size, open files), a private temp dir as cwd and HOME, a minimal
+    environment, stdin always supplied. A program receives its source and nothing else.
+Function and assert tests run in the supervisor (as a second fresh uid), which calls the program over a
+socket: arguments go in, return values come back as plain data (restricted unpickling: builtin numbers,
+str, bytes, containers, Counter/deque/OrderedDict/defaultdict, Decimal, Fraction) or as opaque handles. The
+verdict is computed where the program cannot reach and expected values never enter its memory (stdout is
+compared by the caller), so `exit(0)`, `os._exit(0)`, SkipTest, patched builtins or asserts, fake PASS
+lines, disarmed signals and objects with a rigged `__eq__` all fail. After each run the supervisor kills
+every process of the run's uids (`kill(-1)` as that uid reaches double-forked daemons too; /proc confirms),
+then removes the temp dir and whatever those uids left in the tmpfs.
+
+Speed: forking copies the parent's page tables and exiting frees them, so the zygote stays small (modules
+only the caller needs are imported inside the functions that use them) and a function/assert suite costs
+one fork.
+
+Fallbacks, logged: without root, `unshare --user --map-root-user` (one uid: runs are tracked by process
+group and an environment marker); without namespaces, plain processes with network access. Programs see the
+rest of the filesystem read-only (by permissions), and the stdlib but no site-packages.
+
+Test statuses: pass, wrong_answer, runtime_error, timeout, memory, syntax_error, output_limit, not_run (after
+a failure with stop_on_failure), harness_error (the ground truth itself failed: a data problem).
+"""
+from __future__ import annotations
+
+import _thread
+import bisect  # noqa: F401  (preloaded for programs, as are heapq, itertools, random)
+import builtins
+import collections  # noqa: F401
+import fcntl
+import functools
+import gc
+import heapq  # noqa: F401
+import io
+import itertools  # noqa: F401
+import math
+import os
+import pickle
+import random  # noqa: F401
+import re  # noqa: F401
+import resource
+import select
+import signal
+import socket
+import string  # noqa: F401
+import struct
+import sys
+import time
+import typing
+from typing import NamedTuple
+
+STATUSES = ("pass", "wrong_answer", "runtime_error", "timeout", "memory", "syntax_error", "output_limit",
+            "not_run", "harness_error")
+# Run k of a zygote uses uid base + 2 * (k % 32768) for the program and the next one for its tests. Each
+# zygote draws its own base, so that processes of two zygotes never share a uid (nor its RLIMIT_NPROC count).
+UID_RANGE = 65536
+PRIVATE_TMPFS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+# Values that cross from the program to the tests as data (exact types); anything else becomes a handle.
+PLAIN = {"builtins": ("NoneType", "bool", "int", "float", "complex", "str", "bytes", "bytearray", "list", "tuple",
+                      "dict", "set", "frozenset", "range"),
+         "collections": ("OrderedDict", "Counter", "deque", "defaultdict"), "decimal": ("Decimal",),
+         "fractions": ("Fraction",)}
+LEETCODE_MODULES = ("bisect", "collections", "functools", "heapq", "itertools", "math", "re", "string")
+JOBS_PER_SUPERVISOR = 500  # then a fresh one: test code may leave state behind
+
+
+class Limits(NamedTuple):
+    timeout: float = 6.0  # wall seconds per program run; per test for function/assert suites
+    total_timeout: float = 60.0  # wall seconds for a whole suite; tests past it count as timeouts
+    memory_mb: int = 1024  # address space of the program (RLIMIT_AS)
+    max_output: int = 1 << 20  # bytes of stdout, and of stderr, before the run is killed
+    nproc: int = 64  # processes + threads of the run's uid
+    nofile: int = 256
+    fsize_mb: int = 64
+
+
+class RunResult(NamedTuple):
+    stdout: str
+    stderr: str
+    returncode: int | None  # negative: killed by that signal; None: still running when killed
+    timed_out: bool
+    memory_exceeded: bool
+    output_overflow: bool
+    wall_time: float
+
+
+class Verdict(NamedTuple):
+    status: str  # one of STATUSES
+    detail: str = ""
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (not the program): no zygote could start, or a supervisor died."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public API (the caller's process)
+
+def run(source: str, stdin: str | bytes = "", limits: Limits = Limits(), sandbox: Sandbox | None = None) -> RunResult:
+    """Run `source` as a Python program (`__main__`) fed `stdin`; never raises for anything the program does."""
+    return _run_many(source, [stdin], limits, sandbox)[0]
+
+
+def run_batch(programs: list[tuple[str, str | bytes]], limits: Limits = Limits(), max_workers: int | None = None,
+              sandbox: Sandbox | None = None) -> list[RunResult]:
+    """`run` for many (source, stdin) pairs, at most `max_workers` at a time; results in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers or default_workers()) as pool:
+        return list(pool.map(lambda p: run(p[0], p[1], limits, sandbox), programs))
+
+
+def default_workers() -> int:
+    return 2 * (os.cpu_count() or 1) + 1  # a run also waits on forks and pipes
+
+
+def run_stdio_tests(source: str, inputs: list[str], outputs: list[str], limits: Limits = Limits(),
+                    lenient: bool = False, sandbox: Sandbox | None = None) -> list[Verdict]:
+    """One fresh program run per test; stdout is compared (`outputs_match`) here, outside the sandbox.
+
+    A `return` at the top level ends the program, as under APPS's harness (which runs programs inside a
+    function, and whose reference solutions rely on it).
+    """
+    if len(inputs) != len(outputs):
+        raise ValueError(f"{len(inputs)} inputs but {len(outputs)} outputs")
+    if (error := syntax_error(source)) and "'return' outside function" in error:
+        source, error = _returns_to_exits(source), None
+    if error:
+        return [Verdict("syntax_error", error)] * len(inputs)
+    return [_stdio_verdict(r, want, lenient) for r, want in zip(_run_many(source, inputs, limits, sandbox), outputs)]
+
+
+def run_call_tests(source: str, fn_name: str, inputs: list, outputs: list, limits: Limits = Limits(),
+                   lenient: bool = False, sandbox: Sandbox | None = None) -> list[Verdict]:
+    """Call `fn_name` (a top-level function, else a method of `Solution()`) per test; compare the result.
+
+    Inputs are argument lists (APPS) or strings with one JSON value per line (LiveCodeBench), outputs the
+    value or its JSON text. Tuples compare as lists; a one-element list also matches its element (APPS wraps
+    outputs so). `lenient`: numbers equal within rel 1e-5 / abs 1e-8.
+    """
+    import json
+
+    if len(inputs) != len(outputs):
+        raise ValueError(f"{len(inputs)} inputs but {len(outputs)} outputs")
+    args, expected = [], []
+    for i, (given, wanted) in enumerate(zip(inputs, outputs)):
+        try:
+            if isinstance(given, str):
+                given = [json.loads(line) for line in given.split("\n") if line.strip()]
+                wanted = json.loads(wanted) if isinstance(wanted, str) else wanted
+        except ValueError as e:
+            raise ValueError(f"test {i}: input or output is not JSON ({e})") from e
+        args.append(list(given))
+        expected.append(wanted)
+    suite = {"kind": "call", "fn_name": fn_name, "args": args, "expected": expected, "lenient": lenient}
+    return _run_suite(source, suite, len(inputs), limits, sandbox)
+
+
+def run_assert_tests(source: str, asserts: list[str], setup: str = "", remote: list[str] | None = None,
+                     limits: Limits = Limits(), stop_on_failure: bool = False,
+                     sandbox: Sandbox | None = None) -> list[Verdict]:
+    """Run trusted `setup`, then each statement of `asserts`, outside the program. Names they use but never
+    bind are the program's objects (stdlib module names are the tests' own modules; builtin names stay
+    builtins unless the tests use nothing else, like an MBPP function called `sum`). `remote` names are
+    taken from the program after `setup`, replacing setup's own (the HumanEval prompt's stub).
+
+    HumanEval: setup = prompt + test, asserts = ["check(entry_point)"], remote = [entry_point].
+    MBPP: setup = test_setup_code, asserts = test_list.
+    """
+    try:
+        modules, before = _free_names(setup, tuple(asserts), remote is None)
+    except SyntaxError as e:
+        raise ValueError(f"the tests do not parse: {e}") from e
+    suite = {"kind": "assert", "setup": setup, "asserts": asserts, "modules": modules, "before": before,
+             "after": list(remote or []), "stop": stop_on_failure}
+    return _run_suite(source, suite, len(asserts), limits, sandbox)
+
+
+def _returns_to_exits(source: str) -> str:
+    import ast
+
+    class TopLevel(ast.NodeTransformer):
+        def visit_FunctionDef(self, node):
+            return node  # returns in there are ordinary
+
+        visit_AsyncFunctionDef = visit_ClassDef = visit_Lambda = visit_FunctionDef
+
+        def visit_Return(self, node):
+            return ast.copy_location(ast.Raise(ast.Call(ast.Name("SystemExit", ast.Load()), [], [])), node)
+
+    return ast.unparse(ast.fix_missing_locations(TopLevel().visit(ast.parse(source))))
+
+
+def syntax_error(source: str) -> str | None:
+    """The compile error of `source` ("SyntaxError: ... (line N)"), or None if it compiles."""
+    try:
+        compile(source, "solution.py", "exec", dont_inherit=True)
+    except (SyntaxError, ValueError, MemoryError, RecursionError) as e:  # ValueError: null bytes
+        line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        return f"{type(e).__name__}: {getattr(e, 'msg', e)}{line}"
+    return None
+
+
+def outputs_match(got: str, expected: str, lenient: bool = False) -> bool:
+    """Strict but sane: after stripping the whole text, the stripped lines must pair up, each equal as text
+    or as whitespace-separated tokens where numbers compare by exact decimal value ("1.50" == "1.5").
+
+    `lenient` (APPS-like): blank lines ignored, numbers equal within rel 1e-5 / abs 1e-8 (numpy allclose).
+    APPS's order-insensitive token sets and 3-decimal rounding are left out: they accept wrong answers.
+    """
+    got_lines = [line.strip() for line in got.strip().splitlines()]
+    want_lines = [line.strip() for line in expected.strip().splitlines()]
+    if lenient:
+        got_lines, want_lines = [x for x in got_lines if x], [x for x in want_lines if x]
+    return len(got_lines) == len(want_lines) and all(
+        a == b or _tokens_match(a.split(), b.split(), lenient) for a, b in zip(got_lines, want_lines))
+
+
+def _tokens_match(got: list[str], want: list[str], lenient: bool) -> bool:
+    from decimal import Decimal, InvalidOperation
+
+    if len(got) != len(want):
+        return False
+    for a, b in zip(got, want):
+        try:
+            x, y = Decimal(a), Decimal(b)
+        except InvalidOperation:
+            if a != b:
+                return False
+            continue
+        if x != y and not (lenient and x.is_finite() and y.is_finite()
+                           and abs(x - y) <= Decimal("1e-8") + Decimal("1e-5") * abs(y)):
+            return False
+    return True
+
+
+def _stdio_verdict(result: RunResult | None, expected: str, lenient: bool) -> Verdict:
+    if result is None:
+        return Verdict("timeout", "not run: the suite's total_timeout was used up")
+    last_line = (result.stderr.strip().splitlines() or [""])[-1][:300]
+    if result.timed_out:
+        return Verdict("timeout", f"no exit within the time limit ({result.wall_time:.1f}s)")
+    if result.output_overflow:
+        return Verdict("output_limit", "output exceeded max_output")
+    if result.memory_exceeded:
+        return Verdict("memory", last_line)
+    if result.returncode != 0:
+        return Verdict("runtime_error", f"exit status {result.returncode}: {last_line}")
+    if outputs_match(result.stdout, expected, lenient):
+        return Verdict("pass")
+    return Verdict("wrong_answer", f"expected {expected[:200]!r}, got {result.stdout[:200]!r}")
+
+
+@functools.lru_cache(maxsize=4096)  # a GRPO group scores the same tests many times
+def _free_names(setup: str, asserts: tuple[str, ...], builtins_may_be_remote: bool) -> tuple[list, list]:
+    """(stdlib modules the tests use without importing them, names the program must supply)."""
+    import ast
+
+    used, bound, attribute_bases, called = set(), set(), set(), set()
+    for tree in [ast.parse(setup)] + [ast.parse(text) for text in asserts]:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name):
+                (used if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                bound.add(node.name)
+            elif isinstance(node, ast.arg):
+                bound.add(node.arg)
+            elif isinstance(node, ast.alias):
+                bound.add((node.asname or node.name).split(".")[0])
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                attribute_bases.add(node.value.id)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                called.add(node.func.id)
+    free = sorted(used - bound)
+    modules = [n for n in free if n in sys.stdlib_module_names and n in attribute_bases and n not in called]
+    others = [n for n in free if n not in modules]
+    own = [n for n in others if not hasattr(builtins, n)]
+    return modules, own or (others if builtins_may_be_remote else [])
+
+
+def _run_many(source: str, stdins: list, limits: Limits, sandbox: Sandbox | None) -> list[RunResult | None]:
+    stdins = [s.encode() if isinstance(s, str) else bytes(s) for s in stdins]
+    job = {"kind": "run", "source": source, "stdins": stdins, "limits": limits._asdict()}
+    reply = (sandbox or default_sandbox()).request(job, min(limits.total_timeout, limits.timeout * len(stdins)))
+    return [None if r is None else RunResult(**r) for r in reply]
+
+
+def _run_suite(source: str, suite: dict, n: int, limits: Limits, sandbox: Sandbox | None) -> list[Verdict]:
+    if n == 0:
+        return []
+    if error := syntax_error(source):
+        return [Verdict("syntax_error", error)] * n
+    job = {"kind": "suite", "source": source, "limits": limits._asdict(), "n": n, "suite": suite}
+    return [Verdict(*v) for v in (sandbox or default_sandbox()).request(job, _suite_budget(limits._asdict(), n))]
+
+
+def _suite_budget(limits: dict, n: int) -> float:
+    return min(limits["total_timeout"], limits["timeout"] * max(1, n))
+
+
+class Sandbox:
+    """Handle on one zygote, thread-safe; its runs use uids in [uid_base, uid_base + UID_RANGE).
+    `default_sandbox()` is the shared one."""
+
+    def __init__(self, uid_base: int | None = None):
+        self.uid_base = uid_base if uid_base is not None else 1 << 30 | random.randrange(1 << 14) * UID_RANGE
+        self.mode = None
+        self._lock = _thread.allocate_lock()
+        self._proc = self._control = None
+        self._owner_pid = -1
+
+    def request(self, job: dict, budget: float):
+        """Hand `job` to a supervisor and return its reply."""
+        for attempt in (1, 2):
+            mine, theirs = socket.socketpair()
+            try:
+                with self._lock:
+                    self._ensure_started()
+                    try:
+                        _tell(self._control, "job", [theirs.fileno()])
+                    except OSError:
+                        self._stop()  # the zygote died: the next attempt starts a new one
+                        if attempt == 2:
+                            raise SandboxError("the sandbox zygote does not accept jobs") from None
+                        continue
+                theirs.close()
+                mine.settimeout(budget + 30)
+                _send(mine, job)
+                reply = _recv(mine)
+            except (EOFError, OSError) as e:
+                raise SandboxError(f"a sandbox supervisor failed: {e!r}") from e
+            finally:
+                mine.close()
+                theirs.close()
+            if isinstance(reply, dict):
+                raise SandboxError(f"a sandbox supervisor failed:\n{reply['sandbox_error']}")
+            return reply
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+    def _stop(self) -> None:
+        import subprocess
+
+        if self._control is not None:
+            self._control.close()  # the zygote exits on EOF, and its PID namespace with it
+            self._control = None
+        if self._proc is not None:
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+
+    def _ensure_started(self) -> None:
+        import logging
+        import shutil
+        import subprocess
+
+        if self._owner_pid == os.getpid() and self._proc is not None and self._proc.poll() is None:
+            return
+        if self._owner_pid != os.getpid():  # a forked caller must not share its parent's zygote
+            self._proc = self._control = None
+        self._stop()
+        log = logging.getLogger("kiln.sandbox")
+        # Imported, not run as a script: a script is compiled from source, whose garbage stays in the heap
+        # that every fork copies.
+        here, name = os.path.split(os.path.abspath(__file__))
+        python = [sys.executable, "-I", "-S", "-c", f"import sys; sys.path.insert(0, {here!r}); import {name[:-3]}; "
+                  f"sys.path.pop(0); {name[:-3]}._zygote_main(*sys.argv[1:])"]
+        ns = ["--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation", "private"]
+        unshare = shutil.which("unshare")
+        attempts = [([unshare, *ns], "root"), ([unshare, "--user", "--map-root-user", *ns], "userns")] if unshare else []
+        for prefix, mode in attempts + [([], "plain")]:
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            proc = subprocess.Popen(prefix + python + [str(theirs.fileno()), str(self.uid_base), mode],
+                                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"})
+            theirs.close()
+            mine.settimeout(60)
+            try:
+                ready = mine.recv(64).decode()
+            except OSError:
+                ready = ""
+            if ready:
+                proc.stderr.close()
+                mine.settimeout(None)
+                self._proc, self._control, self._owner_pid, self.mode = proc, mine, os.getpid(), ready
+                (log.info if ready == "root+uids" else log.warning)("sandbox: %s", {
+                    "root+uids": "namespaces, per-run uids",
+                    "userns+uids": "user namespace, per-run uids",
+                    "userns": "user namespace; one uid: runs tracked by process group and marker",
+                    "plain": "NO namespaces: programs have network access; one uid",
+                    "plain+uids": "NO namespaces: programs have network access"}[ready])
+                return
+            mine.close()
+            proc.kill()
+            log.warning("sandbox: %s mode unavailable: %s", mode, proc.communicate()[1].decode()[-300:].strip())
+        raise SandboxError("could not start the sandbox zygote in any mode")
+
+
+_default: Sandbox | None = None
+_default_lock = _thread.allocate_lock()
+
+
+def default_sandbox() -> Sandbox:
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Sandbox()
+        return _default
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Messages. Streams between trusted processes: 8-byte length + pickle. Zygote channels: one pickle per
+# SOCK_SEQPACKET message, with file descriptors attached.
+
+def _send(sock: socket.socket, obj) -> None:
+    data = pickle.dumps(obj, protocol=5)
+    sock.sendall(struct.pack("<Q", len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise EOFError("connection closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv(sock: socket.socket):
+    (n,) = struct.unpack("<Q", _recv_exact(sock, 8))
+    return pickle.loads(_recv_exact(sock, n))
+
+
+def _tell(sock: socket.socket, obj, fds: list[int] = ()) -> None:
+    socket.send_fds(sock, [pickle.dumps(obj)], list(fds))
+
+
+def _hear(sock: socket.socket) -> tuple[object, list[int]]:
+    """One message and its descriptors; (None, []) once the other side is gone."""
+    try:
+        data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)
+    except OSError:
+        return None, []
+    return (pickle.loads(data) if data else None), fds
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Zygote
+
+def _zygote_main(control_fd: str, uid_base: str, mode: str) -> None:
+    """The zygote's loop (`sandbox._zygote_main(FD, UID_BASE, MODE)` in a fresh `python -I -S`)."""
+    control, uid_base = socket.socket(fileno=int(control_fd)), int(uid_base)
+    if mode != "plain":
+        _private_filesystem()
+    # Per-run uids need real root: a user namespace maps a single uid.
+    switch_uids = os.geteuid() == 0 and open("/proc/self/uid_map").read().split()[2] == "4294967295"
+    builtins.exit = builtins.quit = sys.exit  # `-S` skips site.py, which defines them; programs call exit()
+    gc.freeze()  # children never collect (hence never copy) the zygote's objects
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the poll below whenever a child or orphan exits
+    control.send((mode + "+uids" * switch_uids).encode())
+    poller = select.poll()
+    poller.register(control, select.POLLIN)
+    poller.register(wake_r, select.POLLIN)
+    supervisors: dict[int, list] = {}  # pid -> [channel, current run or None]
+    channels: dict[int, int] = {}  # channel fd -> supervisor pid
+    owners: dict[int, int] = {}  # program pid -> supervisor pid
+    idle: list[int] = []
+    run_index = 0
+    while True:
+        for fd, _ in sorted(poller.poll(1000), key=lambda event: event[0] == control.fileno()):  # jobs last
+            if fd == control.fileno():
+                message, fds = _hear(control)
+                if message is None:
+                    return  # the caller closed the control socket (or died): exiting ends the PID namespace
+                run_index += 1
+                run = (uid_base + 2 * (run_index % 32768), switch_uids, run_index, os.urandom(6).hex())
+                if not idle:
+                    pid, channel = _fork_supervisor(control)
+                    supervisors[pid], channels[channel.fileno()] = [channel, None], pid
+                    poller.register(channel, select.POLLIN)
+                    idle.append(pid)
+                pid = idle.pop()
+                supervisors[pid][1] = run
+                _tell(supervisors[pid][0], ("job", run), fds)
+                os.close(fds[0])
+            elif fd in channels:
+                supervisor = channels[fd]
+                channel = supervisors[supervisor][0]
+                message, fds = _hear(channel)
+                if message is None:
+                    poller.unregister(fd)
+                    del channels[fd]
+                elif message[0] == "idle":
+                    supervisors[supervisor][1] = None
+                    idle.append(supervisor)
+                elif message[0] == "spawn":
+                    pid = os.fork()
+                    if pid == 0:
+                        _program_main(message[1], fds)
+                    for child_fd in fds:
+                        os.close(child_fd)
+                    owners[pid] = supervisor
+                    _tell(channel, ("pid", pid))
+            elif fd == wake_r:
+                os.read(wake_r, 4096)
+        while True:  # reap exited children and reparented orphans (we are PID 1)
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            if pid in owners and owners[pid] in supervisors:
+                try:
+                    _tell(supervisors[owners.pop(pid)][0], ("exit", pid, status))
+                except OSError:
+                    pass
+            elif pid in supervisors:
+                channel, run = supervisors.pop(pid)
+                channels.pop(channel.fileno(), None)
+                if pid in idle:
+                    idle.remove(pid)
+                channel.close()
+                if run is not None:  # it died mid-job: clean up after it
+                    _kill_once(_RunIds(*run), [])
+            owners.pop(pid, None)
+
+
+def _fork_supervisor(control: socket.socket) -> tuple[int, socket.socket]:
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _forget_zygote_signals()
+            os.dup2(theirs.fileno(), 3)
+            os.closerange(4, 1 << 20)  # the zygote's control socket, wake-up pipe, other channels
+            _supervisor_main(socket.socket(fileno=3))
+        finally:
+            os._exit(0)
+    theirs.close()
+    return pid, mine
+
+
+def _forget_zygote_signals() -> None:
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
+def _private_filesystem() -> None:
+    """Fresh tmpfs over the world-writable dirs, home dirs hidden, the interpreter kept reachable for
+    unprivileged uids (pyenv installs live under /root, mode 0700)."""
+    def call(*argv: str) -> None:
+        if os.waitpid(os.posix_spawnp(argv[0], argv, {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin"}), 0)[1]:
+            raise OSError(f"{' '.join(argv)} failed")
+
+    for path in PRIVATE_TMPFS:
+        if os.path.isdir(path):
+            call("mount", "-t", "tmpfs", "-o", "mode=1777,size=512m,nr_inodes=65536,nosuid,nodev", "tmpfs", path)
+    prefix = os.path.realpath(sys.base_prefix)
+    hidden = [p for p in ("/root", "/home") if os.path.isdir(p)]
+    keep = any(prefix.startswith(p + "/") for p in hidden)
+    stash = "/tmp/.kiln-python"
+    if keep:
+        os.mkdir(stash)
+        call("mount", "--bind", prefix, stash)
+    for path in hidden:
+        call("mount", "-t", "tmpfs", "-o", "mode=755,size=1m", "tmpfs", path)
+    if keep:
+        os.makedirs(prefix)
+        call("mount", "--bind", "-o", "ro", stash, prefix)
+        call("umount", stash)
+        os.rmdir(stash)
+
+
+class _RunIds(NamedTuple):
+    program_uid: int
+    switch_uids: bool
+    index: int
+    marker: str
+
+    @property
+    def uids(self) -> tuple[int, ...]:
+        return (self.program_uid, self.program_uid + 1) if self.switch_uids else ()
+
+    def uid(self, which: int) -> int | None:
+        return self.uids[which] if self.switch_uids else None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Supervisor: root, trusted, one job at a time
+
+def _supervisor_main(channel: socket.socket) -> None:
+    exits: dict[int, int] = {}  # program pid -> wait status, as the zygote reports them
+    for jobs_done in range(JOBS_PER_SUPERVISOR):
+        message, fds = _await(channel, "job", exits)
+        if message is None:
+            return
+        conn = socket.socket(fileno=fds[0])
+        try:
+            reply = _serve(_recv(conn), _RunIds(*message[1]), channel, exits)
+        except BaseException:
+            import traceback
+
+            reply = {"sandbox_error": traceback.format_exc()}
+        exits.clear()
+        if jobs_done + 1 < JOBS_PER_SUPERVISOR:
+            _tell(channel, ("idle",))  # before replying, so the zygote knows by the caller's next job
+        try:
+            _send(conn, reply)
+        except OSError:
+            pass
+        conn.close()
+
+
+def _await(channel: socket.socket, kind: str, exits: dict[int, int]):
+    """The next message of `kind` from the zygote, filing exit reports on the way."""
+    while True:
+        message, fds = _hear(channel)
+        if message is None or message[0] == kind:
+            return message, fds
+        if message[0] == "exit":
+            exits[message[1]] = message[2]
+
+
+def _spawn(channel: socket.socket, exits: dict, ids: _RunIds, uid: int | None, limits: dict, budget: float,
+           cwd: str, fds: list[int]) -> int:
+    _tell(channel, ("spawn", (uid, limits, budget, cwd, ids.marker)), fds)
+    for fd in fds:
+        os.close(fd)
+    message, _ = _await(channel, "pid", exits)
+    return message[1]
+
+
+def _serve(job: dict, ids: _RunIds, channel: socket.socket, exits: dict) -> list:
+    limits = job["limits"]
+    if job["kind"] == "run":
+        deadline = time.monotonic() + limits["total_timeout"]
+        results = []
+        for stdin in job["stdins"]:
+            budget = min(limits["timeout"], deadline - time.monotonic())
+            results.append(_run_program(job["source"], stdin, limits, ids, budget, channel, exits)
+                           if budget > 0 else None)
+        return results
+    deadline = time.monotonic() + _suite_budget(limits, job["n"])
+    tmp = _make_tmp(ids)
+    mine, theirs = socket.socketpair()
+    null = os.open(os.devnull, os.O_RDWR)
+    pid = _spawn(channel, exits, ids, ids.uid(0), limits, deadline - time.monotonic(), tmp,
+                 [null, os.dup(null), os.dup(null), theirs.detach()])
+    _send(mine, ("serve", job["source"], job["suite"]["kind"] == "call"))
+    verdicts = _run_tests(job["suite"], mine, ids.uid(1), deadline)
+    mine.close()
+    _kill_run(ids, pid, channel, exits)
+    _cleanup(tmp, ids)
+    return verdicts
+
+
+def _run_program(source: str, stdin: bytes, limits: dict, ids: _RunIds, budget: float, channel: socket.socket,
+                 exits: dict) -> dict:
+    tmp = _make_tmp(ids)
+    (stdin_r, stdin_w), (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe(), os.pipe()
+    mine, theirs = socket.socketpair()
+    started = time.monotonic()
+    pid = _spawn(channel, exits, ids, ids.uid(0), limits, budget, tmp, [stdin_r, out_w, err_w, theirs.detach()])
+    _send(mine, ("run", source))
+    mine.close()
+    pumped = _pump(pid, channel, exits, {out_r: "stdout", err_r: "stderr"}, stdin, stdin_w, budget,
+                   limits["max_output"])
+    _kill_run(ids, pid, channel, exits)
+    _cleanup(tmp, ids)
+    code = None if pumped["status"] is None else os.waitstatus_to_exitcode(pumped["status"])
+    stderr = pumped["stderr"].decode(errors="replace")
+    return {"stdout": pumped["stdout"].decode(errors="replace"), "stderr": stderr, "returncode": code,
+            "timed_out": pumped["timed_out"] or code in (-signal.SIGXCPU, -signal.SIGKILL),
+            "memory_exceeded": (stderr.strip().splitlines() or [""])[-1].startswith("MemoryError"),
+            "output_overflow": pumped["overflow"], "wall_time": time.monotonic() - started}
+
+
+def _pump(pid: int, channel: socket.socket, exits: dict, readers: dict[int, str], stdin: bytes, stdin_fd: int,
+          budget: float, cap: int) -> dict:
+    """Feed stdin and drain the readers until `pid` exits, the budget runs out or an output passes `cap`."""
+    deadline = time.monotonic() + budget
+    got = {name: bytearray() for name in readers.values()}
+    timed_out = overflow = False
+    poller = select.poll()
+    poller.register(channel, select.POLLIN)
+    for fd in readers:
+        os.set_blocking(fd, False)
+        poller.register(fd, select.POLLIN)
+    os.set_blocking(stdin_fd, False)
+    poller.register(stdin_fd, select.POLLOUT)
+    pending, open_fds = memoryview(stdin), set(readers) | {stdin_fd}
+    while pid not in exits and not overflow:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timed_out = True
+            break
+        for fd, _ in poller.poll(left * 1000):
+            if fd == channel.fileno():
+                message, _ = _hear(channel)
+                if message is not None and message[0] == "exit":
+                    exits[message[1]] = message[2]
+            elif fd == stdin_fd and fd in open_fds:
+                try:
+                    pending = pending[os.write(fd, pending[:65536]):]
+                except BrokenPipeError:
+                    pending = pending[:0]
+                if not pending:
+                    poller.unregister(fd)
+                    open_fds.discard(fd)
+                    os.close(fd)
+            elif fd in open_fds and not _drain(fd, got[readers[fd]], cap):
+                poller.unregister(fd)
+                open_fds.discard(fd)
+                os.close(fd)
+        overflow = any(len(buf) > cap for buf in got.values())
+    for fd in open_fds:
+        if pid in exits and fd in readers:  # what it wrote before exiting is still in the pipe
+            _drain(fd, got[readers[fd]], cap)
+        os.close(fd)
+    return {"status": exits.get(pid), "timed_out": timed_out, "overflow": overflow,
+            **{name: bytes(buf[:cap]) for name, buf in got.items()}}
+
+
+def _drain(fd: int, buf: bytearray, cap: int) -> bool:
+    """Read what is available (up to just past `cap`); False at EOF."""
+    while len(buf) <= cap:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return True
+        if not chunk:
+            return False
+        buf += chunk
+    return True
+
+
+def _make_tmp(ids: _RunIds) -> str:
+    tmp = f"/tmp/kiln-{ids.marker}-{os.urandom(3).hex()}"
+    os.mkdir(tmp, 0o700)
+    if ids.switch_uids:
+        os.chown(tmp, ids.program_uid, ids.program_uid)
+    return tmp
+
+
+def _kill_run(ids: _RunIds, pid: int, channel: socket.socket, exits: dict) -> None:
+    """Kill every process of the run, however far it wandered from its parent."""
+    _kill_once(ids, [pid], scan=False)
+    while pid not in exits:  # scanning before the zygote has reaped the program would only find it dying
+        message, _ = _hear(channel)
+        if message is None:
+            break
+        if message[0] == "exit":
+            exits[message[1]] = message[2]
+    for attempt in range(3000):
+        if not _kill_once(ids, [pid]):
+            return
+        time.sleep(0.0002 if attempt < 100 else 0.01)
+    raise SandboxError(f"processes of run {ids.index} survived SIGKILL for 30s")
+
+
+def _kill_once(ids: _RunIds, group_leaders: list[int], scan: bool = True) -> list[int]:
+    """SIGKILL the run once; return the processes of the run still there (zombies included: the zygote reaps
+    them as soon as they appear)."""
+    for uid in ids.uids:
+        os.setresuid(uid, uid, 0)  # kill(-1) as the run's uid reaches exactly that uid's processes
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        finally:
+            os.setresuid(0, 0, 0)
+    found = []
+    for pid in group_leaders if not ids.switch_uids else ():
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    needle = f"KILN_RUN={ids.marker}".encode()
+    for entry in os.listdir("/proc") if scan else ():  # kill(-1)'s result cannot tell: it counts everyone
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/status", "rb") as f:
+                status = f.read()
+            if ids.switch_uids:
+                hit = int(status[status.index(b"\nUid:") + 5:].split()[0]) in ids.uids
+            else:  # one uid for everything: the environment marker finds daemons that kept it
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    hit = needle in f.read().split(b"\0")
+                if hit:
+                    os.kill(int(entry), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
+        if hit:
+            found.append(int(entry))
+    return found
+
+
+def _cleanup(tmp: str, ids: _RunIds) -> None:
+    leftovers = [tmp]
+    for top in PRIVATE_TMPFS if ids.switch_uids else ():  # what the run wrote outside its temp dir
+        try:
+            leftovers += [e.path for e in os.scandir(top)
+                          if e.path != tmp and e.stat(follow_symlinks=False).st_uid in ids.uids]
+        except OSError:
+            pass
+    for path in leftovers:
+        try:  # usually an empty dir, or one holding solution.py
+            if os.path.isdir(path) and not os.path.islink(path):
+                if os.path.exists(path + "/solution.py"):
+                    os.unlink(path + "/solution.py")
+                os.rmdir(path)
+            else:
+                os.unlink(path)
+        except OSError:
+            import shutil
+
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The program (untrusted), forked by the zygote: fd 0-2 as given, fd 3 brings its job
+
+def _program_main(spec: tuple, fds: list[int]) -> None:
+    uid, limits, budget, cwd, marker = spec
+    try:
+        _forget_zygote_signals()
+        os.setsid()
+        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 256) for fd in fds]  # out of the way of the dup2s
+        for target, fd in enumerate(moved):
+            os.dup2(fd, target)
+        os.closerange(len(fds), 1 << 20)
+        os.chdir(cwd)
+        for which, value in ((resource.RLIMIT_AS, limits["memory_mb"] << 20), (resource.RLIMIT_CORE, 0),
+                             (resource.RLIMIT_NPROC, limits["nproc"]), (resource.RLIMIT_NOFILE, limits["nofile"]),
+                             (resource.RLIMIT_FSIZE, limits["fsize_mb"] << 20)):
+            resource.setrlimit(which, (value, value))
+        cpu = math.ceil(budget) + 1
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        # Deep recursion through C frames (lru_cache, ...) needs main-thread stack; threads keep their 8 MiB.
+        hard = resource.getrlimit(resource.RLIMIT_STACK)[1]
+        resource.setrlimit(resource.RLIMIT_STACK, (256 << 20 if hard == resource.RLIM_INFINITY else hard, hard))
+        if uid is not None:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+        os.environ.update({"HOME": cwd, "TMPDIR": cwd, "KILN_RUN": marker})
+        sys.argv = ["solution.py"]
+        sock = socket.socket(fileno=3)
+        job = _recv(sock)
+        if job[0] == "run":
+            sock.close()
+            _exec_program(job[1])
+        _serve_program(sock, job[1], job[2])
+    finally:
+        os._exit(127)
+
+
+def _program_module(leetcode: bool) -> dict:
+    """A fresh `__main__` namespace; LeetCode-style code gets `typing` names and common modules, as on those
+    judges."""
+    module = type(sys)("__main__")
+    module.__file__ = "solution.py"
+    sys.modules["__main__"] = module
+    if leetcode:
+        module.__dict__.update({name: getattr(typing, name) for name in typing.__all__})
+        module.__dict__.update({name: sys.modules[name] for name in LEETCODE_MODULES})
+    return module.__dict__
+
+
+def _exec_program(source: str) -> None:
+    """Behave like `python solution.py`: exit status from SystemExit, traceback on stderr, threads joined."""
+    code = 0
+    try:
+        with open("solution.py", "w") as f:  # for the traceback's source lines
+            f.write(source)
+        exec(compile(source, "solution.py", "exec", dont_inherit=True), _program_module(False))
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException as e:
+        e.__traceback__ = e.__traceback__.tb_next  # start at the program's own frames
+        sys.__excepthook__(type(e), e, e.__traceback__)
+        code = 1
+    threading = sys.modules.get("threading")
+    for thread in threading.enumerate() if threading else ():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    os._exit(code & 0xFF)
+
+
+class _Encoder(pickle.Pickler):
+    """The program's side: plain values by value, anything else as a handle into `objects`."""
+
+    def persistent_id(self, obj):
+        if id(type(obj)) in self.plain or id(obj) in self.plain:  # type objects pickle by name
+            return None
+        self.objects[id(obj)] = obj  # kept alive: the tests may hand the handle back
+        return id(obj)
+
+
+class _Decoder(pickle.Unpickler):
+    def persistent_load(self, pid):
+        return self.objects[pid]
+
+
+def _plain_type_ids() -> set[int]:
+    """ids of the PLAIN types; a module the program never imported cannot have produced its types."""
+    found = {id(type(None))}
+    for module_name, names in PLAIN.items():
+        module = builtins if module_name == "builtins" else sys.modules.get(module_name)
+        found.update(id(getattr(module, name)) for name in names if isinstance(getattr(module, name, None), type))
+    return found
+
+
+def _serve_program(sock: socket.socket, source: str, leetcode: bool) -> None:
+    """Run the module, then answer the tests' requests until they hang up."""
+    objects: dict[int, object] = {}
+
+    def reply(message) -> None:
+        if type(message[-1]) in (int, float, str, bool, type(None)):  # nothing to turn into a handle
+            data = pickle.dumps(message, protocol=5)
+        else:
+            buf = io.BytesIO()
+            encoder = _Encoder(buf, protocol=5)
+            encoder.plain, encoder.objects = _plain_type_ids(), objects
+            encoder.dump(message)
+            data = buf.getvalue()
+        sock.sendall(struct.pack("<Q", len(data)) + data)
+
+    def error(e: BaseException):
+        return ("err", type(e).__name__, str(e)[:500])
+
+    try:
+        namespace = _program_module(leetcode)
+        exec(compile(source, "solution.py", "exec", dont_inherit=True), namespace)
+        reply(("ok", None))
+    except BaseException as e:
+        reply(error(e))
+        os._exit(1)
+    while True:
+        try:
+            (size,) = struct.unpack("<Q", _recv_exact(sock, 8))
+            decoder = _Decoder(io.BytesIO(_recv_exact(sock, size)))
+            decoder.objects = objects
+            op, ref, args, kwargs = decoder.load()
+        except EOFError:
+            os._exit(0)
+        try:
+            if isinstance(ref, str) and ref not in namespace:
+                raise NameError(f"name {ref!r} is not defined", name=ref)
+            target = namespace[ref] if isinstance(ref, str) else objects[ref]
+            result = (target if op == "get" else target(*args, **kwargs) if op == "call" else
+                      getattr(target, args) if op == "getattr" else setattr(target, args, kwargs)
+                      if op == "setattr" else list(target))
+            message = ("ok", result)
+        except BaseException as e:
+            message = error(e)
+        try:
+            reply(message)
+        except BaseException as e:  # e.g. too deeply nested to encode
+            reply(error(e))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The tests, run by the supervisor as the run's second uid, calling into the program
+
+class ProgramError(Exception):
+    """An exception from inside the program with no builtin equivalent, or the program's death."""
+    from_program = True
+
+
+class _Remote:
+    """An object living in the program. Calls, attribute reads/writes and iteration are forwarded; equality
+    is identity, so a handle never equals an expected value."""
+    __slots__ = ("_ref", "_rpc")
+
+    def __init__(self, ref, rpc):
+        object.__setattr__(self, "_ref", ref)
+        object.__setattr__(self, "_rpc", rpc)
+
+    def __call__(self, *args, **kwargs):
+        return self._rpc("call", self._ref, args, kwargs)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self._rpc("getattr", self._ref, name, None)
+
+    def __setattr__(self, name: str, value) -> None:
+        self._rpc("setattr", self._ref, name, value)
+
+    def __iter__(self):
+        return iter(self._rpc("list", self._ref, None, None))
+
+    def __repr__(self) -> str:
+        return "<program object>"
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a handle is sent by reference")  # sends the caller to _TestsEncoder
+
+
+class _TestsEncoder(pickle.Pickler):
+    def persistent_id(self, obj):
+        return obj._ref if type(obj) is _Remote else None
+
+
+class _TestsDecoder(pickle.Unpickler):
+    """Only PLAIN classes can be named in a reply; handles become `_Remote`s."""
+
+    def find_class(self, module, name):
+        if name not in PLAIN.get(module, ()) or name == "NoneType":
+            raise pickle.UnpicklingError(f"the program sent a {module}.{name}")
+        return getattr(__import__(module), name)
+
+    def persistent_load(self, pid):
+        return _Remote(pid, self.rpc)
+
+
+def _rpc_client(sock: socket.socket):
+    def receive():
+        try:
+            (size,) = struct.unpack("<Q", _recv_exact(sock, 8))
+            if size > 256 << 20:
+                raise ProgramError("reply larger than 256 MiB")
+            decoder = _TestsDecoder(io.BytesIO(_recv_exact(sock, size)))
+            decoder.rpc = rpc
+            message = decoder.load()
+            if type(message) is not tuple or message[0] not in ("ok", "err"):
+                raise ValueError(f"not a reply: {message!r:.100}")
+        except (EOFError, OSError):
+            raise ProgramError("the program exited") from None
+        except Exception as e:  # the program wrote to its end of the socket itself, or broke its own server
+            raise ProgramError(f"malformed reply: {e}") from None
+        if message[0] == "ok":
+            return message[1]
+        _, name, text = message
+        cls = getattr(builtins, name, None)
+        error = cls(text) if isinstance(cls, type) and issubclass(cls, Exception) else ProgramError(f"{name}: {text}")
+        error.from_program = True
+        raise error
+
+    def rpc(op, ref, args, kwargs):
+        try:
+            data = pickle.dumps((op, ref, args, kwargs), protocol=5)
+        except TypeError:  # handles among the arguments
+            buf = io.BytesIO()
+            _TestsEncoder(buf, protocol=5).dump((op, ref, args, kwargs))
+            data = buf.getvalue()
+        sock.sendall(struct.pack("<Q", len(data)) + data)
+        return receive()
+
+    return rpc, receive
+
+
+class _Deadline(BaseException):
+    """The suite's time is up (raised by SIGALRM while the supervisor runs the tests)."""
+
+
+def _run_tests(suite: dict, sock: socket.socket, uid: int | None, deadline: float) -> list[tuple[str, str]]:
+    """Run the suite as `uid` (keeping root as the saved uid, to clean up after), calling the program over
+    `sock`. The program cannot signal or trace us: another uid, and not dumpable after the uid change."""
+    rpc, receive = _rpc_client(sock)
+    n = len(suite["asserts"]) if suite["kind"] == "assert" else len(suite["args"])
+    verdicts: list[tuple[str, str]] = []
+
+    def on_alarm(*_):
+        if time.monotonic() >= deadline:
+            raise _Deadline
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(deadline - time.monotonic(), 0.001), 0.05)  # repeats if caught
+    # A CPU-bound hang inside C code ignores SIGALRM: then the CPU limit ends us and the zygote cleans up.
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = math.ceil(used.ru_utime + used.ru_stime + deadline - time.monotonic()) + 5
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, resource.RLIM_INFINITY))
+    gc.disable()
+    if uid is not None:
+        os.setresgid(uid, uid, 0)
+        os.setresuid(uid, uid, 0)
+    try:
+        try:
+            receive()  # the program's module has run
+            run_test = _assert_runner(suite, rpc) if suite["kind"] == "assert" else _call_runner(suite, rpc)
+        except _Deadline:
+            raise
+        except BaseException as e:
+            # The setup may use the program's names (MBPP builds trees of the program's Node class).
+            blamed = getattr(e, "from_program", False) or isinstance(e, NameError) and e.name in suite.get("before", ())
+            return [(_classify(e) if blamed else "harness_error", f"before the tests: {_describe(e)}")] * n
+        for i in range(n):
+            try:
+                detail = run_test(i)
+                verdicts.append(("pass", "") if detail is None else ("wrong_answer", detail))
+            except _Deadline:
+                raise
+            except BaseException as e:
+                verdicts.append((_classify(e), _describe(e)))
+            if verdicts[-1][0] != "pass" and suite.get("stop"):
+                return verdicts + [("not_run", "")] * (n - len(verdicts))
+    except _Deadline:
+        return verdicts + [("timeout", "time limit reached")] * (n - len(verdicts))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        if uid is not None:
+            os.setresuid(0, 0, 0)
+            os.setresgid(0, 0, 0)
+        gc.enable()
+    return verdicts
+
+
+def _describe(e: BaseException) -> str:
+    import reprlib
+
+    return f"{type(e).__name__}: {reprlib.repr(str(e))[1:-1]}"[:500]
+
+
+def _classify(e: BaseException) -> str:
+    if isinstance(e, MemoryError):
+        return "memory"
+    if isinstance(e, AssertionError) and not getattr(e, "from_program", False):
+        return "wrong_answer"
+    return "runtime_error"
+
+
+def _assert_runner(suite: dict, rpc):
+    namespace: dict = {"__name__": "__kiln_tests__"}
+    tests = [compile(text, f"test_{i}.py", "exec") for i, text in enumerate(suite["asserts"])]
+    for name in suite["modules"]:  # the tests' own module, never the program's
+        namespace[name] = __import__(name)
+
+    def bind(names: list[str]) -> None:
+        for name in names:
+            try:
+                namespace[name] = rpc("get", name, None, None)
+            except NameError:
+                namespace.pop(name, None)  # no stand-in from the setup (a HumanEval stub): the test must fail
+
+    bind(suite["before"])
+    exec(compile(suite["setup"], "tests_setup.py", "exec"), namespace)
+    bind(suite["after"])
+    return lambda i: exec(tests[i], namespace)
+
+
+def _call_runner(suite: dict, rpc):
+    target = []
+
+    def run_test(i: int):
+        if not target:
+            try:
+                target.append(rpc("get", suite["fn_name"], None, None))
+            except NameError:
+                target.append(getattr(rpc("get", "Solution", None, None)(), suite["fn_name"]))
+        args, expected = suite["args"][i], suite["expected"][i]
+        got = _as_lists(target[0](*args))
+        if _equal(got, expected, suite["lenient"]) or (
+                type(expected) is list and len(expected) == 1 and _equal(got, expected[0], suite["lenient"])):
+            return None
+        import reprlib
+
+        return f"args {reprlib.repr(args)}: expected {reprlib.repr(expected)}, got {reprlib.repr(got)}"
+
+    return run_test
+
+
+def _as_lists(value):
+    """Tuples read as lists, as in the JSON the expected values come from."""
+    if type(value) in (list, tuple):
+        return [_as_lists(v) for v in value]
+    if type(value) is dict:
+        return {k: _as_lists(v) for k, v in value.items()}
+    return value
+
+
+def _equal(got, expected, lenient: bool) -> bool:
+    if type(got) is _Remote:
+        return False
+    if lenient and type(got) in (int, float) and type(expected) in (int, float):
+        return math.isclose(got, expected, rel_tol=1e-5, abs_tol=1e-8)
+    if lenient and type(got) is list and type(expected) is list:
+        return len(got) == len(expected) and all(_equal(a, b, lenient) for a, b in zip(got, expected))
+    return got == expected
+
