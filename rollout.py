@@ -141,6 +141,8 @@ def encode_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], lis
     """
     ids, mask, rendered = [], [], ""
     for i, message in enumerate(messages):
+        if message["role"] == "tool" and messages[i + 1 :] and messages[i + 1]["role"] == "tool":
+            continue  # consecutive tool messages share one user turn: rendered together, with the last of them
         if message["role"] == "assistant":
             header = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
             glue = tokenizer(header[len(rendered):], add_special_tokens=False)["input_ids"]
@@ -389,3 +391,283 @@ class VLLMEngine:
         self.state = "asleep"
         self.last_metrics["vllm/sleep_seconds"] = time.perf_counter() - start
 # =========================================== end of the VLLMEngine section ============================================
+
+
+# ======================================================================================================================
+# Multi-turn agent loop: generate a turn, parse its Qwen2.5 tool calls, run them concurrently, append the tool messages
+# as the chat template formats them, continue. Token-in-token-out: a trajectory is the prompt ids, then generated ids
+# and template ids in turn; the template ids of new messages are the suffix the template renders for them (only that
+# suffix is tokenized, never the trajectory). Loss mask 1 exactly on generated tokens. `check_tito` reports drift.
+# ======================================================================================================================
+import dataclasses  # noqa: E402  (this section's own imports, kept with the section)
+import inspect  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from typing import Callable  # noqa: E402
+
+END_OF_TURN = "<|im_end|>"
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+@dataclass
+class ToolResult:
+    text: str
+    images: list[bytes] = field(default_factory=list)  # PNG bytes, shown to the model as image parts
+    error: bool = False  # the call failed (bad arguments, exception, timeout): counted in the metrics
+
+
+@dataclass
+class ToolBox:
+    """One trajectory's tools: name -> function(arguments) -> ToolResult, their JSON signatures for the prompt,
+    and what releases their state when the trajectory ends."""
+
+    tools: dict[str, Callable[[dict], ToolResult]]
+    schemas: list[dict]
+    close: Callable[[], None] = lambda: None
+
+
+@dataclass
+class AgentLimits:
+    max_turns: int = 4  # assistant turns per trajectory
+    max_total_tokens: int = 4096  # prompt + everything after it
+    max_tool_response_tokens: int = 512  # longer tool outputs are cut and marked
+
+
+def parse_tool_calls(text: str, known: set[str]) -> list[dict | str]:
+    """Qwen2.5 tool calls in an assistant turn, in order: {"name", "arguments"} for a valid call, an error message
+    (str) for a malformed one, so the model is told instead of the rollout crashing."""
+    calls: list[dict | str] = []
+    for body in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as e:
+            calls.append(f"Error: the tool call is not valid JSON ({e.msg} at position {e.pos}): {body.strip()[:200]}")
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            calls.append('Error: a tool call must be a JSON object {"name": <string>, "arguments": <object>}')
+            continue
+        arguments = call.get("arguments", {})
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        if not isinstance(arguments, dict):
+            calls.append(f"Error: the arguments of {call['name']!r} must be a JSON object")
+        elif call["name"] not in known:
+            calls.append(f"Error: unknown tool {call['name']!r}; available: {', '.join(sorted(known))}")
+        else:
+            calls.append({"name": call["name"], "arguments": arguments})
+    if text.count("<tool_call>") > len(TOOL_CALL.findall(text)):
+        calls.append("Error: a <tool_call> was opened but not closed with </tool_call>")
+    return calls
+
+
+def render(tokenizer, messages: list[dict], schemas: list[dict] | None, add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tools=schemas or None, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def template_suffix_ids(tokenizer, messages: list[dict], new_messages: list[dict], schemas: list[dict] | None) -> list[int]:
+    """Ids the chat template appends after a trajectory that ends on its last assistant turn's end-of-turn token,
+    for `new_messages` plus the next assistant header: the template's glue after that token, then the new ones."""
+    before = render(tokenizer, messages, schemas, add_generation_prompt=False)
+    after = render(tokenizer, messages + new_messages, schemas, add_generation_prompt=True)
+    if not after.startswith(before):
+        raise ValueError("the chat template does not render the new messages as an extension of the conversation")
+    cut = before.rindex(END_OF_TURN) + len(END_OF_TURN)  # the trajectory ends right after this token
+    return tokenizer(after[cut:], add_special_tokens=False)["input_ids"]
+
+
+def truncate_tool_text(tokenizer, text: str, max_tokens: int) -> tuple[str, bool]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) <= max_tokens:
+        return text, False
+    return tokenizer.decode(ids[:max_tokens]) + f"\n[... truncated {len(ids) - max_tokens} tokens]", True
+
+
+def tool_message(result: ToolResult) -> dict:
+    if not result.images:
+        return {"role": "tool", "content": result.text}
+    return {"role": "tool", "content": [{"type": "text", "text": result.text}] + [{"type": "image"}] * len(result.images)}
+
+
+def call_tool(box: ToolBox, call: dict | str) -> tuple[ToolResult, float]:
+    """One call (or a parse error) -> its result and wall seconds; a tool's exception becomes an error result."""
+    if isinstance(call, str):
+        return ToolResult(call, error=True), 0.0
+    start = time.perf_counter()
+    try:
+        result = box.tools[call["name"]](call["arguments"])
+    except Exception as e:  # a tool bug must not kill the rollout: the model sees it, the metrics count it
+        result = ToolResult(f"Error: {call['name']} raised {type(e).__name__}: {e}", error=True)
+    return result, time.perf_counter() - start
+
+
+@dataclass
+class Trajectory:
+    row: dict
+    group: int
+    box: ToolBox
+    messages: list[dict]
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    images: list[bytes] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_seconds: float = 0.0
+    truncated_responses: int = 0
+    finish_reason: str = ""  # "stop", "length" (a turn ran out of tokens), "max_turns", "max_total_tokens"
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+def run_agent(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampling: Sampling,
+              new_toolbox: Callable[[dict], ToolBox], limits: AgentLimits = AgentLimits(),
+              first_group: int = 0) -> tuple[list[Sample], dict]:
+    """Multi-turn rollout: each row's prompt `group_size` times; every turn is generated for all live trajectories
+    in one engine call, then all their tool calls run concurrently. Returns samples (info: messages, images, tool
+    schemas, turn and tool counts) and metrics. Toolboxes are always closed."""
+    start = time.perf_counter()
+    eot = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+    trajectories: list[Trajectory] = []
+    try:
+        for i in range(len(rows) * group_size):
+            row = rows[i // group_size]
+            box = new_toolbox(row)
+            trajectories.append(Trajectory(row, first_group + i // group_size, box, list(row["prompt"]), []))
+            prompt_text = render(tokenizer, row["prompt"], box.schemas, add_generation_prompt=True)
+            trajectories[-1].prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            while _any_live_anywhere(live := [t for t in trajectories if not t.finish_reason]):
+                _agent_turn(engine, tokenizer, live, sampling, limits, eot, pool)
+    finally:
+        for t in trajectories:
+            t.box.close()
+    samples = [Sample(
+        prompt_ids=t.prompt_ids, completion_ids=t.completion_ids, loss_mask=t.loss_mask, engine_logprobs=t.logprobs,
+        row=t.row, group=t.group, finish_reason=t.finish_reason,
+        text="\n".join(m["content"] for m in t.messages[len(t.row["prompt"]):] if m["role"] == "assistant"),
+        info={"messages": t.messages, "images": t.images, "tools": t.box.schemas, "turns": t.turns,
+              "tool_calls": t.tool_calls, "tool_errors": t.tool_errors})
+        for t in trajectories]
+    seconds = time.perf_counter() - start
+    n = len(trajectories)
+    generated = sum(sum(t.loss_mask) for t in trajectories)
+    metrics = {
+        "rollout/seconds": seconds,
+        "rollout/tokens_per_s": generated / max(seconds, 1e-9),
+        "rollout/truncated_frac": sum(t.finish_reason != "stop" for t in trajectories) / n,
+        "tools/turns_mean": sum(t.turns for t in trajectories) / n,
+        "tools/calls_mean": sum(t.tool_calls for t in trajectories) / n,
+        "tools/errors_mean": sum(t.tool_errors for t in trajectories) / n,
+        "tools/seconds": sum(t.tool_seconds for t in trajectories),
+        "tools/truncated_responses": sum(t.truncated_responses for t in trajectories),
+    }
+    for reason in ("length", "max_turns", "max_total_tokens"):
+        metrics[f"rollout/finish_{reason}_frac"] = sum(t.finish_reason == reason for t in trajectories) / n
+    return samples, metrics
+
+
+def _any_live_anywhere(live: list) -> bool:
+    """Whether any rank still has a live trajectory. Under torchrun every rank must make the same number of engine
+    calls (HFEngine's FSDP forwards and a TP-sharded vLLM engine are collectives), so ranks turn together."""
+    flag = torch.tensor(float(bool(live)))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() > 0
+
+
+def _agent_turn(engine: Engine, tokenizer, live: list[Trajectory], sampling: Sampling, limits: AgentLimits,
+                eot: int, pool: ThreadPoolExecutor) -> None:
+    if not live:  # other ranks still turn: one throwaway token keeps this rank's collectives in step
+        _generate(engine, [[tokenizer.pad_token_id]], dataclasses.replace(sampling, max_new_tokens=1), [[]])
+        return
+    budget = min(max(limits.max_total_tokens - t.length for t in live), sampling.max_new_tokens)
+    turn_sampling = dataclasses.replace(sampling, max_new_tokens=max(budget, 1))
+    completions = _generate(engine, [t.prompt_ids + t.completion_ids for t in live], turn_sampling,
+                            [t.images for t in live])
+    pending = []
+    for t, c in zip(live, completions):
+        room = limits.max_total_tokens - t.length
+        ids, logprobs = c.token_ids[:room], c.logprobs[:room]  # the batch budget follows the longest trajectory
+        t.completion_ids += ids
+        t.loss_mask += [1] * len(ids)
+        t.logprobs += logprobs
+        t.turns += 1
+        ended = bool(ids) and ids[-1] == eot  # only a turn closed by the template's token can take tool results
+        stopped = ended or (c.finish_reason == "stop" and len(ids) == len(c.token_ids))
+        content = tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
+        t.messages.append({"role": "assistant", "content": content})
+        calls = parse_tool_calls(content, set(t.box.tools)) if ended else []
+        if not calls:
+            t.finish_reason = "stop" if stopped else ("max_total_tokens" if len(ids) < len(c.token_ids) else "length")
+        elif t.turns >= limits.max_turns:
+            t.finish_reason = "max_turns"
+        else:
+            pending.append((t, [pool.submit(call_tool, t.box, call) for call in calls]))
+    for t, futures in pending:
+        new_messages = []
+        for future in futures:
+            result, seconds = future.result()
+            text, cut = truncate_tool_text(tokenizer, result.text, limits.max_tool_response_tokens)
+            result.text = text
+            new_messages.append(tool_message(result))
+            t.images += result.images
+            t.tool_calls += 1
+            t.tool_errors += result.error
+            t.tool_seconds += seconds
+            t.truncated_responses += cut
+        ids = template_suffix_ids(tokenizer, t.messages, new_messages, t.box.schemas)
+        if t.length + len(ids) >= limits.max_total_tokens:  # no room left to answer: end on the policy's own turn
+            t.finish_reason = "max_total_tokens"
+            continue
+        t.messages += new_messages
+        t.completion_ids += ids
+        t.loss_mask += [0] * len(ids)
+        t.logprobs += [0.0] * len(ids)
+
+
+def _generate(engine: Engine, prompts: list[list[int]], sampling: Sampling, images: list[list[bytes]]):
+    """Images go to engines that take them (VLLMEngine); a text-only engine sees only their placeholder tokens."""
+    if any(images) and "images" in inspect.signature(engine.generate).parameters:
+        return engine.generate(prompts, sampling, images=[i or None for i in images])
+    return engine.generate(prompts, sampling)
+
+
+def check_tito(tokenizer, sample: Sample, messages: list[dict], tools: list[dict] | None = None) -> list[str]:
+    """Drift between a trajectory and the chat template's rendering of the same messages (tokenized whole): ids that
+    differ, and loss-mask positions that are not exactly the assistant turns' content plus their end-of-turn token.
+    Returns human-readable findings; [] = no drift."""
+    text = render(tokenizer, messages, tools, add_generation_prompt=False)
+    if messages[-1]["role"] == "assistant" and sample.ids and sample.ids[-1] == tokenizer.convert_tokens_to_ids(END_OF_TURN):
+        text = text[: text.rindex(END_OF_TURN) + len(END_OF_TURN)]  # the trajectory ends on the policy's token
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    want, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    findings = []
+    got = sample.ids
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    if first < max(len(got), len(want)):
+        findings.append(f"ids drift at token {first} of {len(got)} (template: {len(want)} tokens): trajectory "
+                        f"{tokenizer.decode(got[first:first + 8])!r} vs template {tokenizer.decode(want[first:first + 8])!r}")
+        return findings
+    spans = []  # character spans of each assistant turn: content + end-of-turn token
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            begin = len(render(tokenizer, messages[:i], tools, add_generation_prompt=True))
+            end = render(tokenizer, messages[: i + 1], tools, add_generation_prompt=False).rindex(END_OF_TURN)
+            spans.append((begin, end + len(END_OF_TURN)))
+    want_mask = [int(any(b <= s and e <= c for b, c in spans)) for s, e in offsets]
+    mask = [0] * len(sample.prompt_ids) + list(sample.loss_mask)
+    wrong = [i for i, (a, b) in enumerate(zip(mask, want_mask)) if a != b]
+    if wrong:
+        findings.append(f"loss mask drift at {len(wrong)} tokens, first {wrong[0]} "
+                        f"({tokenizer.decode(got[wrong[0]:wrong[0] + 1])!r}: mask {mask[wrong[0]]}, want {want_mask[wrong[0]]})")
+    return findings
+# ======================================== end of the multi-turn agent loop section =====================================

@@ -1,0 +1,279 @@
+"""The multi-turn agent loop (rollout.run_agent): token-in-token-out ids, loss masks, tool-call parsing, limits,
+metrics, and check_tito. The engine is scripted (it emits given replies as token ids with known logprobs): the thing
+under test is the loop, not a model."""
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import policy  # noqa: E402
+import rollout  # noqa: E402
+
+CORPUS = ["def add(a, b):\n    return a + b\nprint(add(1, 2))\n", "The answer is 3. Let me check with python.",
+          '{"name": "python", "arguments": {"code": "print(1)"}}', "<think>\nfirst crop the image\n</think>"] * 20
+PYTHON_SCHEMA = {"type": "function", "function": {"name": "python", "description": "run Python",
+                                                  "parameters": {"type": "object",
+                                                                 "properties": {"code": {"type": "string"}}}}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return policy.load_tokenizer(policy.make_tiny_model(tmp_path_factory.mktemp("tiny"), CORPUS))
+
+
+class ScriptedEngine:
+    """Replies by trajectory: the prompt names its script with a marker; the turn is the number of assistant headers
+    in the prompt. Emits the reply's canonical token ids plus <|im_end|>; logprobs encode (call, position)."""
+
+    def __init__(self, tokenizer, scripts: dict[str, list[str]], split_tokens: bool = False):
+        self.tokenizer, self.scripts, self.split_tokens = tokenizer, scripts, split_tokens
+        self.calls, self.emitted = 0, {}
+
+    def generate(self, prompts, sampling):
+        self.calls += 1
+        out = []
+        for prompt in prompts:
+            text = self.tokenizer.decode(prompt)
+            marker = next(m for m in self.scripts if m in text)
+            turn = text.count("<|im_start|>assistant") - 1
+            reply = self.scripts[marker][turn]
+            ids = self.tokenizer(reply, add_special_tokens=False)["input_ids"]
+            if self.split_tokens:  # a valid but non-canonical tokenization: one token per character where possible
+                ids = [i for ch in reply for i in self.tokenizer(ch, add_special_tokens=False)["input_ids"]]
+            ids += [self.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+            finish = "stop" if len(ids) <= sampling.max_new_tokens else "length"
+            ids = ids[: sampling.max_new_tokens]
+            self.emitted.setdefault(marker, []).extend(ids)
+            out.append(rollout.Completion(ids, [-(self.calls + k / 1000) for k in range(len(ids))], finish))
+        return out
+
+    def load_weights(self, weights):
+        return None
+
+    def sleep(self):
+        return None
+
+    def wake_up(self):
+        return None
+
+
+def replay_toolbox(responses: list[dict]):
+    """A toolbox whose "python" tool returns the given tool messages in order (text, images)."""
+    def new_toolbox(row):
+        queue = list(responses)
+        lock = threading.Lock()
+
+        def python(arguments):
+            with lock:
+                message = queue.pop(0)
+            content = message["content"]
+            if isinstance(content, str):
+                return rollout.ToolResult(content)
+            text = "".join(p["text"] for p in content if p["type"] == "text")
+            return rollout.ToolResult(text, images=[b"PNG%d" % i for i, p in enumerate(content) if p["type"] == "image"])
+        return rollout.ToolBox({"python": python}, [])
+    return new_toolbox
+
+
+def assistant_texts(tokenizer, messages):
+    """What the policy must have generated for each assistant message: the template's rendering of it between the
+    assistant header and its end-of-turn token (tool_calls fields rendered into text as the template does)."""
+    texts = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            begin = len(rollout.render(tokenizer, messages[:i], None, True))
+            full = rollout.render(tokenizer, messages[: i + 1], None, False)
+            texts.append(full[begin:full.rindex("<|im_end|>")])
+    return texts
+
+
+def call(code):
+    return {"type": "function", "function": {"name": "python", "arguments": {"code": code}}}
+
+
+FIXTURES = {
+    "consecutive_tools": [
+        {"role": "system", "content": "You are a coder. task-A"},
+        {"role": "user", "content": "What is 1 + 2 and 2 * 3?"},
+        {"role": "assistant", "content": "Let me check with python.", "tool_calls": [call("print(1 + 2)"), call("print(2 * 3)")]},
+        {"role": "tool", "content": "3"},
+        {"role": "tool", "content": "6"},
+        {"role": "assistant", "content": "", "tool_calls": [call("print(add(1, 2))")]},
+        {"role": "tool", "content": "NameError: name 'add' is not defined"},
+        {"role": "assistant", "content": "The answer is 3 and 6."},
+    ],
+    "think": [
+        {"role": "user", "content": "task-B: add two numbers"},
+        {"role": "assistant", "content": "<think>\nfirst write it\n</think>\nLet me check.",
+         "tool_calls": [call("def add(a, b):\n    return a + b\nprint(add(1, 2))")]},
+        {"role": "tool", "content": "3"},
+        {"role": "assistant", "content": "<think>\nit works\n</think>\n```python\ndef add(a, b):\n    return a + b\n```"},
+    ],
+    "image": [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "task-C: crop the image"}]},
+        {"role": "assistant", "content": "", "tool_calls": [call("img.crop((0, 0, 8, 8)).show()")]},
+        {"role": "tool", "content": [{"type": "text", "text": "shown 1 image"}, {"type": "image"}]},
+        {"role": "assistant", "content": "The crop shows a red square."},
+    ],
+}
+
+
+def run_fixture(tokenizer, messages, **engine_kwargs):
+    prompt = messages[: next(i for i, m in enumerate(messages) if m["role"] == "assistant")]
+    marker = next(w for m in prompt for w in str(m["content"]).replace("'", " ").replace(":", " ").split()
+                  if w.startswith("task-"))
+    engine = ScriptedEngine(tokenizer, {marker: assistant_texts(tokenizer, messages)}, **engine_kwargs)
+    samples, metrics = rollout.run_agent(
+        engine, tokenizer, [{"prompt": prompt}], 1, rollout.Sampling(max_new_tokens=1000),
+        replay_toolbox([m for m in messages if m["role"] == "tool"]), rollout.AgentLimits(max_turns=8))
+    return samples[0], metrics, engine.emitted[marker]
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_fixture_trajectory_matches_template_and_sft_encoding(tokenizer, name):
+    messages = FIXTURES[name]
+    sample, metrics, emitted = run_fixture(tokenizer, messages)
+    assert sample.finish_reason == "stop"
+    assert rollout.check_tito(tokenizer, sample, messages) == []
+    # The same ids and mask as SFT's encode_conversation (which ends with the template's newline after the last turn).
+    ids, mask = rollout.encode_conversation(tokenizer, messages)
+    assert ids[:-1] == sample.ids and ids[-1] == tokenizer("\n")["input_ids"][0]
+    assert mask[:-1] == [0] * len(sample.prompt_ids) + sample.loss_mask
+    # Loss mask 1 exactly on the generated ids, engine logprobs nonzero exactly there.
+    assert [i for i, m in zip(sample.completion_ids, sample.loss_mask) if m] == emitted
+    assert all((lp != 0) == bool(m) for lp, m in zip(sample.engine_logprobs, sample.loss_mask))
+    tools = sum(m["role"] == "tool" for m in messages)
+    assert sample.info["tool_calls"] == tools and metrics["tools/calls_mean"] == tools
+    assert sample.info["turns"] == sum(m["role"] == "assistant" for m in messages) == metrics["tools/turns_mean"]
+
+
+def test_image_tool_output_is_placeholders_outside_the_mask(tokenizer):
+    sample, _, _ = run_fixture(tokenizer, FIXTURES["image"])
+    assert sample.info["images"] == [b"PNG1"]
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    positions = [i for i, t in enumerate(sample.completion_ids) if t == pad]
+    assert len(positions) == 1 and sample.loss_mask[positions[0]] == 0
+
+
+def test_check_tito_reports_non_canonical_tokens(tokenizer):
+    sample, _, _ = run_fixture(tokenizer, FIXTURES["think"], split_tokens=True)
+    findings = rollout.check_tito(tokenizer, sample, FIXTURES["think"])
+    assert len(findings) == 1 and findings[0].startswith("ids drift at token")
+
+
+def test_check_tito_reports_mask_drift(tokenizer):
+    sample, _, _ = run_fixture(tokenizer, FIXTURES["consecutive_tools"])
+    sample.loss_mask[-3] = 0
+    findings = rollout.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"])
+    assert len(findings) == 1 and findings[0].startswith("loss mask drift at 1 tokens")
+
+
+WORDS = ["x", "print(x)", "def", "f(a):", "return", "a", "+", "1", "The", "answer", "is", "3.", "<think>", "</think>",
+         "```python", "```", "é", "中文", "(", ")", "=", "for", "in", "range(3):"]
+text = st.lists(st.sampled_from(WORDS), min_size=1, max_size=12).map(
+    lambda ws: ws[0] + "".join(sep + w for sep, w in zip(["\n", " "] * len(ws), ws[1:])))
+turn = st.tuples(text, st.lists(text, max_size=3))  # (assistant prose, code of each tool call)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(turns=st.lists(turn, min_size=1, max_size=4), final=text, responses=st.lists(text, min_size=12, max_size=12))
+def test_random_conversations_masks_are_exactly_the_policy_tokens(tokenizer, turns, final, responses):
+    messages = [{"role": "user", "content": "task-R " + final}]
+    replies = iter(responses)
+    for prose, codes in turns:
+        messages.append({"role": "assistant", "content": prose, "tool_calls": [call(c) for c in codes]})
+        messages += [{"role": "tool", "content": next(replies)} for _ in codes]
+        if not codes:
+            break  # a turn without calls ends the trajectory
+    else:
+        messages.append({"role": "assistant", "content": final})
+    sample, _, emitted = run_fixture(tokenizer, messages)
+    assert rollout.check_tito(tokenizer, sample, messages) == []
+    assert [i for i, m in zip(sample.completion_ids, sample.loss_mask) if m] == emitted
+    ids, mask = rollout.encode_conversation(tokenizer, messages)
+    assert ids[:-1] == sample.ids and mask[:-1] == [0] * len(sample.prompt_ids) + sample.loss_mask
+
+
+def test_parse_tool_calls_reports_malformed_calls():
+    text = ('<tool_call>\n{"name": "python", "arguments": {"code": "1"}}\n</tool_call>'
+            '<tool_call>\n{"name": "python", "arguments": "{\\"code\\": \\"2\\"}"}\n</tool_call>'
+            "<tool_call>{not json}</tool_call><tool_call>[1]</tool_call>"
+            '<tool_call>{"name": "shell", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "python", "arguments": [1]}</tool_call><tool_call>{"name": "python"')
+    calls = rollout.parse_tool_calls(text, {"python"})
+    assert calls[:2] == [{"name": "python", "arguments": {"code": "1"}}, {"name": "python", "arguments": {"code": "2"}}]
+    assert calls[2].startswith("Error: the tool call is not valid JSON")
+    assert calls[3].startswith("Error: a tool call must be a JSON object")
+    assert calls[4] == "Error: unknown tool 'shell'; available: python"
+    assert calls[5] == "Error: the arguments of 'python' must be a JSON object"
+    assert calls[6] == "Error: a <tool_call> was opened but not closed with </tool_call>"
+
+
+def agent(tokenizer, script, tools, limits=rollout.AgentLimits(), max_new_tokens=200, schemas=()):
+    closed = []
+    box = lambda row: rollout.ToolBox(tools, list(schemas), close=lambda: closed.append(1))  # noqa: E731
+    engine = ScriptedEngine(tokenizer, {"task-Z": script})
+    samples, metrics = rollout.run_agent(engine, tokenizer, [{"prompt": [{"role": "user", "content": "task-Z"}]}], 2,
+                                         rollout.Sampling(max_new_tokens=max_new_tokens), box, limits)
+    assert len(closed) == 2  # every trajectory's toolbox is closed
+    return samples, metrics
+
+
+CALL = '<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>'
+
+
+def test_malformed_call_and_tool_exception_reach_the_model_as_errors(tokenizer):
+    def python(arguments):
+        raise RuntimeError("sandbox down")
+    samples, metrics = agent(tokenizer, ["<tool_call>{oops</tool_call>" + CALL, "done"], {"python": python})
+    tool_turn = samples[0].info["messages"][2:4]
+    assert tool_turn[0]["content"].startswith("Error: the tool call is not valid JSON")
+    assert tool_turn[1]["content"] == "Error: python raised RuntimeError: sandbox down"
+    assert metrics["tools/errors_mean"] == 2 and metrics["tools/calls_mean"] == 2
+    assert samples[0].finish_reason == "stop" and samples[0].text.endswith("done")
+
+
+def test_calls_of_a_turn_run_concurrently(tokenizer):
+    barrier = threading.Barrier(4, timeout=10)  # 2 trajectories x 2 calls: all four must be running at once
+
+    def python(arguments):
+        barrier.wait()
+        return rollout.ToolResult("ok")
+    _, metrics = agent(tokenizer, [CALL + CALL, "done"], {"python": python})
+    assert metrics["tools/errors_mean"] == 0 and metrics["tools/calls_mean"] == 2
+
+
+def test_limits_finish_cleanly_and_are_flagged(tokenizer):
+    tools = {"python": lambda a: rollout.ToolResult("1")}
+    samples, metrics = agent(tokenizer, [CALL] * 5, tools, rollout.AgentLimits(max_turns=3))
+    assert [s.finish_reason for s in samples] == ["max_turns"] * 2 and metrics["rollout/finish_max_turns_frac"] == 1
+    assert samples[0].info["turns"] == 3 and samples[0].info["tool_calls"] == 2
+    assert samples[0].loss_mask[-1] == 1  # it ends on the policy's own turn
+
+    samples, metrics = agent(tokenizer, [CALL] * 50, tools, rollout.AgentLimits(max_turns=50, max_total_tokens=150))
+    assert all(s.finish_reason == "max_total_tokens" and len(s.ids) <= 150 for s in samples)
+    assert metrics["rollout/finish_max_total_tokens_frac"] == 1 and samples[0].loss_mask[-1] == 1
+
+    samples, _ = agent(tokenizer, ["a long answer " * 20], tools, max_new_tokens=5)
+    assert [s.finish_reason for s in samples] == ["length"] * 2 and samples[0].loss_mask == [1] * 5
+
+
+def test_long_tool_output_is_truncated_with_a_marker(tokenizer):
+    tools = {"python": lambda a: rollout.ToolResult("1 2 3 " * 200)}
+    samples, metrics = agent(tokenizer, [CALL, "done"], tools, rollout.AgentLimits(max_tool_response_tokens=20))
+    response = samples[0].info["messages"][2]["content"]
+    assert response.endswith(" tokens]") and "\n[... truncated " in response
+    assert len(tokenizer(response.split("\n[...")[0])["input_ids"]) <= 21
+    assert metrics["tools/truncated_responses"] == 2
+
+
+def test_tool_schemas_are_rendered_in_the_prompt(tokenizer):
+    samples, _ = agent(tokenizer, ["done"], {}, schemas=[PYTHON_SCHEMA])
+    prompt = tokenizer.decode(samples[0].prompt_ids)
+    assert prompt.startswith("<|im_start|>system\n# Tools") and '"name": "python"' in prompt
+    assert rollout.check_tito(tokenizer, samples[0], samples[0].info["messages"], [PYTHON_SCHEMA]) == []
