@@ -408,3 +408,49 @@ def save_hf(model, hf_source_dir, out_dir) -> Path:
         save_torch_state_dict({name: tensor.clone() for name, tensor in state.items()}, out)
     _barrier()
     return out
+
+
+# ======================================================================================================================
+# Value model (the PPO critic): the base model with a scalar head in place of the LM head. It is sharded with
+# shard_model and checkpointed with save_checkpoint/load_checkpoint like the policy (train_ppo.py keeps it in its own
+# <output_dir>/critic/checkpoints/), so everything above applies to it unchanged.
+# ======================================================================================================================
+from transformers import AutoConfig, AutoModelForTokenClassification  # noqa: E402  (this section's own imports)
+
+
+def load_value_model(path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
+    """The model at `path` as transformers' *ForTokenClassification with one label and no dropout (values must not be
+    noisy): a scalar per position. From a causal LM checkpoint the new head starts at zero, so every value starts at 0
+    and every rank holds the same head (FSDP2 shards assume identical replicas); a saved value model keeps its head."""
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config.num_labels = 1
+    config.classifier_dropout = 0.0
+    try:
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            path, config=config, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
+            output_loading_info=True)
+    except ValueError as e:  # the architecture has no token-classification class in transformers
+        raise ValueError(f"{path}: cannot build a value model from {type(config).__name__} ({e})") from e
+    missing = set(info["missing_keys"])
+    if missing - {"score.weight", "score.bias"}:
+        raise ValueError(f"{path}: the value model is missing base weights, e.g. {sorted(missing)[:5]}")
+    if "score.weight" in missing:
+        with torch.no_grad():
+            model.score.weight.zero_()
+            if model.score.bias is not None:
+                model.score.bias.zero_()
+    return model
+
+
+def packed_values(value_model, sequences: list[list[int]]) -> torch.Tensor:
+    """Per-token values of `sequences` in one packed forward (as packed_logprobs: concatenated ids, positions restarting
+    per sequence), flat fp32 aligned like packed_logprobs: entry j is the value of the state before token j, i.e. the
+    head on the hidden state that predicts token j, and 0 at each sequence's first token."""
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise ValueError("packed_values needs at least one sequence and no empty ones")
+    device = next(value_model.parameters()).device
+    ids = torch.tensor([t for s in sequences for t in s], device=device)
+    positions = torch.cat([torch.arange(len(s), device=device) for s in sequences])
+    out = value_model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0, :, 0].float()
+    shifted = torch.cat([out.new_zeros(1), out[:-1]])
+    return torch.where(positions == 0, 0.0, shifted)
