@@ -1211,3 +1211,191 @@ def _equal(got, expected, lenient: bool) -> bool:
         return len(got) == len(expected) and all(_equal(a, b, lenient) for a, b in zip(got, expected))
     return got == expected
 
+
+
+# ======================================================================================================================
+# PythonSession: the agent's stateful Python tool. One interpreter per trajectory in its own process (own session and
+# process group, a private temp dir as cwd and HOME, minimal environment, the Limits' rlimits, killed with its parent by
+# PR_SET_PDEATHSIG). Variables, imports and files persist across calls. Each call has a timeout: an interval timer in
+# the interpreter interrupts that call only (state kept); code that will not be interrupted gets the process killed and
+# a fresh interpreter (reported). PIL images shown or saved and matplotlib figures come back as PNG bytes.
+# ======================================================================================================================
+import atexit  # noqa: E402  (this section's own imports, kept with the section)
+import base64  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import weakref  # noqa: E402
+
+
+class ToolOutput(NamedTuple):
+    stdout: str
+    stderr: str
+    error: str | None  # "ExcType: message" with traceback, "timeout: ...", or None
+    images: list[bytes]  # PNG bytes
+    timed_out: bool
+
+
+_PYTHON_WORKER = r'''
+import base64, contextlib, glob, io, json, os, signal, sys, traceback
+os.environ["MPLBACKEND"] = "Agg"
+proto_in, proto_out = os.fdopen(int(sys.argv[1]), "r"), os.fdopen(int(sys.argv[2]), "w")
+class CallTimeout(BaseException): pass
+def on_alarm(signum, frame): raise CallTimeout()
+signal.signal(signal.SIGALRM, on_alarm)
+namespace = {"__name__": "__main__"}
+shown = []
+def png(image):
+    buf = io.BytesIO(); image.save(buf, format="PNG"); return buf.getvalue()
+def capture_show(self, *args, **kwargs): shown.append(png(self))
+try:
+    from PIL import Image
+    Image.Image.show = capture_show
+    if os.path.exists("input_image.png"):
+        namespace["image"] = Image.open("input_image.png"); namespace["image"].load()
+except ImportError:
+    pass
+def stamp():
+    return {f: os.stat(f).st_mtime_ns for f in glob.glob("**/*", recursive=True)
+            if f.lower().endswith((".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp")) and os.path.isfile(f)}
+for line in proto_in:
+    request = json.loads(line)
+    shown.clear(); before = stamp(); out, err = io.StringIO(), io.StringIO(); error = None; timed_out = False
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            signal.setitimer(signal.ITIMER_REAL, request["timeout"])
+            exec(compile(request["code"], "<tool>", "exec"), namespace)
+        except CallTimeout:
+            timed_out, error = True, f"timeout: the call ran past {request['timeout']}s and was interrupted"
+        except BaseException as e:
+            error = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    images = list(shown)
+    try:
+        for name in sorted(f for f, t in stamp().items() if before.get(f) != t):
+            images.append(png(Image.open(name)))
+        if "matplotlib.pyplot" in sys.modules:
+            plt = sys.modules["matplotlib.pyplot"]
+            for number in plt.get_fignums():
+                buf = io.BytesIO(); plt.figure(number).savefig(buf, format="png"); images.append(buf.getvalue())
+            plt.close("all")
+    except Exception as e:
+        err.write(f"\n[images could not be collected: {type(e).__name__}: {e}]")
+    proto_out.write(json.dumps({"stdout": out.getvalue(), "stderr": err.getvalue(), "error": error,
+                                "timed_out": timed_out,
+                                "images": [base64.b64encode(i).decode() for i in images]}) + "\n")
+    proto_out.flush()
+'''
+
+_LIVE_SESSIONS: weakref.WeakSet = weakref.WeakSet()
+
+
+class PythonSession:
+    """`with PythonSession(input_image=png_bytes) as s: s.run("x = 1"); s.run("print(x)")`. The input image is
+    `input_image.png` in the working directory and, when Pillow is installed, the PIL image `image`."""
+
+    def __init__(self, input_image: bytes | None = None, limits: Limits = Limits(), max_images: int = 4,
+                 max_image_bytes: int = 4 << 20, max_output: int = 1 << 16):
+        self.limits, self.max_images, self.max_image_bytes, self.max_output = limits, max_images, max_image_bytes, max_output
+        self.input_image = input_image
+        self.process = None
+        self.tmp = None
+        self._start()
+        _LIVE_SESSIONS.add(self)
+
+    def _start(self) -> None:
+        self.tmp = tempfile.mkdtemp(prefix="kiln-python-")
+        if self.input_image is not None:
+            with open(os.path.join(self.tmp, "input_image.png"), "wb") as f:
+                f.write(self.input_image)
+        child_reads, parent_writes = os.pipe()
+        parent_reads, child_writes = os.pipe()
+        limits = self.limits
+        env = {"PATH": "/usr/bin:/bin", "HOME": self.tmp, "MPLBACKEND": "Agg", "MPLCONFIGDIR": self.tmp,
+               "PYTHONDONTWRITEBYTECODE": "1"}
+
+        def in_child() -> None:  # runs in the forked child before exec
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the process that started us
+            mb = 1 << 20
+            resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limits.fsize_mb * mb, limits.fsize_mb * mb))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limits.nofile, limits.nofile))
+
+        self.process = subprocess.Popen(
+            [sys.executable, "-I", "-c", _PYTHON_WORKER, str(child_reads), str(child_writes)], cwd=self.tmp, env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=in_child,
+            pass_fds=(child_reads, child_writes))
+        os.close(child_reads)
+        os.close(child_writes)
+        self._send = os.fdopen(parent_writes, "w")
+        self._receive = os.fdopen(parent_reads, "r")
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def run(self, code: str, timeout: float | None = None) -> ToolOutput:
+        """Run `code` in the session. Never raises for anything the code does."""
+        timeout = timeout or self.limits.timeout
+        if self.process is None:
+            raise SandboxError("PythonSession.run after close()")
+        try:
+            self._send.write(json.dumps({"code": code, "timeout": timeout}) + "\n")
+            self._send.flush()
+        except BrokenPipeError:
+            return self._restart("the interpreter had died; a fresh one was started (all state is lost)")
+        ready, _, _ = select.select([self._receive], [], [], timeout + 5)  # grace for collecting images
+        line = self._receive.readline() if ready else ""
+        if not line:
+            why = ("the call ran past its timeout and could not be interrupted" if not ready
+                   else "the interpreter died (memory limit or os._exit?)")
+            return self._restart(f"{why}; it was killed and a fresh one started (all state is lost)", timed_out=not ready)
+        reply = json.loads(line)
+        images = [base64.b64decode(i) for i in reply["images"]]
+        kept = [i for i in images if len(i) <= self.max_image_bytes][: self.max_images]
+        stderr = reply["stderr"][: self.max_output]
+        if len(kept) < len(images):
+            stderr += f"\n[{len(images) - len(kept)} images dropped: at most {self.max_images} of " \
+                      f"{self.max_image_bytes} bytes each]"
+        return ToolOutput(reply["stdout"][: self.max_output], stderr, reply["error"], kept, reply["timed_out"])
+
+    def _restart(self, why: str, timed_out: bool = False) -> ToolOutput:
+        self._kill()
+        self._start()
+        return ToolOutput("", "", why, [], timed_out)
+
+    def _kill(self) -> None:
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # the interpreter and anything it started in its group
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+        self._send.close()
+        self._receive.close()
+        self.process = None
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def close(self) -> None:
+        self._kill()
+
+    def __enter__(self) -> PythonSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+@atexit.register
+def _close_live_sessions() -> None:
+    for session in list(_LIVE_SESSIONS):
+        session.close()
+# =============================================== end of the PythonSession section ===============================================
