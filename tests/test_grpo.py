@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 import data_prep  # noqa: E402
 import policy  # noqa: E402
+import train_sft  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -29,14 +30,18 @@ def task(tmp_path_factory):
     data_prep.write_rows(train, root / "train.parquet")
     data_prep.write_rows(test, root / "test.parquet")
     corpus = [r["prompt"][-1]["content"] + "\n" + r["extra_info"]["solution"] for r in train]
-    return root, policy.make_tiny_model(root / "model", corpus, seed=0)
+    model = policy.make_tiny_model(root / "model", corpus, seed=0)
+    # A short SFT warm start, so that some samples earn partial credit and GRPO has a signal to follow.
+    train_sft.main(train_sft.Args(model=str(model), data=str(root / "train.parquet"), output_dir=str(root / "sft"),
+                                  steps=60, lr=3e-3, batch_size=32, micro_batch_tokens=1024))
+    return root, root / "sft" / "hf"
 
 
 def grpo_command(root: Path, model: Path, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
             str(ROOT / "train_grpo.py"), "--model", str(model), "--data", str(root / "train.parquet"),
             "--output-dir", str(out), "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "24",
-            "--lr", "1e-3", "--save-every", "2", "--sample-every", "2", "--seed", "1", *extra]
+            "--lr", "1e-3", "--micro-batch-tokens", "512", "--save-every", "2", "--sample-every", "2", "--seed", "1", *extra]
 
 
 def env() -> dict:
@@ -68,7 +73,7 @@ def test_two_ranks_with_code_reward_then_kill_and_resume(task, tmp_path):
         assert all(key in m and math.isfinite(m[key]) for m in steps.values()), key
     # The same model generates and trains (HF engine), so the logprobs agree up to float noise.
     assert max(m["mismatch/engine_abs"] for m in steps.values()) <= 1e-3
-    assert all(m["grad_norm"] > 0 for m in steps.values())
+    assert any(m["grad_norm"] > 0 for m in steps.values())  # a step whose groups all tie has no gradient
     evals = [json.loads(line) for line in open(straight / "metrics.jsonl")]
     assert [m["step"] for m in evals if "eval/all/pass_rate" in m] == [0, 3, 6]
     samples = [json.loads(line) for line in open(straight / "samples.jsonl")]
