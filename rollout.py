@@ -670,4 +670,26 @@ def check_tito(tokenizer, sample: Sample, messages: list[dict], tools: list[dict
         findings.append(f"loss mask drift at {len(wrong)} tokens, first {wrong[0]} "
                         f"({tokenizer.decode(got[wrong[0]:wrong[0] + 1])!r}: mask {mask[wrong[0]]}, want {want_mask[wrong[0]]})")
     return findings
+PYTHON_TOOL = {"type": "function", "function": {
+    "name": "python", "description": "Run Python code in a persistent session (variables, imports and files are kept). "
+    "The task's image is `image` (PIL) and input_image.png; images you show or save and matplotlib figures are returned.",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+
+
+def python_toolbox(row: dict) -> ToolBox:
+    """The `python` tool: one sandbox.PythonSession per trajectory, given the row's first image."""
+    import sandbox
+
+    session = sandbox.PythonSession(input_image=(row.get("images") or [None])[0])
+
+    def python(arguments: dict) -> ToolResult:
+        if not isinstance(arguments.get("code"), str):
+            return ToolResult('Error: python needs {"code": <string>}', error=True)
+        out = session.run(arguments["code"])
+        text = out.stdout + out.stderr + (out.error or "")
+        return ToolResult(text or "(no output)", images=out.images, error=out.error is not None)
+
+    return ToolBox({"python": python}, [PYTHON_TOOL], close=session.close)
+
+
 # ======================================== end of the multi-turn agent loop section =====================================

@@ -124,6 +124,17 @@ class Args:
     dry_run: bool = False
     """print the resolved Args and exit"""
 
+    tools: Literal["none", "python"] = "none"
+    """multi-turn agent rollouts with these tools (python: a stateful sandboxed interpreter per trajectory)"""
+    max_turns: int = 4
+    """assistant turns per trajectory (tools on)"""
+    max_total_tokens: int = 2048
+    """prompt + all turns and tool outputs per trajectory (tools on)"""
+    max_tool_response_tokens: int = 512
+    """longer tool outputs are cut and marked (tools on)"""
+    check_tito: bool = False
+    """compare every trajectory with the chat template's rendering of its messages; fail on drift (tools on)"""
+
 
 ScoreFn = Callable[[list[dict], list[str]], list["rewards.Reward"]]
 
@@ -238,8 +249,7 @@ def train_step(t: Trainer) -> dict:
         t.engine.wake_up()
         t.engine.load_weights(policy.iter_full_weights(t.model))
     with timer("rollout"):
-        samples, rollout_metrics = rollout.run(t.engine, t.tokenizer, rows, args.group_size, t.sampling,
-                                               first_group=t.rank * len(rows))
+        samples, rollout_metrics = rollout_samples(t, rows, args.group_size, t.sampling)
         t.engine.sleep()
     metrics |= rollout_metrics | getattr(t.engine, "last_metrics", {})
 
@@ -353,7 +363,7 @@ def evaluate(t: Trainer) -> dict:
     greedy = dataclasses.replace(t.sampling, temperature=0.0)
     t.engine.wake_up()
     t.engine.load_weights(policy.iter_full_weights(t.model))
-    samples, _ = rollout.run(t.engine, t.tokenizer, rows, 1, greedy)
+    samples, _ = rollout_samples(t, rows, 1, greedy)
     t.engine.sleep()
     results = t.score_fn([s.row for s in samples], [s.text for s in samples])
     totals = defaultdict(lambda: [0.0, 0.0, 0.0])  # key -> [count, reward sum, passes]
@@ -377,6 +387,24 @@ def evaluate(t: Trainer) -> dict:
         metrics[f"eval/{key}/pass_rate"] = passes / n
         metrics[f"eval/{key}/reward"] = reward_sum / n
     return metrics
+
+
+def rollout_samples(t: Trainer, rows: list[dict], group_size: int, sampling: rollout.Sampling) -> tuple[list, dict]:
+    """Single-turn rollouts, or multi-turn agent rollouts when tools are on (tool metrics averaged over ranks)."""
+    args = t.args
+    if args.tools == "none":
+        return rollout.run(t.engine, t.tokenizer, rows, group_size, sampling, first_group=t.rank * len(rows))
+    limits = rollout.AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens)
+    samples, metrics = rollout.run_agent(t.engine, t.tokenizer, rows, group_size, sampling, rollout.python_toolbox,
+                                         limits, first_group=t.rank * len(rows))
+    if args.check_tito:  # a sampled tokenization the template would not produce is drift too: logged, not fatal
+        drifts = [(s, rollout.check_tito(t.tokenizer, s, s.info["messages"], s.info["tools"])) for s in samples]
+        metrics["tools/tito_drift_frac"] = sum(bool(d) for _, d in drifts) / len(drifts)
+        for s, d in drifts[:1] if any(d for _, d in drifts[:1]) else []:
+            tqdm.write(f"rank {t.rank}, task {data_prep.row_id(s.row)}: {d[0]}")
+    for k in [k for k in metrics if k.startswith("tools/")]:
+        metrics[k] = mean_over_ranks(metrics[k], t.world)
+    return samples, metrics
 
 
 def reward_metrics(t: Trainer, samples: list[rollout.Sample]) -> dict:

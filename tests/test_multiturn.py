@@ -277,3 +277,43 @@ def test_tool_schemas_are_rendered_in_the_prompt(tokenizer):
     prompt = tokenizer.decode(samples[0].prompt_ids)
     assert prompt.startswith("<|im_start|>system\n# Tools") and '"name": "python"' in prompt
     assert rollout.check_tito(tokenizer, samples[0], samples[0].info["messages"], [PYTHON_SCHEMA]) == []
+
+
+def test_python_tool_turns_reach_the_samples_outside_the_loss_mask(tokenizer):
+    engine = ScriptedEngine(tokenizer, {"task-P": [
+        '<tool_call>\n{"name": "python", "arguments": {"code": "x = 6 * 7\\nprint(x)"}}\n</tool_call>',
+        '<tool_call>\n{"name": "python", "arguments": {"code": "print(x + 1)"}}\n</tool_call>', "The answer is 43."]})
+    samples, metrics = rollout.run_agent(engine, tokenizer, [{"prompt": [{"role": "user", "content": "task-P"}]}], 1,
+                                         rollout.Sampling(max_new_tokens=200), rollout.python_toolbox)
+    sample = samples[0]
+    assert [m["content"] for m in sample.info["messages"] if m["role"] == "tool"] == ["42\n", "43\n"]
+    assert metrics["tools/calls_mean"] == 2 and metrics["tools/errors_mean"] == 0 and metrics["tools/seconds"] > 0
+    assert rollout.check_tito(tokenizer, sample, sample.info["messages"], [rollout.PYTHON_TOOL]) == []
+    assert [i for i, m in zip(sample.completion_ids, sample.loss_mask) if m] == engine.emitted["task-P"]
+    outside = tokenizer.decode([i for i, m in zip(sample.completion_ids, sample.loss_mask) if not m])
+    assert outside.count("<tool_response>\n42\n\n</tool_response>") == 1 and "43\n\n</tool_response>" in outside
+
+
+@pytest.mark.slow
+def test_two_rank_grpo_with_the_python_tool(tmp_path):
+    import json
+    import subprocess
+
+    import data_prep
+
+    train, _ = data_prep.toy_rows(40, 4, seed=0)
+    data_prep.write_rows(train, tmp_path / "train.parquet")
+    corpus = [r["prompt"][-1]["content"] + "\n" + r["extra_info"]["solution"] for r in train] + CORPUS
+    model = policy.make_tiny_model(tmp_path / "model", corpus, seed=0)
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                    str(root / "train_grpo.py"), "--model", str(model), "--data", str(tmp_path / "train.parquet"),
+                    "--output-dir", str(tmp_path / "out"), "--prompts-per-step", "2", "--group-size", "2",
+                    "--max-new-tokens", "16", "--total-steps", "2", "--save-every", "0", "--tools", "python",
+                    "--max-turns", "3", "--max-total-tokens", "400", "--check-tito", "--lr", "1e-3"],
+                   check=True, timeout=600, cwd=tmp_path)
+    steps = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:
+        assert s["tools/turns_mean"] >= 1 and "tools/calls_mean" in s and "tools/errors_mean" in s
+        assert "tools/tito_drift_frac" in s and "rollout/finish_max_turns_frac" in s
