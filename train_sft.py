@@ -111,10 +111,7 @@ def main(args: Args) -> dict:
         loss_sum = 0.0
         for micro in micro_batches:
             weight = 1.0 if micro else 0.0  # an empty micro-batch keeps FSDP collectives in step across ranks
-            micro = micro or picked[:1]
-            logprobs, _ = policy.packed_logprobs(model, [ids for ids, _ in micro])
-            mask = torch.tensor([m for _, mask in micro for m in mask], dtype=torch.float32) * weight
-            loss = -losses.masked_sum(logprobs, mask) / tokens * world  # FSDP averages gradients over ranks
+            loss = sft_loss(model, micro or picked[:1], tokens) * weight * world  # FSDP averages grads over ranks
             loss.backward()
             loss_sum += loss.item() / world
         grad_norm = policy.clip_grad_norm(model, args.max_grad_norm)
@@ -136,6 +133,13 @@ def main(args: Args) -> dict:
     if rank == 0:
         print(f"sft done: final loss {metrics.get('loss', float('nan')):.4f}, Hugging Face folder {out / 'hf'}")
     return metrics
+
+
+def sft_loss(model, micro: list[tuple[list[int], list[int]]], total_tokens: float) -> torch.Tensor:
+    """Negative log-likelihood of the masked-in (assistant) tokens of one packed micro-batch, over `total_tokens`."""
+    logprobs, _ = policy.packed_logprobs(model, [ids for ids, _ in micro])
+    mask = torch.tensor([m for _, mask in micro for m in mask], dtype=torch.float32)
+    return -losses.masked_sum(logprobs, mask) / total_tokens
 
 
 @functools.lru_cache(maxsize=2)
