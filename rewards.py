@@ -31,13 +31,30 @@ class Reward:
     info: dict = field(default_factory=dict)
 
 
-CODE_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.S | re.I)
+FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*).*$", re.M)
+PYTHON_TAGS = ("", "python", "python3", "py")
+
+
+def code_blocks(text: str) -> list[str]:
+    """The closed fenced blocks tagged python/py/python3 or untagged, in order (fences pair up line by line, so
+    a block in another language never swallows the next one)."""
+    blocks, tag, start = [], None, None
+    for fence in FENCE.finditer(text):
+        if start is None:
+            tag, start = fence.group(1).lower(), fence.end() + 1
+        else:
+            if tag in PYTHON_TAGS:
+                blocks.append(text[start:fence.start()])
+            start = None
+    return blocks
 
 
 def extract_code(text: str) -> str | None:
-    """The last fenced code block (a model's final answer comes last); with no fence at all, the whole text if
-    it parses as Python; otherwise None ("no_code")."""
-    blocks = CODE_BLOCK.findall(text)
+    """The program in a completion. Policy: the *last* closed fenced block tagged python/py/python3 or untagged
+    (a model's final answer comes last; blocks in other languages are skipped); with no fence at all, the whole
+    text if it compiles (raw code, e.g. from a base model); otherwise None, scored as "no_code" (this includes a
+    block cut off before its closing fence)."""
+    blocks = code_blocks(text)
     if blocks:
         return blocks[-1]
     if "```" not in text and text.strip() and sandbox.syntax_error(text) is None:
@@ -47,15 +64,19 @@ def extract_code(text: str) -> str | None:
 
 def format_reward(text: str) -> float:
     """1.0 when the completion holds exactly one fenced python block (the answer format we ask for), else 0.0."""
-    return float(len(CODE_BLOCK.findall(text)) == 1)
+    return float(len(code_blocks(text)) == 1)
 
 
 def _from_verdicts(verdicts: list[sandbox.Verdict], all_or_nothing: bool) -> Reward:
+    """Score from per-test verdicts; the error category is the first failing test's status."""
+    broken = [v.detail for v in verdicts if v.status == "harness_error"]
+    if broken:  # not the completion's fault: scoring it 0 would hide a data problem
+        raise ValueError(f"the ground truth fails by itself: {broken[0]}")
     passed = sum(v.status == "pass" for v in verdicts)
-    failed = [v.status for v in verdicts if v.status != "pass"]
+    failed = [v.status for v in verdicts if v.status not in ("pass", "not_run")]
     score = float(passed == len(verdicts)) if all_or_nothing else passed / len(verdicts)
     return Reward(score, {"passed": passed, "total": len(verdicts), "verdicts": [list(v) for v in verdicts],
-                          "error": Counter(failed).most_common(1)[0][0] if failed else None})
+                          "error": failed[0] if failed else None})
 
 
 def io_reward(code: str, truth: dict, limits: sandbox.Limits) -> Reward:
@@ -78,10 +99,10 @@ def humaneval_reward(code: str, truth: dict, limits: sandbox.Limits) -> Reward:
 
 
 def assert_reward(all_or_nothing: bool) -> Callable:
-    """MBPP (all asserts pass -> 1, else 0) and the toy task (fraction of asserts passed)."""
+    """MBPP (all asserts pass -> 1, else 0; stops at the first failure) and the toy task (fraction passed)."""
     def reward(code: str, truth: dict, limits: sandbox.Limits) -> Reward:
         verdicts = sandbox.run_assert_tests(code, truth["test_list"], setup=truth.get("test_setup_code", ""),
-                                            limits=limits)
+                                            limits=limits, stop_on_failure=all_or_nothing)
         return _from_verdicts(verdicts, all_or_nothing)
     return reward
 
@@ -105,7 +126,10 @@ def score(row: dict, completion: str, limits: sandbox.Limits = sandbox.Limits())
         code = completion  # HumanEval's native format: a function body continuing the prompt
     if code is None:
         return Reward(0.0, {"error": "no_code", "passed": 0, "total": None, "format": 0.0})
-    reward = REWARDS[source](code, truth, limits)
+    try:
+        reward = REWARDS[source](code, truth, limits)
+    except ValueError as e:
+        raise ValueError(f"task {source}/{row['extra_info']['index']}: {e}") from e
     reward.info["format"] = format_reward(completion)
     return reward
 

@@ -199,10 +199,18 @@ def _returns_to_exits(source: str) -> str:
     return ast.unparse(ast.fix_missing_locations(TopLevel().visit(ast.parse(source))))
 
 
+_warnings_lock = _thread.allocate_lock()
+
+
 def syntax_error(source: str) -> str | None:
-    """The compile error of `source` ("SyntaxError: ... (line N)"), or None if it compiles."""
+    """The compile error of `source` ("SyntaxError: ... (line N)"), or None if it compiles. The program's
+    compile warnings (invalid escapes, `is` with a literal) are not the caller's: they are silenced."""
+    import warnings
+
     try:
-        compile(source, "solution.py", "exec", dont_inherit=True)
+        with _warnings_lock, warnings.catch_warnings():  # catch_warnings is process-wide state
+            warnings.simplefilter("ignore")
+            compile(source, "solution.py", "exec", dont_inherit=True)
     except (SyntaxError, ValueError, MemoryError, RecursionError) as e:  # ValueError: null bytes
         line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
         return f"{type(e).__name__}: {getattr(e, 'msg', e)}{line}"
