@@ -415,7 +415,9 @@ def save_hf(model, hf_source_dir, out_dir) -> Path:
 # shard_model and checkpointed with save_checkpoint/load_checkpoint like the policy (train_ppo.py keeps it in its own
 # <output_dir>/critic/checkpoints/), so everything above applies to it unchanged.
 # ======================================================================================================================
-from transformers import AutoConfig, AutoModelForTokenClassification  # noqa: E402  (this section's own imports)
+import warnings  # noqa: E402  (this section's own imports)
+
+from transformers import AutoConfig, AutoModelForTokenClassification  # noqa: E402
 
 
 def load_value_model(path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
@@ -451,6 +453,8 @@ def packed_values(value_model, sequences: list[list[int]]) -> torch.Tensor:
     device = next(value_model.parameters()).device
     ids = torch.tensor([t for s in sequences for t in s], device=device)
     positions = torch.cat([torch.arange(len(s), device=device) for s in sequences])
-    out = value_model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0, :, 0].float()
+    with warnings.catch_warnings():  # FSDP2 warns that the head's output is a view; it is only read out of place here
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        out = value_model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0, :, 0].float()
     shifted = torch.cat([out.new_zeros(1), out[:-1]])
     return torch.where(positions == 0, 0.0, shifted)

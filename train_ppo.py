@@ -1,18 +1,16 @@
 """PPO with a critic for code LLMs: `torchrun --nproc-per-node 4 train_ppo.py --data data/apps_train.parquet ...`.
 
-The Args defaults are those of the VeRL APPS pipeline this replaces: Qwen2.5-3B-Instruct as actor and critic, 64
-prompts per step, 5 epochs over the data, actor LR 1e-6, critic LR 1e-5, 4 GPUs per node, reward = passed tests /
-total tests, greedy evaluation by difficulty. The launchers work too (their defaults are GRPO's, so override them):
-`GPUS_PER_NODE=4 SCRIPT=train_ppo.py ./run_h200.sh --model Qwen/Qwen2.5-3B-Instruct --group-size 1 --total-steps None
---output-dir runs/ppo-apps --eval-data data/apps_test.parquet`.
+Args defaults are the VeRL APPS pipeline's it replaces (Qwen2.5-3B-Instruct actor and critic, 64 prompts per step,
+5 epochs, actor LR 1e-6, critic LR 1e-5, 4 GPUs per node, reward = passed / total tests). The launchers work too, with
+their GRPO defaults overridden: `GPUS_PER_NODE=4 SCRIPT=train_ppo.py ./run_h200.sh --model Qwen/Qwen2.5-3B-Instruct
+--group-size 1 --total-steps None --output-dir runs/ppo-apps --eval-data data/apps_test.parquet`.
 
-One step, in `train_step()`: rollouts -> rewards -> old logprobs, reference logprobs, values (no grad) -> token rewards
-(the outcome on the last policy token, minus the KL penalty) -> GAE -> advantages whitened over the global batch ->
-minibatch updates of the critic and (after its warm-up) the actor. Values and advantages live on loss-masked tokens
-only, so multi-turn samples (tool output between turns) work unchanged. Every `eval_every` steps: greedy pass@1 on the
-held-out rows, overall and by difficulty, into metrics.jsonl and eval_report.json/.md; the best policy so far is kept
-as a Hugging Face folder in <output_dir>/best (its step and score in best.json). The critic is checkpointed next to
-the policy, in <output_dir>/critic/checkpoints/, under the same step names.
+A step (`train_step()`): rollouts -> rewards -> old/reference logprobs and values -> token rewards (the score on the
+last policy token, minus the KL penalty) -> GAE -> advantages whitened over the global batch -> minibatch updates of
+the critic and, after its warm-up, the actor. Values and advantages exist on loss-masked tokens only, so multi-turn
+samples work unchanged. Evaluation (pass@1 overall and by difficulty) goes to metrics.jsonl and eval_report.json/.md;
+the best policy so far is kept as a Hugging Face folder in <output_dir>/best (step and metrics in best.json). The
+critic's checkpoints sit in <output_dir>/critic/checkpoints/, under the policy's step names.
 """
 from __future__ import annotations
 
@@ -23,10 +21,11 @@ import random
 import shutil
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -38,9 +37,6 @@ import losses
 import policy
 import rewards
 import rollout
-
-
-Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 @dataclass
@@ -74,6 +70,14 @@ class Args:
     """generation budget per sample"""
     temperature: float = 1.0
     """sampling temperature; the trainer scores tokens under the same temperature"""
+    tools: Literal["none", "python"] = "none"
+    """multi-turn agent rollouts with these tools (python: a stateful sandboxed interpreter per trajectory)"""
+    max_turns: int = 4
+    """assistant turns per trajectory (tools on)"""
+    max_total_tokens: int = 4096
+    """prompt + all turns and tool outputs per trajectory (tools on)"""
+    max_tool_response_tokens: int = 512
+    """longer tool outputs are cut and marked (tools on)"""
 
     gamma: float = 1.0
     """GAE discount"""
@@ -89,8 +93,6 @@ class Args:
     """new values stay within +-value_clip of the rollout's values in the clipped value loss; None = no clipping"""
     entropy_coef: float = 0.0
     """entropy bonus weight in the actor loss"""
-    loss_agg: Aggregation = "token-mean"
-    """how actor token losses become one number (verl's names)"""
     kl_coef: float = 0.0
     """weight of the KL(policy || reference) penalty subtracted from the token rewards; 0 = no reference model"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
@@ -176,8 +178,7 @@ class Trainer:
     data_pos: int = 0
     kl_coef: float = 0.0
     best: dict = field(default_factory=dict)  # {"step", "score": [pass@1, reward]} of the policy kept in best/
-    evals: list[dict] = field(default_factory=list)  # every eval's metrics, for the report
-    weights_stale: bool = True
+    evals: list[dict] = field(default_factory=list)  # every eval's rewards.report summary and step, for the report
 
 
 @dataclass
@@ -188,7 +189,7 @@ class Experience:
     mask: torch.Tensor  # the samples' loss masks (1 = policy token)
     old_logprobs: torch.Tensor
     values: torch.Tensor  # V(state before each token), 0 off-mask
-    advantages: torch.Tensor  # GAE, whitened; 0 off-mask
+    advantages: torch.Tensor  # GAE (whitened with whiten_advantages); 0 off-mask
     returns: torch.Tensor  # GAE advantages + values, the critic's targets; 0 off-mask
 
 
@@ -248,7 +249,7 @@ def setup(args: Args, score_fn: ScoreFn) -> Trainer:
                                                 attn_implementation=args.attn_implementation))
     ref_model = None
     if args.kl_coef > 0:
-        ref_model = shard(policy.load_model(args.model), train=False)
+        ref_model = shard(policy.load_model(args.model, attn_implementation=args.attn_implementation), train=False)
         ref_model.requires_grad_(False)
     if engine is None:
         engine = rollout.HFEngine(model, pad_token_id=tokenizer.pad_token_id)
@@ -260,7 +261,7 @@ def setup(args: Args, score_fn: ScoreFn) -> Trainer:
                 tokenizer, sampling, rows, eval_rows, score_fn, kl_coef=args.kl_coef)
     checkpoint = policy.latest_checkpoint(args.output_dir) if args.resume else None
     if checkpoint is not None:
-        critic_checkpoint = critic_dir(args) / "checkpoints" / checkpoint.name  # saved first, so it exists
+        critic_checkpoint = Path(args.output_dir) / "critic" / "checkpoints" / checkpoint.name  # saved first
         if not (critic_checkpoint / "trainer_state.json").is_file():
             raise SystemExit(f"{checkpoint} has no critic checkpoint at {critic_checkpoint}")
         policy.load_checkpoint(critic_checkpoint, value_model, critic_optimizer)
@@ -287,17 +288,14 @@ def train_step(t: Trainer) -> dict:
     # 1. This rank's prompts for the step (a seeded shuffle per epoch, so resuming replays the same order).
     rows = next_rows(t)
 
-    # 2-4. Rollouts: wake the engine, give it the current weights, generate, put it back to sleep.
+    # 2-4. Rollouts: wake the engine, give it the current weights (a level-2 sleep dropped them), generate, sleep.
     with timed(seconds, "wake_and_sync"):
         t.engine.wake_up()
-        if t.weights_stale:
-            t.engine.load_weights(policy.iter_full_weights(t.model))
-            t.weights_stale = False
+        t.engine.load_weights(policy.iter_full_weights(t.model))
     with timed(seconds, "rollout"):
-        samples, rollout_metrics = rollout.run(t.engine, t.tokenizer, rows, args.group_size, t.sampling,
-                                               first_group=t.rank * len(rows))
+        samples, rollout_metrics = rollout_samples(t, rows, args.group_size, t.sampling)
         t.engine.sleep()
-    metrics |= rollout_metrics
+    metrics |= rollout_metrics | getattr(t.engine, "last_metrics", {})  # vLLM's sync/generation timings
 
     # 5. Rewards, in parallel in the sandbox.
     with timed(seconds, "reward"):
@@ -320,7 +318,6 @@ def train_step(t: Trainer) -> dict:
                 stats = update_critic(t, exp, mb) | ({} if frozen else update_actor(t, exp, mb))
                 for k, v in stats.items():
                     update_metrics[k].append(v)
-        t.weights_stale = t.weights_stale or not frozen
     metrics |= {k: sum(v) / len(v) for k, v in update_metrics.items()}
     metrics |= {"actor/frozen": float(frozen), "kl/coef": t.kl_coef}
     if args.kl_target is not None:  # adaptive KL: nudge the coefficient toward the target, at most 20% per horizon
@@ -333,6 +330,18 @@ def train_step(t: Trainer) -> dict:
     if args.sample_every and (t.step + 1) % args.sample_every == 0:
         write_samples(t, samples)
     return metrics
+
+
+def rollout_samples(t: Trainer, rows: list[dict], group_size: int, sampling: rollout.Sampling) -> tuple[list, dict]:
+    """Single-turn rollouts, or multi-turn agent rollouts when tools are on: tool output between the turns is outside
+    the loss mask, so it gets no value, no advantage and no loss. Tool metrics are averaged over ranks."""
+    args, first = t.args, t.rank * len(rows)
+    if args.tools == "none":
+        return rollout.run(t.engine, t.tokenizer, rows, group_size, sampling, first_group=first)
+    limits = rollout.AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens)
+    samples, metrics = rollout.run_agent(t.engine, t.tokenizer, rows, group_size, sampling, rollout.python_toolbox,
+                                         limits, first_group=first)
+    return samples, metrics | {k: sum_over_ranks(v) / t.world for k, v in metrics.items() if k.startswith("tools/")}
 
 
 def make_experience(t: Trainer, samples: list[rollout.Sample]) -> tuple[Experience, dict]:
@@ -373,7 +382,7 @@ def make_experience(t: Trainer, samples: list[rollout.Sample]) -> tuple[Experien
 def update_actor(t: Trainer, exp: Experience, minibatch: int) -> dict:
     """One actor optimizer step on this rank's share of one minibatch: clipped surrogate on the whitened advantages."""
     args = t.args
-    micro_batches, tokens, seqs = minibatch_plan(t, exp, minibatch)
+    micro_batches, tokens = minibatch_plan(t, exp, minibatch)
     stats = defaultdict(float)
     t.optimizer.zero_grad(set_to_none=True)
     for micro in micro_batches:
@@ -385,8 +394,7 @@ def update_actor(t: Trainer, exp: Experience, minibatch: int) -> dict:
         token_loss, pstats = losses.clipped_policy_loss(logprobs, old, adv, mask, clip_low=args.clip_low,
                                                         clip_high=args.clip_high)
         token_loss = token_loss - args.entropy_coef * entropy
-        loss = losses.aggregate(token_loss, mask, args.loss_agg, num_tokens=tokens, num_seqs=seqs,
-                                max_len=args.max_new_tokens) * t.world  # FSDP averages gradients over ranks
+        loss = losses.masked_sum(token_loss, mask) / tokens * t.world  # token mean; FSDP averages over ranks
         loss.backward()
         share = mask.sum().item() / tokens  # this micro-batch's share of the global tokens
         stats["actor/loss"] += loss.item() / t.world
@@ -401,7 +409,7 @@ def update_actor(t: Trainer, exp: Experience, minibatch: int) -> dict:
 def update_critic(t: Trainer, exp: Experience, minibatch: int) -> dict:
     """One critic optimizer step on this rank's share of one minibatch: clipped value loss toward the GAE returns."""
     args = t.args
-    micro_batches, tokens, _ = minibatch_plan(t, exp, minibatch)
+    micro_batches, tokens = minibatch_plan(t, exp, minibatch)
     stats = defaultdict(float)
     t.critic_optimizer.zero_grad(set_to_none=True)
     for micro in micro_batches:
@@ -409,7 +417,7 @@ def update_critic(t: Trainer, exp: Experience, minibatch: int) -> dict:
         values = completion_part(policy.packed_values(t.value_model, [s.ids for s in samples]), samples)
         mask, old, returns = (rows_of(x, micro, values) for x in (exp.mask, exp.values, exp.returns))
         token_loss, clip_frac = losses.value_loss(values, old, returns, mask, clip=args.value_clip)
-        loss = losses.aggregate(token_loss, mask, "token-mean", num_tokens=tokens) * t.world
+        loss = losses.masked_sum(token_loss, mask) / tokens * t.world
         loss.backward()
         stats["critic/loss"] += loss.item() / t.world
         stats["critic/vf_clip_frac"] += clip_frac * mask.sum().item() / tokens
@@ -418,13 +426,12 @@ def update_critic(t: Trainer, exp: Experience, minibatch: int) -> dict:
     return sum_dicts_over_ranks(stats) | {"critic/grad_norm": grad_norm}
 
 
-def minibatch_plan(t: Trainer, exp: Experience, minibatch: int) -> tuple[list[list[int]], float, float]:
-    """The micro-batches of this rank's share of one minibatch (same count on every rank: FSDP collectives
-    must stay in step) and the global token and sequence counts that make micro-batch losses sum to the batch loss."""
+def minibatch_plan(t: Trainer, exp: Experience, minibatch: int) -> tuple[list[list[int]], float]:
+    """The micro-batches of this rank's share of one minibatch (same count on every rank: FSDP collectives must stay
+    in step) and the global count of policy tokens, so that micro-batch token means add up to the batch's."""
     index = list(range(minibatch, len(exp.samples), t.args.minibatches))
-    tokens = sum_over_ranks(exp.mask[index].sum().item())
-    seqs = sum_over_ranks(len(index))
-    return pack(index, [len(exp.samples[i].ids) for i in index], t.args.micro_batch_tokens), tokens, seqs
+    tokens = max(1.0, sum_over_ranks(exp.mask[index].sum().item()))
+    return pack(index, [len(exp.samples[i].ids) for i in index], t.args.micro_batch_tokens), tokens
 
 
 def rows_of(x: torch.Tensor, micro: list[int], like: torch.Tensor) -> torch.Tensor:
@@ -453,10 +460,8 @@ def evaluate(t: Trainer) -> dict:
     rows = t.eval_rows[t.rank :: t.world]
     sampling = dataclasses.replace(t.sampling, temperature=args.eval_temperature)
     t.engine.wake_up()
-    if t.weights_stale:
-        t.engine.load_weights(policy.iter_full_weights(t.model))
-        t.weights_stale = False
-    samples, _ = rollout.run(t.engine, t.tokenizer, rows, args.eval_samples, sampling)
+    t.engine.load_weights(policy.iter_full_weights(t.model))
+    samples, _ = rollout_samples(t, rows, args.eval_samples, sampling)
     t.engine.sleep()
     results = t.score_fn([s.row for s in samples], [s.text for s in samples])
     parts = [None] * t.world
@@ -510,18 +515,14 @@ def write_eval_report(t: Trainer) -> None:
 def save(t: Trainer) -> None:
     """Critic first, then the policy: the policy's checkpoint marks the step complete, so the newest one always has its
     critic (keep_checkpoints keeps at least as many critic steps)."""
-    args = t.args
-    policy.save_checkpoint(critic_dir(args), t.step, t.value_model, t.critic_optimizer, {"step": t.step},
+    args, critic = t.args, Path(t.args.output_dir) / "critic"
+    policy.save_checkpoint(critic, t.step, t.value_model, t.critic_optimizer, {"step": t.step},
                            hf_source_dir=args.critic_model or args.model, keep_last=args.keep_checkpoints)
     state = {"step": t.step, "data_pos": t.data_pos, "kl_coef": t.kl_coef, "best": t.best, "evals": t.evals}
     path = policy.save_checkpoint(args.output_dir, t.step, t.model, t.optimizer, state, hf_source_dir=args.model,
                                   keep_last=args.keep_checkpoints)
     if t.rank == 0:
-        tqdm.write(f"step {t.step}: checkpoint {path} (critic in {critic_dir(args) / 'checkpoints'})")
-
-
-def critic_dir(args: Args) -> Path:
-    return Path(args.output_dir) / "critic"
+        tqdm.write(f"step {t.step}: checkpoint {path} (critic: {critic / 'checkpoints'})")
 
 
 # ---------------------------------------------------------------- helpers (copied from train_grpo.py, kept in step)

@@ -117,9 +117,10 @@ def make_trainer(apps, out: Path, **overrides):
     import train_ppo
 
     root, model, _ = apps
-    args = train_ppo.Args(model=str(model), data=str(root / "apps.parquet"), eval_data=str(root / "apps.parquet"),
-                          output_dir=str(out), engine="hf", prompts_per_step=5, group_size=1, max_prompt_tokens=4096,
-                          max_new_tokens=8, minibatches=1, micro_batch_tokens=4096, total_steps=10, **overrides)
+    settings = dict(model=str(model), data=str(root / "apps.parquet"), eval_data=str(root / "apps.parquet"),
+                    output_dir=str(out), engine="hf", prompts_per_step=5, group_size=1, max_prompt_tokens=4096,
+                    max_new_tokens=8, minibatches=1, micro_batch_tokens=4096, total_steps=10)
+    args = train_ppo.Args(**settings | overrides)
     return train_ppo, train_ppo.setup(args, rewards.score_batch)
 
 
@@ -236,6 +237,50 @@ def test_step_and_eval_by_difficulty_with_real_apps_rewards(apps, tmp_path):
     assert metrics["critic/returns_mean"] > 0 and metrics["actor/frozen"] == 0
 
 
+class ToolThenAnswerEngine:
+    """A rollout.Engine that calls the python tool once, then answers: two policy turns around a tool response."""
+
+    CALL = '<tool_call>\n{"name": "python", "arguments": {"code": "print(6 * 7)"}}\n</tool_call>'
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def generate(self, prompts, sampling):
+        out = []
+        for prompt in prompts:
+            seen_tool = "<tool_response>" in self.tokenizer.decode(prompt)
+            text = fenced('print("No")') if seen_tool else self.CALL
+            ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+            out.append(rollout.Completion(ids, [0.0] * len(ids), "stop"))
+        return out
+
+    load_weights, sleep, wake_up = ScriptedEngine.load_weights, ScriptedEngine.sleep, ScriptedEngine.wake_up
+
+
+@pytest.mark.slow
+def test_multi_turn_tool_rollouts_train_on_policy_tokens_only(apps, tmp_path):
+    train_ppo, t = make_trainer(apps, tmp_path, tools="python", max_new_tokens=64)
+    t.engine = ToolThenAnswerEngine(t.tokenizer)
+    samples, metrics = train_ppo.rollout_samples(t, apps[2][:2], 1, t.sampling)
+    assert metrics["tools/calls_mean"] == 1 and metrics["tools/errors_mean"] == 0
+    for s in samples:  # policy turn, tool response (mask 0), policy turn
+        assert [m["content"] for m in s.info["messages"] if m["role"] == "tool"] == ["42\n"]
+        runs = [k for i, k in enumerate(s.loss_mask) if i == 0 or k != s.loss_mask[i - 1]]
+        assert runs == [1, 0, 1]
+        assert "42" in t.tokenizer.decode([i for i, m in zip(s.completion_ids, s.loss_mask) if not m])
+        s.reward = rewards.score(s.row, s.text).score
+    assert [s.reward for s in samples] == [0.0, 0.0]  # apps/1 and apps/111 do not answer "No"
+    samples[0].reward = 1.0  # so the advantages differ across samples
+    exp, _ = train_ppo.make_experience(t, samples)
+    on = exp.mask.bool()
+    assert (exp.advantages[~on] == 0).all() and (exp.returns[~on] == 0).all() and (exp.values[~on] == 0).all()
+    assert (exp.advantages[on] != 0).all()
+
+    metrics = train_ppo.train_step(t)  # a whole step through the agent loop, the sandboxed tool and the APPS reward
+    assert metrics["tools/calls_mean"] == 1 and metrics["reward/apps/mean"] == pytest.approx(1 / 3 / 5)
+    assert metrics["actor/grad_norm"] > 0 and metrics["critic/grad_norm"] > 0
+
+
 # ------------------------------------------------------------------------------------------- 2-rank torchrun
 
 
@@ -258,7 +303,7 @@ def env() -> dict:
 
 def metrics_by_step(out: Path) -> dict[int, dict]:
     """The last record of each training step (a resumed run rewrites the steps after its checkpoint)."""
-    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {m["step"]: m for m in records if "reward/mean" in m}
 
 
@@ -297,7 +342,7 @@ def test_two_ranks_on_apps_then_kill_and_resume(apps, tmp_path):
     assert steps[4]["critic/loss"] > 0 and steps[4]["critic/grad_norm"] > 0
     assert [steps[s]["kl/coef"] for s in (1, 2, 3)] == pytest.approx([0.5, 0.4, 0.32])
     assert steps[4]["kl/coef"] == pytest.approx(0.32 * (1.2 if steps[3]["kl/ref"] > 0.0012 else 0.8))
-    records = [json.loads(line) for line in open(straight / "metrics.jsonl")]
+    records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in records if "eval/all/pass@1" in m]
     assert [m["step"] for m in evals] == [0, 2, 4]
     assert all(k in m for m in evals for k in EVAL_KEYS)
@@ -308,7 +353,7 @@ def test_two_ranks_on_apps_then_kill_and_resume(apps, tmp_path):
     assert "apps/competition (1)" in (straight / "eval_report.md").read_text()
     best = json.loads((straight / "best" / "best.json").read_text())
     assert best["step"] == report["best"]["step"] and (straight / "best" / "model.safetensors").is_file()
-    samples = [json.loads(line) for line in open(straight / "samples.jsonl")]
+    samples = [json.loads(line) for line in (straight / "samples.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {2, 4} and all(s["task_id"].startswith("apps/") for s in samples)
 
     # Both models trained and checkpointed at the last step.
