@@ -1,38 +1,34 @@
 """Running untrusted code: isolated program runs and test drivers that a program cannot fool.
 
-Processes. The first call starts a *zygote*: `python -I -S sandbox.py --zygote` with an empty environment,
-made PID 1 of fresh network (a downed loopback only), mount (new tmpfs on /tmp, /var/tmp, /dev/shm,
-/run/lock; /root and /home hidden) and PID namespaces by `unshare`. The zygote never looks at jobs: it only
-forks, from its own clean memory,
-  - *supervisors* (root, trusted, reused): each takes one job at a time from the caller, runs the tests,
-    enforces time limits and cleans up;
-  - *programs*, one per run, on a supervisor's request: own session, a fresh unprivileged uid, rlimits
-    (address space, CPU, processes, file size, open files), a private temp dir as cwd and HOME, a minimal
-    environment, stdin always supplied. A program receives its source and nothing else.
-Function and assert tests run in the supervisor (as a second fresh uid), which calls the program over a
-socket: arguments go in, return values come back as plain data (restricted unpickling: builtin numbers,
-str, bytes, containers, Counter/deque/OrderedDict/defaultdict, Decimal, Fraction) or as opaque handles. The
-verdict is computed where the program cannot reach and expected values never enter its memory (stdout is
-compared by the caller), so `exit(0)`, `os._exit(0)`, SkipTest, patched builtins or asserts, fake PASS
-lines, disarmed signals and objects with a rigged `__eq__` all fail. After each run the supervisor kills
-every process of the run's uids (`kill(-1)` as that uid reaches double-forked daemons too; /proc confirms),
-then removes the temp dir and whatever those uids left in the tmpfs.
+The first call starts a *zygote*: a fresh `python -I -S` with an empty environment that `unshare` makes PID 1 of
+new network (a downed loopback only), mount (fresh tmpfs on /tmp, /var/tmp, /dev/shm, /run/lock; /root and /home
+hidden) and PID namespaces. It never looks at jobs; from its own small, clean memory it forks
+  - *supervisors* (root, trusted, reused): one job at a time from the caller; they run the tests, enforce the
+    time limits and clean up;
+  - one *program* per run, on a supervisor's request: own session, a fresh unprivileged uid, rlimits (address
+    space, CPU, processes, file size, open files), a private temp dir as cwd and HOME, a minimal environment,
+    stdin always supplied. It receives its source and nothing else.
+Function and assert tests run in the supervisor (as a second fresh uid), which calls the program over a socket:
+arguments go in, return values come back as plain data (restricted unpickling: builtin numbers, str, bytes,
+containers, Counter/deque/OrderedDict/defaultdict, Decimal, Fraction) or as opaque handles. Verdicts are computed
+where the program cannot reach, and expected values never enter its memory (stdout is compared by the caller),
+so `exit(0)`, `os._exit(0)`, SkipTest, patched builtins or asserts, fake PASS lines, disarmed signals and a rigged
+`__eq__` all fail. After each run the supervisor kills every process of the run's uids (`kill(-1)` as that uid
+reaches double-forked daemons too; /proc confirms) and removes whatever they left in the temp dirs.
 
-Speed: forking copies the parent's page tables and exiting frees them, so the zygote stays small (modules
-only the caller needs are imported inside the functions that use them) and a function/assert suite costs
-one fork.
+Speed: a fork copies the parent's page tables and an exit frees them, so the zygote stays small (modules only
+the caller needs are imported in the functions that use them), and a function/assert suite costs one fork.
+Fallbacks, logged: without root, a user namespace (one uid: runs are tracked by process group and environment
+marker); without namespaces, plain processes with network access. Programs see the rest of the filesystem
+read-only (by permissions), the stdlib and no site-packages.
 
-Fallbacks, logged: without root, `unshare --user --map-root-user` (one uid: runs are tracked by process
-group and an environment marker); without namespaces, plain processes with network access. Programs see the
-rest of the filesystem read-only (by permissions), and the stdlib but no site-packages.
-
-Test statuses: pass, wrong_answer, runtime_error, timeout, memory, syntax_error, output_limit, not_run (after
-a failure with stop_on_failure), harness_error (the ground truth itself failed: a data problem).
+Test statuses: pass, wrong_answer, runtime_error, timeout, memory, syntax_error, output_limit, not_run (after a
+failure with stop_on_failure), harness_error (the ground truth itself failed: a data problem).
 """
 from __future__ import annotations
 
 import _thread
-import bisect  # noqa: F401  (preloaded for programs, as are heapq, itertools, random)
+import bisect  # noqa: F401  (preloaded for programs, as are collections, heapq, itertools, random, re, string)
 import builtins
 import collections  # noqa: F401
 import fcntl
@@ -44,7 +40,7 @@ import itertools  # noqa: F401
 import math
 import os
 import pickle
-import random  # noqa: F401
+import random
 import re  # noqa: F401
 import resource
 import select
@@ -59,8 +55,8 @@ from typing import NamedTuple
 
 STATUSES = ("pass", "wrong_answer", "runtime_error", "timeout", "memory", "syntax_error", "output_limit",
             "not_run", "harness_error")
-# Run k of a zygote uses uid base + 2 * (k % 32768) for the program and the next one for its tests. Each
-# zygote draws its own base, so that processes of two zygotes never share a uid (nor its RLIMIT_NPROC count).
+# Run k of a zygote uses uid base + 2k (mod UID_RANGE) for the program and the next uid for its tests. Each zygote
+# draws its own base, so two zygotes never share a uid (nor its RLIMIT_NPROC count).
 UID_RANGE = 65536
 PRIVATE_TMPFS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 # Values that cross from the program to the tests as data (exact types); anything else becomes a handle.
@@ -124,11 +120,9 @@ def default_workers() -> int:
 
 def run_stdio_tests(source: str, inputs: list[str], outputs: list[str], limits: Limits = Limits(),
                     lenient: bool = False, sandbox: Sandbox | None = None) -> list[Verdict]:
-    """One fresh program run per test; stdout is compared (`outputs_match`) here, outside the sandbox.
-
-    A `return` at the top level ends the program, as under APPS's harness (which runs programs inside a
-    function, and whose reference solutions rely on it).
-    """
+    """One fresh program run per test; stdout is compared (`outputs_match`) here, outside the sandbox. A `return`
+    at the top level ends the program, as under APPS's harness (which wraps programs in a function, and whose
+    reference solutions rely on it)."""
     if len(inputs) != len(outputs):
         raise ValueError(f"{len(inputs)} inputs but {len(outputs)} outputs")
     if (error := syntax_error(source)) and "'return' outside function" in error:
@@ -139,12 +133,12 @@ def run_stdio_tests(source: str, inputs: list[str], outputs: list[str], limits: 
 
 
 def run_call_tests(source: str, fn_name: str, inputs: list, outputs: list, limits: Limits = Limits(),
-                   lenient: bool = False, sandbox: Sandbox | None = None) -> list[Verdict]:
+                   sandbox: Sandbox | None = None) -> list[Verdict]:
     """Call `fn_name` (a top-level function, else a method of `Solution()`) per test; compare the result.
 
-    Inputs are argument lists (APPS) or strings with one JSON value per line (LiveCodeBench), outputs the
-    value or its JSON text. Tuples compare as lists; a one-element list also matches its element (APPS wraps
-    outputs so). `lenient`: numbers equal within rel 1e-5 / abs 1e-8.
+    Inputs are argument lists (APPS) or strings with one JSON value per line (LiveCodeBench), outputs the value
+    or its JSON text. Results compare with == (tuples as lists); a one-element list also matches its element
+    (APPS wraps outputs so).
     """
     import json
 
@@ -160,17 +154,17 @@ def run_call_tests(source: str, fn_name: str, inputs: list, outputs: list, limit
             raise ValueError(f"test {i}: input or output is not JSON ({e})") from e
         args.append(list(given))
         expected.append(wanted)
-    suite = {"kind": "call", "fn_name": fn_name, "args": args, "expected": expected, "lenient": lenient}
+    suite = {"kind": "call", "fn_name": fn_name, "args": args, "expected": expected}
     return _run_suite(source, suite, len(inputs), limits, sandbox)
 
 
 def run_assert_tests(source: str, asserts: list[str], setup: str = "", remote: list[str] | None = None,
                      limits: Limits = Limits(), stop_on_failure: bool = False,
                      sandbox: Sandbox | None = None) -> list[Verdict]:
-    """Run trusted `setup`, then each statement of `asserts`, outside the program. Names they use but never
-    bind are the program's objects (stdlib module names are the tests' own modules; builtin names stay
-    builtins unless the tests use nothing else, like an MBPP function called `sum`). `remote` names are
-    taken from the program after `setup`, replacing setup's own (the HumanEval prompt's stub).
+    """Run trusted `setup`, then each statement of `asserts`, outside the program. Names they use but never bind
+    are the program's objects (stdlib module names are the tests' own modules; builtin names stay builtins
+    unless the tests use nothing else, like an MBPP function called `sum`). `remote` names are taken from the
+    program after `setup`, replacing setup's own (the HumanEval prompt's stub).
 
     HumanEval: setup = prompt + test, asserts = ["check(entry_point)"], remote = [entry_point].
     MBPP: setup = test_setup_code, asserts = test_list.
@@ -184,27 +178,12 @@ def run_assert_tests(source: str, asserts: list[str], setup: str = "", remote: l
     return _run_suite(source, suite, len(asserts), limits, sandbox)
 
 
-def _returns_to_exits(source: str) -> str:
-    import ast
-
-    class TopLevel(ast.NodeTransformer):
-        def visit_FunctionDef(self, node):
-            return node  # returns in there are ordinary
-
-        visit_AsyncFunctionDef = visit_ClassDef = visit_Lambda = visit_FunctionDef
-
-        def visit_Return(self, node):
-            return ast.copy_location(ast.Raise(ast.Call(ast.Name("SystemExit", ast.Load()), [], [])), node)
-
-    return ast.unparse(ast.fix_missing_locations(TopLevel().visit(ast.parse(source))))
-
-
 _warnings_lock = _thread.allocate_lock()
 
 
 def syntax_error(source: str) -> str | None:
-    """The compile error of `source` ("SyntaxError: ... (line N)"), or None if it compiles. The program's
-    compile warnings (invalid escapes, `is` with a literal) are not the caller's: they are silenced."""
+    """The compile error of `source` ("SyntaxError: ... (line N)"), or None if it compiles. The program's compile
+    warnings (invalid escapes, `is` with a literal) are not the caller's: they are silenced."""
     import warnings
 
     try:
@@ -218,8 +197,8 @@ def syntax_error(source: str) -> str | None:
 
 
 def outputs_match(got: str, expected: str, lenient: bool = False) -> bool:
-    """Strict but sane: after stripping the whole text, the stripped lines must pair up, each equal as text
-    or as whitespace-separated tokens where numbers compare by exact decimal value ("1.50" == "1.5").
+    """Strict but sane: after stripping the whole text, the stripped lines must pair up, each equal as text or as
+    whitespace-separated tokens where numbers compare by exact decimal value ("1.50" == "1.5").
 
     `lenient` (APPS-like): blank lines ignored, numbers equal within rel 1e-5 / abs 1e-8 (numpy allclose).
     APPS's order-insensitive token sets and 3-decimal rounding are left out: they accept wrong answers.
@@ -267,26 +246,40 @@ def _stdio_verdict(result: RunResult | None, expected: str, lenient: bool) -> Ve
     return Verdict("wrong_answer", f"expected {expected[:200]!r}, got {result.stdout[:200]!r}")
 
 
+def _returns_to_exits(source: str) -> str:
+    import ast
+
+    class TopLevel(ast.NodeTransformer):
+        def visit_FunctionDef(self, node):
+            return node  # returns in there are ordinary
+
+        visit_AsyncFunctionDef = visit_ClassDef = visit_Lambda = visit_FunctionDef
+
+        def visit_Return(self, node):
+            return ast.copy_location(ast.Raise(ast.Call(ast.Name("SystemExit", ast.Load()), [], [])), node)
+
+    return ast.unparse(ast.fix_missing_locations(TopLevel().visit(ast.parse(source))))
+
+
 @functools.lru_cache(maxsize=4096)  # a GRPO group scores the same tests many times
 def _free_names(setup: str, asserts: tuple[str, ...], builtins_may_be_remote: bool) -> tuple[list, list]:
     """(stdlib modules the tests use without importing them, names the program must supply)."""
     import ast
 
     used, bound, attribute_bases, called = set(), set(), set(), set()
-    for tree in [ast.parse(setup)] + [ast.parse(text) for text in asserts]:
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Name):
-                (used if isinstance(node.ctx, ast.Load) else bound).add(node.id)
-            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                bound.add(node.name)
-            elif isinstance(node, ast.arg):
-                bound.add(node.arg)
-            elif isinstance(node, ast.alias):
-                bound.add((node.asname or node.name).split(".")[0])
-            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-                attribute_bases.add(node.value.id)
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-                called.add(node.func.id)
+    for node in (node for text in (setup, *asserts) for node in ast.walk(ast.parse(text))):
+        if isinstance(node, ast.Name):
+            (used if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            attribute_bases.add(node.value.id)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            called.add(node.func.id)
     free = sorted(used - bound)
     modules = [n for n in free if n in sys.stdlib_module_names and n in attribute_bases and n not in called]
     others = [n for n in free if n not in modules]
@@ -381,40 +374,38 @@ class Sandbox:
             self._proc = self._control = None
         self._stop()
         log = logging.getLogger("kiln.sandbox")
-        # Imported, not run as a script: a script is compiled from source, whose garbage stays in the heap
-        # that every fork copies.
-        here, name = os.path.split(os.path.abspath(__file__))
-        python = [sys.executable, "-I", "-S", "-c", f"import sys; sys.path.insert(0, {here!r}); import {name[:-3]}; "
-                  f"sys.path.pop(0); {name[:-3]}._zygote_main(*sys.argv[1:])"]
+        # Imported, not run as a script: a script is compiled from source, and that garbage would stay in the heap
+        # every fork copies.
+        here, name = os.path.split(os.path.abspath(__file__)[:-3])
+        python = [sys.executable, "-I", "-S", "-c", f"import sys; sys.path.insert(0, {here!r}); import {name}; "
+                  f"sys.path.pop(0); {name}._zygote_main(*sys.argv[1:])"]
         ns = ["--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation", "private"]
         unshare = shutil.which("unshare")
-        attempts = [([unshare, *ns], "root"), ([unshare, "--user", "--map-root-user", *ns], "userns")] if unshare else []
-        for prefix, mode in attempts + [([], "plain")]:
+        attempts = [[unshare, *ns], [unshare, "--user", "--map-root-user", *ns]] if unshare else []
+        for prefix in attempts + [[]]:
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            proc = subprocess.Popen(prefix + python + [str(theirs.fileno()), str(self.uid_base), mode],
+            proc = subprocess.Popen(prefix + python + [str(theirs.fileno()), str(self.uid_base), str(bool(prefix))],
                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                     env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"})
             theirs.close()
             mine.settimeout(60)
             try:
-                ready = mine.recv(64).decode()
+                self.mode = mine.recv(64).decode()
             except OSError:
-                ready = ""
-            if ready:
+                self.mode = ""
+            if self.mode:
                 proc.stderr.close()
                 mine.settimeout(None)
-                self._proc, self._control, self._owner_pid, self.mode = proc, mine, os.getpid(), ready
-                (log.info if ready == "root+uids" else log.warning)("sandbox: %s", {
-                    "root+uids": "namespaces, per-run uids",
-                    "userns+uids": "user namespace, per-run uids",
-                    "userns": "user namespace; one uid: runs tracked by process group and marker",
-                    "plain": "NO namespaces: programs have network access; one uid",
-                    "plain+uids": "NO namespaces: programs have network access"}[ready])
+                self._proc, self._control, self._owner_pid = proc, mine, os.getpid()
+                notes = ([] if prefix else ["no namespaces: programs have NETWORK ACCESS"]) + (
+                    [] if self.mode.endswith("+uids") else ["one uid: runs tracked by process group and marker"])
+                (log.warning if notes else log.info)("sandbox: %s%s", self.mode, "".join("; " + n for n in notes))
                 return
             mine.close()
             proc.kill()
-            log.warning("sandbox: %s mode unavailable: %s", mode, proc.communicate()[1].decode()[-300:].strip())
+            log.warning("sandbox: %s failed: %s", " ".join(prefix[:3]) or "python",
+                        proc.communicate()[1].decode()[-300:].strip())
         raise SandboxError("could not start the sandbox zygote in any mode")
 
 
@@ -458,22 +449,28 @@ def _tell(sock: socket.socket, obj, fds: list[int] = ()) -> None:
     socket.send_fds(sock, [pickle.dumps(obj)], list(fds))
 
 
-def _hear(sock: socket.socket) -> tuple[object, list[int]]:
-    """One message and its descriptors; (None, []) once the other side is gone."""
-    try:
-        data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)
-    except OSError:
-        return None, []
-    return (pickle.loads(data) if data else None), fds
+def _hear(sock: socket.socket, exits: dict | None = None, kind: str | None = None) -> tuple[object, list[int]]:
+    """The next message and its descriptors ((None, []) once the other side is gone). With `kind`, the next
+    message of that kind, filing the zygote's exit reports into `exits` on the way."""
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)
+        except OSError:
+            return None, []
+        message = pickle.loads(data) if data else None
+        if message is not None and message[0] == "exit" and exits is not None:
+            exits[message[1]] = message[2]
+        if kind is None or message is None or message[0] == kind:
+            return message, fds
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Zygote
 
-def _zygote_main(control_fd: str, uid_base: str, mode: str) -> None:
-    """The zygote's loop (`sandbox._zygote_main(FD, UID_BASE, MODE)` in a fresh `python -I -S`)."""
+def _zygote_main(control_fd: str, uid_base: str, namespaces: str) -> None:
+    """The zygote's loop: `sandbox._zygote_main(FD, UID_BASE, NAMESPACES)` in a fresh `python -I -S`."""
     control, uid_base = socket.socket(fileno=int(control_fd)), int(uid_base)
-    if mode != "plain":
+    if namespaces == "True":
         _private_filesystem()
     # Per-run uids need real root: a user namespace maps a single uid.
     switch_uids = os.geteuid() == 0 and open("/proc/self/uid_map").read().split()[2] == "4294967295"
@@ -483,7 +480,7 @@ def _zygote_main(control_fd: str, uid_base: str, mode: str) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the poll below whenever a child or orphan exits
-    control.send((mode + "+uids" * switch_uids).encode())
+    control.send(("namespaces" if namespaces == "True" else "plain").encode() + b"+uids" * switch_uids)
     poller = select.poll()
     poller.register(control, select.POLLIN)
     poller.register(wake_r, select.POLLIN)
@@ -494,41 +491,40 @@ def _zygote_main(control_fd: str, uid_base: str, mode: str) -> None:
     run_index = 0
     while True:
         for fd, _ in sorted(poller.poll(1000), key=lambda event: event[0] == control.fileno()):  # jobs last
-            if fd == control.fileno():
+            if fd == wake_r:
+                os.read(wake_r, 4096)
+            elif fd == control.fileno():
                 message, fds = _hear(control)
                 if message is None:
                     return  # the caller closed the control socket (or died): exiting ends the PID namespace
                 run_index += 1
-                run = (uid_base + 2 * (run_index % 32768), switch_uids, run_index, os.urandom(6).hex())
+                run = (uid_base + 2 * run_index % UID_RANGE, switch_uids, run_index, os.urandom(6).hex())
                 if not idle:
-                    pid, channel = _fork_supervisor(control)
+                    pid, channel = _fork_supervisor()
                     supervisors[pid], channels[channel.fileno()] = [channel, None], pid
                     poller.register(channel, select.POLLIN)
                     idle.append(pid)
-                pid = idle.pop()
-                supervisors[pid][1] = run
-                _tell(supervisors[pid][0], ("job", run), fds)
+                supervisor = idle.pop()
+                supervisors[supervisor][1] = run
+                _tell(supervisors[supervisor][0], ("job", run), fds)
                 os.close(fds[0])
-            elif fd in channels:
+            else:
                 supervisor = channels[fd]
-                channel = supervisors[supervisor][0]
-                message, fds = _hear(channel)
+                message, fds = _hear(supervisors[supervisor][0])
                 if message is None:
                     poller.unregister(fd)
                     del channels[fd]
                 elif message[0] == "idle":
                     supervisors[supervisor][1] = None
                     idle.append(supervisor)
-                elif message[0] == "spawn":
+                else:  # ("spawn", spec)
                     pid = os.fork()
                     if pid == 0:
                         _program_main(message[1], fds)
                     for child_fd in fds:
                         os.close(child_fd)
                     owners[pid] = supervisor
-                    _tell(channel, ("pid", pid))
-            elif fd == wake_r:
-                os.read(wake_r, 4096)
+                    _tell(supervisors[supervisor][0], ("pid", pid))
         while True:  # reap exited children and reparented orphans (we are PID 1)
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -536,23 +532,22 @@ def _zygote_main(control_fd: str, uid_base: str, mode: str) -> None:
                 break
             if pid == 0:
                 break
-            if pid in owners and owners[pid] in supervisors:
+            supervisor = owners.pop(pid, None)
+            if supervisor in supervisors:
                 try:
-                    _tell(supervisors[owners.pop(pid)][0], ("exit", pid, status))
+                    _tell(supervisors[supervisor][0], ("exit", pid, status))
                 except OSError:
                     pass
             elif pid in supervisors:
                 channel, run = supervisors.pop(pid)
                 channels.pop(channel.fileno(), None)
-                if pid in idle:
-                    idle.remove(pid)
+                idle[:] = [p for p in idle if p != pid]
                 channel.close()
                 if run is not None:  # it died mid-job: clean up after it
                     _kill_once(_RunIds(*run), [])
-            owners.pop(pid, None)
 
 
-def _fork_supervisor(control: socket.socket) -> tuple[int, socket.socket]:
+def _fork_supervisor() -> tuple[int, socket.socket]:
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
@@ -573,19 +568,17 @@ def _forget_zygote_signals() -> None:
 
 
 def _private_filesystem() -> None:
-    """Fresh tmpfs over the world-writable dirs, home dirs hidden, the interpreter kept reachable for
-    unprivileged uids (pyenv installs live under /root, mode 0700)."""
+    """Fresh tmpfs over the world-writable dirs, home dirs hidden, the interpreter kept reachable for unprivileged
+    uids (pyenv installs live under /root, mode 0700)."""
     def call(*argv: str) -> None:
         if os.waitpid(os.posix_spawnp(argv[0], argv, {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin"}), 0)[1]:
             raise OSError(f"{' '.join(argv)} failed")
 
-    for path in PRIVATE_TMPFS:
-        if os.path.isdir(path):
-            call("mount", "-t", "tmpfs", "-o", "mode=1777,size=512m,nr_inodes=65536,nosuid,nodev", "tmpfs", path)
-    prefix = os.path.realpath(sys.base_prefix)
+    for path in filter(os.path.isdir, PRIVATE_TMPFS):
+        call("mount", "-t", "tmpfs", "-o", "mode=1777,size=512m,nr_inodes=65536,nosuid,nodev", "tmpfs", path)
+    prefix, stash = os.path.realpath(sys.base_prefix), "/tmp/.kiln-python"
     hidden = [p for p in ("/root", "/home") if os.path.isdir(p)]
     keep = any(prefix.startswith(p + "/") for p in hidden)
-    stash = "/tmp/.kiln-python"
     if keep:
         os.mkdir(stash)
         call("mount", "--bind", prefix, stash)
@@ -617,8 +610,8 @@ class _RunIds(NamedTuple):
 
 def _supervisor_main(channel: socket.socket) -> None:
     exits: dict[int, int] = {}  # program pid -> wait status, as the zygote reports them
-    for jobs_done in range(JOBS_PER_SUPERVISOR):
-        message, fds = _await(channel, "job", exits)
+    for jobs_done in range(1, JOBS_PER_SUPERVISOR + 1):
+        message, fds = _hear(channel, exits, "job")
         if message is None:
             return
         conn = socket.socket(fileno=fds[0])
@@ -629,8 +622,8 @@ def _supervisor_main(channel: socket.socket) -> None:
 
             reply = {"sandbox_error": traceback.format_exc()}
         exits.clear()
-        if jobs_done + 1 < JOBS_PER_SUPERVISOR:
-            _tell(channel, ("idle",))  # before replying, so the zygote knows by the caller's next job
+        if jobs_done < JOBS_PER_SUPERVISOR:
+            _tell(channel, ("idle",))  # before replying, so that the zygote knows by the caller's next job
         try:
             _send(conn, reply)
         except OSError:
@@ -638,62 +631,51 @@ def _supervisor_main(channel: socket.socket) -> None:
         conn.close()
 
 
-def _await(channel: socket.socket, kind: str, exits: dict[int, int]):
-    """The next message of `kind` from the zygote, filing exit reports on the way."""
-    while True:
-        message, fds = _hear(channel)
-        if message is None or message[0] == kind:
-            return message, fds
-        if message[0] == "exit":
-            exits[message[1]] = message[2]
-
-
-def _spawn(channel: socket.socket, exits: dict, ids: _RunIds, uid: int | None, limits: dict, budget: float,
-           cwd: str, fds: list[int]) -> int:
-    _tell(channel, ("spawn", (uid, limits, budget, cwd, ids.marker)), fds)
-    for fd in fds:
-        os.close(fd)
-    message, _ = _await(channel, "pid", exits)
-    return message[1]
-
-
 def _serve(job: dict, ids: _RunIds, channel: socket.socket, exits: dict) -> list:
     limits = job["limits"]
     if job["kind"] == "run":
-        deadline = time.monotonic() + limits["total_timeout"]
-        results = []
+        deadline, results = time.monotonic() + limits["total_timeout"], []
         for stdin in job["stdins"]:
             budget = min(limits["timeout"], deadline - time.monotonic())
             results.append(_run_program(job["source"], stdin, limits, ids, budget, channel, exits)
                            if budget > 0 else None)
         return results
     deadline = time.monotonic() + _suite_budget(limits, job["n"])
-    tmp = _make_tmp(ids)
     mine, theirs = socket.socketpair()
     null = os.open(os.devnull, os.O_RDWR)
-    pid = _spawn(channel, exits, ids, ids.uid(0), limits, deadline - time.monotonic(), tmp,
-                 [null, os.dup(null), os.dup(null), theirs.detach()])
+    tmp, pid = _spawn(channel, exits, ids, limits, deadline - time.monotonic(),
+                      [null, os.dup(null), os.dup(null), theirs.detach()])
     _send(mine, ("serve", job["source"], job["suite"]["kind"] == "call"))
     verdicts = _run_tests(job["suite"], mine, ids.uid(1), deadline)
     mine.close()
-    _kill_run(ids, pid, channel, exits)
-    _cleanup(tmp, ids)
+    _kill_run(ids, pid, channel, exits, tmp)
     return verdicts
+
+
+def _spawn(channel: socket.socket, exits: dict, ids: _RunIds, limits: dict, budget: float,
+           fds: list[int]) -> tuple[str, int]:
+    """Have the zygote fork the run's program with `fds` as its 0, 1, 2, 3, in a new temp dir; (dir, pid)."""
+    tmp = f"/tmp/kiln-{ids.marker}-{os.urandom(3).hex()}"
+    os.mkdir(tmp, 0o700)
+    if ids.switch_uids:
+        os.chown(tmp, ids.program_uid, ids.program_uid)
+    _tell(channel, ("spawn", (ids.uid(0), limits, budget, tmp, ids.marker)), fds)
+    for fd in fds:
+        os.close(fd)
+    return tmp, _hear(channel, exits, "pid")[0][1]
 
 
 def _run_program(source: str, stdin: bytes, limits: dict, ids: _RunIds, budget: float, channel: socket.socket,
                  exits: dict) -> dict:
-    tmp = _make_tmp(ids)
     (stdin_r, stdin_w), (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe(), os.pipe()
     mine, theirs = socket.socketpair()
     started = time.monotonic()
-    pid = _spawn(channel, exits, ids, ids.uid(0), limits, budget, tmp, [stdin_r, out_w, err_w, theirs.detach()])
+    tmp, pid = _spawn(channel, exits, ids, limits, budget, [stdin_r, out_w, err_w, theirs.detach()])
     _send(mine, ("run", source))
     mine.close()
     pumped = _pump(pid, channel, exits, {out_r: "stdout", err_r: "stderr"}, stdin, stdin_w, budget,
                    limits["max_output"])
-    _kill_run(ids, pid, channel, exits)
-    _cleanup(tmp, ids)
+    _kill_run(ids, pid, channel, exits, tmp)
     code = None if pumped["status"] is None else os.waitstatus_to_exitcode(pumped["status"])
     stderr = pumped["stderr"].decode(errors="replace")
     return {"stdout": pumped["stdout"].decode(errors="replace"), "stderr": stderr, "returncode": code,
@@ -723,19 +705,15 @@ def _pump(pid: int, channel: socket.socket, exits: dict, readers: dict[int, str]
             break
         for fd, _ in poller.poll(left * 1000):
             if fd == channel.fileno():
-                message, _ = _hear(channel)
-                if message is not None and message[0] == "exit":
-                    exits[message[1]] = message[2]
+                _hear(channel, exits)
             elif fd == stdin_fd and fd in open_fds:
                 try:
                     pending = pending[os.write(fd, pending[:65536]):]
                 except BrokenPipeError:
                     pending = pending[:0]
-                if not pending:
-                    poller.unregister(fd)
-                    open_fds.discard(fd)
-                    os.close(fd)
-            elif fd in open_fds and not _drain(fd, got[readers[fd]], cap):
+            elif fd in open_fds and _drain(fd, got[readers[fd]], cap):
+                continue
+            if fd in open_fds and (fd != stdin_fd or not pending):  # EOF, or all of stdin written
                 poller.unregister(fd)
                 open_fds.discard(fd)
                 os.close(fd)
@@ -761,33 +739,35 @@ def _drain(fd: int, buf: bytearray, cap: int) -> bool:
     return True
 
 
-def _make_tmp(ids: _RunIds) -> str:
-    tmp = f"/tmp/kiln-{ids.marker}-{os.urandom(3).hex()}"
-    os.mkdir(tmp, 0o700)
-    if ids.switch_uids:
-        os.chown(tmp, ids.program_uid, ids.program_uid)
-    return tmp
+def _kill_run(ids: _RunIds, pid: int, channel: socket.socket, exits: dict, tmp: str) -> None:
+    """Kill every process of the run, however far it wandered from its parent; remove what it left in the tmpfs."""
+    import shutil
 
-
-def _kill_run(ids: _RunIds, pid: int, channel: socket.socket, exits: dict) -> None:
-    """Kill every process of the run, however far it wandered from its parent."""
     _kill_once(ids, [pid], scan=False)
-    while pid not in exits:  # scanning before the zygote has reaped the program would only find it dying
-        message, _ = _hear(channel)
-        if message is None:
-            break
-        if message[0] == "exit":
-            exits[message[1]] = message[2]
+    while pid not in exits and _hear(channel, exits)[0] is not None:
+        pass  # scanning before the zygote has reaped the program would only find it dying
     for attempt in range(3000):
         if not _kill_once(ids, [pid]):
-            return
+            break
         time.sleep(0.0002 if attempt < 100 else 0.01)
-    raise SandboxError(f"processes of run {ids.index} survived SIGKILL for 30s")
+    else:
+        raise SandboxError(f"processes of run {ids.index} survived SIGKILL for 30s")
+    leftovers = [tmp]
+    for top in PRIVATE_TMPFS if ids.switch_uids else ():  # what the run wrote outside its temp dir
+        try:
+            leftovers += [e.path for e in os.scandir(top) if e.stat(follow_symlinks=False).st_uid in ids.uids]
+        except OSError:
+            pass
+    for path in dict.fromkeys(leftovers):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.lexists(path):
+            os.unlink(path)
 
 
 def _kill_once(ids: _RunIds, group_leaders: list[int], scan: bool = True) -> list[int]:
-    """SIGKILL the run once; return the processes of the run still there (zombies included: the zygote reaps
-    them as soon as they appear)."""
+    """SIGKILL the run once; return the processes of the run still there (zombies too: the zygote reaps them as
+    soon as they appear)."""
     for uid in ids.uids:
         os.setresuid(uid, uid, 0)  # kill(-1) as the run's uid reaches exactly that uid's processes
         try:
@@ -796,20 +776,19 @@ def _kill_once(ids: _RunIds, group_leaders: list[int], scan: bool = True) -> lis
             pass
         finally:
             os.setresuid(0, 0, 0)
-    found = []
     for pid in group_leaders if not ids.switch_uids else ():
         try:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-    needle = f"KILN_RUN={ids.marker}".encode()
+    found, needle = [], f"KILN_RUN={ids.marker}".encode()
     for entry in os.listdir("/proc") if scan else ():  # kill(-1)'s result cannot tell: it counts everyone
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
         try:
-            with open(f"/proc/{entry}/status", "rb") as f:
-                status = f.read()
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
             if ids.switch_uids:
+                with open(f"/proc/{entry}/status", "rb") as f:
+                    status = f.read()
                 hit = int(status[status.index(b"\nUid:") + 5:].split()[0]) in ids.uids
             else:  # one uid for everything: the environment marker finds daemons that kept it
                 with open(f"/proc/{entry}/environ", "rb") as f:
@@ -821,28 +800,6 @@ def _kill_once(ids: _RunIds, group_leaders: list[int], scan: bool = True) -> lis
         if hit:
             found.append(int(entry))
     return found
-
-
-def _cleanup(tmp: str, ids: _RunIds) -> None:
-    leftovers = [tmp]
-    for top in PRIVATE_TMPFS if ids.switch_uids else ():  # what the run wrote outside its temp dir
-        try:
-            leftovers += [e.path for e in os.scandir(top)
-                          if e.path != tmp and e.stat(follow_symlinks=False).st_uid in ids.uids]
-        except OSError:
-            pass
-    for path in leftovers:
-        try:  # usually an empty dir, or one holding solution.py
-            if os.path.isdir(path) and not os.path.islink(path):
-                if os.path.exists(path + "/solution.py"):
-                    os.unlink(path + "/solution.py")
-                os.rmdir(path)
-            else:
-                os.unlink(path)
-        except OSError:
-            import shutil
-
-            shutil.rmtree(path, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1009,8 +966,8 @@ class ProgramError(Exception):
 
 
 class _Remote:
-    """An object living in the program. Calls, attribute reads/writes and iteration are forwarded; equality
-    is identity, so a handle never equals an expected value."""
+    """An object living in the program. Calls, attribute reads/writes and iteration are forwarded; equality is
+    identity, so a handle never equals an expected value."""
     __slots__ = ("_ref", "_rpc")
 
     def __init__(self, ref, rpc):
@@ -1156,9 +1113,7 @@ def _describe(e: BaseException) -> str:
 def _classify(e: BaseException) -> str:
     if isinstance(e, MemoryError):
         return "memory"
-    if isinstance(e, AssertionError) and not getattr(e, "from_program", False):
-        return "wrong_answer"
-    return "runtime_error"
+    return "wrong_answer" if isinstance(e, AssertionError) and not getattr(e, "from_program", False) else "runtime_error"
 
 
 def _assert_runner(suite: dict, rpc):
@@ -1181,6 +1136,8 @@ def _assert_runner(suite: dict, rpc):
 
 
 def _call_runner(suite: dict, rpc):
+    import reprlib
+
     target = []
 
     def run_test(i: int):
@@ -1191,11 +1148,8 @@ def _call_runner(suite: dict, rpc):
                 target.append(getattr(rpc("get", "Solution", None, None)(), suite["fn_name"]))
         args, expected = suite["args"][i], suite["expected"][i]
         got = _as_lists(target[0](*args))
-        if _equal(got, expected, suite["lenient"]) or (
-                type(expected) is list and len(expected) == 1 and _equal(got, expected[0], suite["lenient"])):
+        if type(got) is not _Remote and (got == expected or type(expected) is list and [got] == expected):
             return None
-        import reprlib
-
         return f"args {reprlib.repr(args)}: expected {reprlib.repr(expected)}, got {reprlib.repr(got)}"
 
     return run_test
@@ -1205,20 +1159,7 @@ def _as_lists(value):
     """Tuples read as lists, as in the JSON the expected values come from."""
     if type(value) in (list, tuple):
         return [_as_lists(v) for v in value]
-    if type(value) is dict:
-        return {k: _as_lists(v) for k, v in value.items()}
-    return value
-
-
-def _equal(got, expected, lenient: bool) -> bool:
-    if type(got) is _Remote:
-        return False
-    if lenient and type(got) in (int, float) and type(expected) in (int, float):
-        return math.isclose(got, expected, rel_tol=1e-5, abs_tol=1e-8)
-    if lenient and type(got) is list and type(expected) is list:
-        return len(got) == len(expected) and all(_equal(a, b, lenient) for a, b in zip(got, expected))
-    return got == expected
-
+    return {k: _as_lists(v) for k, v in value.items()} if type(value) is dict else value
 
 
 # ======================================================================================================================

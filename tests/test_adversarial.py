@@ -22,7 +22,7 @@ def box():
     os.environ["KILN_ADVERSARIAL_SECRET"] = SECRET  # the caller's environment must not reach programs
     box = sandbox.Sandbox(uid_base=UID_BASE)
     sandbox.run("pass", sandbox=box)
-    if box.mode != "root+uids":
+    if box.mode != "namespaces+uids":
         pytest.skip(f"needs root and namespaces (sandbox mode here: {box.mode})")
     yield box
     box.close()
