@@ -475,6 +475,7 @@ def _zygote_main(control_fd: str, uid_base: str, namespaces: str) -> None:
     # Per-run uids need real root: a user namespace maps a single uid.
     switch_uids = os.geteuid() == 0 and open("/proc/self/uid_map").read().split()[2] == "4294967295"
     builtins.exit = builtins.quit = sys.exit  # `-S` skips site.py, which defines them; programs call exit()
+    sys.set_int_max_str_digits(0)  # contest answers can have more digits than Python 3.11's default allows
     gc.freeze()  # children never collect (hence never copy) the zygote's objects
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)

@@ -131,3 +131,12 @@ def test_cli_groups_by_difficulty_and_counts_errors(tmp_path):
 def test_cli_rejects_bad_samples_naming_the_line(tmp_path, line, message):
     proc = cli(tmp_path, [ADD], ['{"task_id": "apps/1", "completion": "x"}', line])
     assert proc.returncode != 0 and message in proc.stderr
+
+
+def test_every_solution_of_the_five_apps_problems_scores_one():
+    """All 101 reference solutions, not just the first: some `return` at the top level, as APPS's harness allows."""
+    rows = data_prep.apps_rows(ROOT.parent / "shared" / "data" / "apps", "train")
+    pairs = [(row, fenced(code)) for row in rows for code in row["extra_info"]["solutions"]]
+    results = rewards.score_batch([row for row, _ in pairs], [c for _, c in pairs])
+    assert len(pairs) == 101 and [(r["extra_info"]["index"], x.info) for (r, _), x in zip(pairs, results)
+                                  if x.score != 1.0] == []
