@@ -314,10 +314,12 @@ def update(t: Trainer, batch: list, minibatch: int, old_logprobs, ref_logprobs) 
         logprobs, entropy = policy.packed_logprobs(t.model, [s.ids for s in samples], temperature=args.temperature,
                                                    with_entropy=True)
         logprobs, entropy = completion_part(logprobs, samples), completion_part(entropy, samples)
-        mask = padded([s.loss_mask for s in samples]).float()
-        engine = padded([s.engine_logprobs for s in samples])
-        adv = torch.tensor([batch[i][1] for i in micro] or [0.0])[:, None].expand_as(mask)
-        old = padded([old_logprobs[i] for i in micro]) if old_logprobs is not None and micro else logprobs.detach()
+        device = logprobs.device
+        mask = padded([s.loss_mask for s in samples], device)
+        engine = padded([s.engine_logprobs for s in samples], device)
+        adv = torch.tensor([batch[i][1] for i in micro] or [0.0], device=device)[:, None].expand_as(mask)
+        on_policy = old_logprobs is None or not micro
+        old = logprobs.detach() if on_policy else padded([old_logprobs[i] for i in micro], device)
         if args.policy_loss == "gspo":
             token_loss, pstats = losses.gspo_loss(logprobs, old, adv, mask, clip_low=args.clip_low,
                                                   clip_high=args.clip_high)
@@ -326,7 +328,8 @@ def update(t: Trainer, batch: list, minibatch: int, old_logprobs, ref_logprobs) 
                 logprobs, old, adv, mask, clip_low=args.clip_low, clip_high=args.clip_high, dual_clip=args.dual_clip,
                 engine_logprobs=engine if args.tis_cap else None, tis_cap=args.tis_cap)
         if ref_logprobs is not None and micro:
-            kl = losses.kl_penalty(logprobs, padded([ref_logprobs[i] for i in micro]), args.kl_estimator)
+            kl = losses.kl_penalty(logprobs, padded([ref_logprobs[i] for i in micro], device),
+                                   args.kl_estimator)
             token_loss = token_loss + args.kl_coef * kl
             stats["kl"] += losses.masked_sum(kl.detach(), mask).item() / tokens
         loss = losses.aggregate(token_loss, mask, args.loss_agg, num_tokens=tokens, num_seqs=seqs,
@@ -494,8 +497,9 @@ def completion_part(flat: torch.Tensor, samples: list[rollout.Sample]) -> torch.
     return torch.nn.utils.rnn.pad_sequence(split_completions(flat, samples), batch_first=True)
 
 
-def padded(values: list) -> torch.Tensor:
-    return torch.nn.utils.rnn.pad_sequence([torch.as_tensor(v, dtype=torch.float32) for v in values], batch_first=True)
+def padded(values: list, device: torch.device) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence([torch.as_tensor(v, dtype=torch.float32, device=device) for v in values],
+                                           batch_first=True)
 
 
 def lr_factor(args: Args, step: int) -> float:

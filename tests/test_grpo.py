@@ -129,4 +129,4 @@ def test_tiny_model_learns_a_simple_reward(task, tmp_path):
     train_grpo.main(args, score_fn=x_fraction)
     rewards = [m["reward/mean"] for m in metrics_by_step(tmp_path).values()]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last > 0.1 and last > 5 * first, rewards
+    assert last > 2 * first and last - first > 0.15, rewards
