@@ -26,21 +26,21 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo")
-    train, test = data_prep.toy_rows(200, 16, seed=0)
+    train, test = data_prep.toy_rows(200, 16, seed=0, max_ops=2)
     data_prep.write_rows(train, root / "train.parquet")
     data_prep.write_rows(test, root / "test.parquet")
     corpus = [r["prompt"][-1]["content"] + "\n" + r["extra_info"]["solution"] for r in train]
     model = policy.make_tiny_model(root / "model", corpus, seed=0)
     # A short SFT warm start, so that some samples earn partial credit and GRPO has a signal to follow.
     train_sft.main(train_sft.Args(model=str(model), data=str(root / "train.parquet"), output_dir=str(root / "sft"),
-                                  steps=60, lr=3e-3, batch_size=32, micro_batch_tokens=1024))
+                                  steps=150, lr=3e-3, batch_size=32, micro_batch_tokens=1024))
     return root, root / "sft" / "hf"
 
 
 def grpo_command(root: Path, model: Path, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
             str(ROOT / "train_grpo.py"), "--model", str(model), "--data", str(root / "train.parquet"),
-            "--output-dir", str(out), "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "24",
+            "--output-dir", str(out), "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "64",
             "--lr", "1e-3", "--micro-batch-tokens", "512", "--save-every", "2", "--sample-every", "2", "--seed", "1", *extra]
 
 
@@ -99,11 +99,11 @@ def test_two_ranks_with_code_reward_then_kill_and_resume(task, tmp_path):
     proc.wait()
     resumed_from = policy.latest_checkpoint(killed)
     assert resumed_from is not None
+    start = json.loads((resumed_from / "trainer_state.json").read_text())["step"]
+    assert start < 6
     subprocess.run(grpo_command(root, model, killed, "--total-steps", "6", "--resume"), check=True, env=env(),
                    timeout=600)
     again = metrics_by_step(killed)
-    start = json.loads((resumed_from / "trainer_state.json").read_text())["step"]
-    assert start < 6
     for step in range(start + 1, 7):
         assert deterministic(again[step]) == deterministic(steps[step]), step
 
