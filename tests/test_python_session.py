@@ -94,6 +94,10 @@ def test_no_process_survives_close():
     tmp = s.tmp
     assert all(alive(p) for p in pids)
     s.close()
+    for _ in range(100):  # SIGKILL of the group is delivered asynchronously
+        if not any(alive(p) for p in pids):
+            break
+        time.sleep(0.05)
     assert not any(alive(p) for p in pids) and not os.path.exists(tmp)
 
 
