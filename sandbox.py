@@ -337,9 +337,7 @@ class Sandbox:
                 _send(mine, job)
                 reply = _recv(mine)
             except (EOFError, OSError) as e:
-                if attempt == 1:  # the zygote or its supervisor died under us: once more on a fresh zygote
-                    with self._lock:
-                        self._stop()
+                if attempt == 1:  # a supervisor (or the zygote: _ensure_started replaces it) died under us
                     continue
                 raise SandboxError(f"a sandbox supervisor failed: {e!r}") from e
             finally:
