@@ -179,6 +179,9 @@ def run_assert_tests(source: str, asserts: list[str], setup: str = "", remote: l
 
 
 _warnings_lock = _thread.allocate_lock()
+# CPython 3.11's ast module keeps a recursion counter per interpreter, not per thread: concurrent ast.parse calls
+# (score_batch grades from a thread pool) can fail with "AST constructor recursion depth mismatch".
+_ast_lock = _thread.allocate_lock()
 
 
 def syntax_error(source: str) -> str | None:
@@ -258,7 +261,8 @@ def _returns_to_exits(source: str) -> str:
         def visit_Return(self, node):
             return ast.copy_location(ast.Raise(ast.Call(ast.Name("SystemExit", ast.Load()), [], [])), node)
 
-    return ast.unparse(ast.fix_missing_locations(TopLevel().visit(ast.parse(source))))
+    with _ast_lock:
+        return ast.unparse(ast.fix_missing_locations(TopLevel().visit(ast.parse(source))))
 
 
 @functools.lru_cache(maxsize=4096)  # a GRPO group scores the same tests many times
@@ -267,7 +271,9 @@ def _free_names(setup: str, asserts: tuple[str, ...], builtins_may_be_remote: bo
     import ast
 
     used, bound, attribute_bases, called = set(), set(), set(), set()
-    for node in (node for text in (setup, *asserts) for node in ast.walk(ast.parse(text))):
+    with _ast_lock:
+        trees = [ast.parse(text) for text in (setup, *asserts)]
+    for node in (node for tree in trees for node in ast.walk(tree)):
         if isinstance(node, ast.Name):
             (used if isinstance(node.ctx, ast.Load) else bound).add(node.id)
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -325,6 +331,7 @@ class Sandbox:
             try:
                 with self._lock:
                     self._ensure_started()
+                    zygote = self._proc
                     try:
                         _tell(self._control, "job", [theirs.fileno()])
                     except OSError:
@@ -337,7 +344,10 @@ class Sandbox:
                 _send(mine, job)
                 reply = _recv(mine)
             except (EOFError, OSError) as e:
-                if attempt == 1:  # a supervisor (or the zygote: _ensure_started replaces it) died under us
+                if attempt == 1:  # a supervisor died under us: once more on a fresh zygote
+                    with self._lock:
+                        if self._proc is zygote:  # not one another thread has already replaced
+                            self._stop()
                     continue
                 raise SandboxError(f"a sandbox supervisor failed: {e!r}") from e
             finally:
