@@ -136,8 +136,7 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def shard_model(model, mixed_precision: bool = False, activation_checkpointing: bool = False,
-                reshard_after_forward: bool = True):
+def shard_model(model, mixed_precision: bool = False, activation_checkpointing: bool = False):
     """FSDP2 `fully_shard` on every decoder layer (the model's `_no_split_modules`) and then the root, in place.
     mixed_precision: bf16 compute with fp32 master weights and fp32 gradient reduction. Activation checkpointing is
     Hugging Face's (it keeps parameter names unchanged) and acts only in train mode, so the model is left in train
@@ -154,7 +153,7 @@ def shard_model(model, mixed_precision: bool = False, activation_checkpointing: 
     if not layers:
         raise ValueError(f"{type(model).__name__}: no decoder layers found (_no_split_modules={layer_classes})")
     for layer in layers:
-        fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mp_policy=policy)  # reshards after forward (rollout.full_parameters relies on it)
     fully_shard(model, mp_policy=policy)  # the root stays unsharded after forward: backward needs it first
     return model
 

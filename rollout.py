@@ -6,12 +6,14 @@ and re-encoded on the way to the trainer; text is decoded only for the reward.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 
 @dataclass
@@ -68,9 +70,10 @@ def truncate_at_stop(token_ids: list[int], logprobs: list[float], stop_ids: set[
 class HFEngine:
     """Generation with the policy model itself: CPU tests, debugging, machines without vLLM.
 
-    Every rank calls generate() (under FSDP each forward is a collective; `synced_gpus` keeps ranks that
-    finish early stepping until all are done). load_weights/sleep/wake_up have nothing to do: the engine
-    runs on the very parameters being trained, so it is always in sync.
+    Every rank calls generate(). Under FSDP2 the full parameters are gathered once per call and kept for every
+    decoded token (not all-gathered again per token), so ranks then decode on their own, without collectives.
+    load_weights/sleep/wake_up have nothing to do: the engine runs on the very parameters being trained, so it
+    is always in sync.
     """
 
     def __init__(self, model, pad_token_id: int, batch_size: int = 64):
@@ -90,8 +93,9 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
         out = []
-        for start in range(0, len(prompts), self.batch_size):
-            out += self._generate_batch(prompts[start : start + self.batch_size], sampling)
+        with full_parameters(self.model):
+            for start in range(0, len(prompts), self.batch_size):
+                out += self._generate_batch(prompts[start : start + self.batch_size], sampling)
         return out
 
     def _generate_batch(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
@@ -117,7 +121,6 @@ class HFEngine:
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=True,
             output_scores=True,  # processed scores: after temperature / top-k / top-p, i.e. what was sampled from
-            synced_gpus=dist.is_initialized() and dist.get_world_size() > 1,
         )
         self.model.train(was_training)
         new_tokens = out.sequences[:, width:].cpu()
@@ -125,6 +128,27 @@ class HFEngine:
         logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
         stop_ids = set(sampling.stop_token_ids)
         return [truncate_at_stop(new_tokens[i].tolist(), logprobs[i].tolist(), stop_ids) for i in range(len(prompts))]
+
+
+@contextlib.contextmanager
+def full_parameters(model):
+    """Inside: every FSDP2 module of `model` keeps its full (unsharded) parameters across forwards; on exit they
+    are resharded, and decoder layers go back to resharding after each forward (the root never does, as
+    `fully_shard` sets it). A no-op for a model without FSDP."""
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not fsdp_modules:
+        yield
+        return
+    model.set_reshard_after_forward(False)
+    for module in fsdp_modules:
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in fsdp_modules:
+            module.reshard()
+            if module is not model:
+                module.set_reshard_after_forward(True, recurse=False)
 
 
 def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 import policy
+import rollout
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -76,6 +77,18 @@ def main(model_dir: str, out_dir: str) -> None:
     torch.testing.assert_close(lp, ref_lp, atol=1e-6, rtol=0)
     torch.testing.assert_close(ent, ref_ent, atol=1e-6, rtol=0)
     report("packed_logprobs_sharded")
+
+    # HFEngine on the sharded model: parameters gathered once per generate call, so ranks decode on their own (here
+    # for different numbers of tokens, which per-token all-gathers could not survive); greedy tokens and logprobs
+    # are the unsharded model's, and the layers are sharded again afterwards.
+    sampling = rollout.Sampling(max_new_tokens=4 + 5 * rank, temperature=0.0)
+    got = rollout.HFEngine(model, pad_token_id=0).generate(sequences[: 3 - 2 * rank], sampling)
+    want = rollout.HFEngine(reference, pad_token_id=0).generate(sequences[: 3 - 2 * rank], sampling)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want] and len(got[0].token_ids) == 4 + 5 * rank
+    for a, b in zip(got, want):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    report("hf_engine_sharded")
 
     # Gradients through the chunked head + FSDP2 + activation checkpointing equal the rank-averaged reference ones.
     lp, ent = policy.packed_logprobs(model, sequences, temperature=0.8, chunk_size=5, with_entropy=True)
