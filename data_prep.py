@@ -402,6 +402,34 @@ TOY_OPS = {
 }
 
 
+# A careless teacher's misconceptions: a plausible wrong line for some ops. Every toy task's tests catch each of
+# them (`_toy_task` rejects tests they would pass), so a model that imitates the teacher fails where it slips and
+# only the reward can tell it so (`make demo` warm-starts on such a teacher, then GRPO unlearns the slips).
+TOY_SLIPS = {
+    "sub": "x = {k} - x",
+    "div": "x = x / {k}",
+    "reverse": "x = sorted(x, reverse=True)",
+    "mul_each": "x = x * {k}",
+    "evens": "x = [v for v in x if v % 2]",
+    "drop_first": "x = x[:-1]",
+    "max": "x = x[-1]",
+}
+
+
+def toy_teacher_conversations(rows: list[dict], slip_rate: float, seed: int = 0) -> list[dict]:
+    """SFT conversations for toy rows written by the careless teacher: each line of an op in TOY_SLIPS is its
+    slip with probability `slip_rate` (independently), every other line is the reference line."""
+    rng = random.Random(seed)
+    out = []
+    for row in rows:
+        info = row["extra_info"]
+        lines = [TOY_SLIPS[op].format(k=k) if op in TOY_SLIPS and rng.random() < slip_rate else
+                 TOY_OPS[op][1].format(k=k) for op, k in zip(info["ops"], info["constants"])]
+        out.append({"messages": list(row["prompt"]) + [
+            {"role": "assistant", "content": f"```python\n{_toy_source(lines)}\n```"}]})
+    return out
+
+
 def toy_combos(max_ops: int = 3, ops: tuple[str, ...] = tuple(TOY_OPS)) -> list[tuple[str, ...]]:
     """Every type-correct chain of 1..max_ops of `ops` without the same op twice in a row (that is redundant
     or undoes itself)."""
@@ -441,7 +469,7 @@ def _toy_split(rng: random.Random, combos: list[tuple[str, ...]], n: int, split:
         seen.add(task["message"])
         rows.append(make_row("toy", task["message"], {"test_list": task["tests"], "test_setup_code": ""},
                              {"index": first_index + len(rows), "split": split, "difficulty": str(len(task["ops"])),
-                              "solution": task["solution"], "ops": task["ops"]}))
+                              "solution": task["solution"], "ops": task["ops"], "constants": task["constants"]}))
     if len(rows) < n:
         raise ValueError(f"toy: made only {len(rows)} distinct {split} tasks of {n}; ask for fewer or raise max_ops")
     return rows
@@ -456,13 +484,17 @@ def _toy_task(rng: random.Random, ops: tuple[str, ...]) -> dict | None:
     else:  # distinct lengths, so "counts the items" is not a constant
         inputs = [[rng.randint(-9, 9) for _ in range(length)] for length in rng.sample(range(2, 7), 3)]
     outputs = _run_toy(lines, inputs)
-    # Reject tests that a shortcut passes: a constant answer, or the solution with any one line left out.
+    # Reject tests that a shortcut passes: a constant answer, the solution with any one line left out, or with any
+    # one line replaced by its slip (TOY_SLIPS).
+    slipped = [lines[:i] + [TOY_SLIPS[op].format(k=k)] + lines[i + 1:]
+               for i, (op, k) in enumerate(zip(ops, ks)) if op in TOY_SLIPS]
     if outputs is None or all(y == outputs[0] for y in outputs) or any(
-            _run_toy(lines[:i] + lines[i + 1:], inputs) == outputs for i in range(len(lines))):
+            _run_toy(lines[:i] + lines[i + 1:], inputs) == outputs for i in range(len(lines))) or any(
+            _run_toy(wrong, inputs) == outputs for wrong in slipped):
         return None
     return {"message": "Write a function f(x) that " + ", then ".join(
                 TOY_OPS[op][0].format(k=k) for op, k in zip(ops, ks)) + ".",
-            "solution": _toy_source(lines), "ops": list(ops),
+            "solution": _toy_source(lines), "ops": list(ops), "constants": ks,
             "tests": [f"assert f({x!r}) == {y!r}" for x, y in zip(inputs, outputs)]}
 
 
@@ -476,7 +508,7 @@ def _run_toy(lines: list[str], inputs: list) -> list | None:
     exec(_toy_source(lines), namespace)  # our own generated code
     try:
         return [namespace["f"](x) for x in inputs]  # every op builds a new value: inputs stay as they were
-    except (TypeError, ValueError):  # a line meant for the other type; max() of a list the filters emptied
+    except (TypeError, ValueError, IndexError):  # a line for the other type; max() or [-1] of an emptied list
         return None
 
 

@@ -2,8 +2,11 @@
 
 1. toy coding tasks (data_prep.py toy): held-out tasks compose seen operations in unseen combinations
 2. a tiny Qwen2 model and byte-level BPE tokenizer, created locally (no downloads)
-3. a short SFT warm start on reference solutions (train_sft.py): low but non-zero pass rate
-4. GRPO with torchrun, 2 ranks, the HF engine and sandboxed unit-test rewards (train_grpo.py)
+3. an SFT warm start (train_sft.py) on the solutions of a careless teacher, who slips on some operations more
+   often than not (data_prep.TOY_SLIPS, e.g. `x / k` for "divides by k rounding down"): the model learns the task
+   format and the teacher's habits, so it starts with a low but non-zero pass rate
+4. GRPO with torchrun, 2 ranks, the HF engine and sandboxed unit-test rewards (train_grpo.py): only the tests
+   tell the model where the teacher was wrong
 5. held-out pass rate before and after, metrics.jsonl, samples.jsonl and a PNG of the curves
 """
 from __future__ import annotations
@@ -37,12 +40,16 @@ class Args:
     """tiny model width"""
     num_layers: int = 4
     """tiny model depth"""
-    sft_steps: int = 300
-    """warm-start steps: enough for the format, not for the skill"""
+    slip_rate: float = 0.65
+    """how often the SFT teacher writes its slip for an operation in data_prep.TOY_SLIPS"""
+    sft_steps: int = 600
+    """warm-start steps (copying the task's constants into the code takes the tiny model about 400)"""
     grpo_steps: int = 60
     """GRPO steps"""
     grpo_lr: float = 3e-4
-    """GRPO learning rate (tiny models want large ones)"""
+    """GRPO learning rate (tiny models want large ones; 5e-4 is already unstable)"""
+    eval_every: int = 20
+    """held-out evaluation every N GRPO steps (and before and after)"""
 
 
 def run(cmd: list[str], what: str) -> None:
@@ -56,7 +63,7 @@ def torchrun(nproc: int, script: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script, *args]
 
 
-def main(args: Args) -> None:
+def main(args: Args) -> dict:
     import data_prep
     import policy
 
@@ -66,20 +73,24 @@ def main(args: Args) -> None:
     train, test = data_prep.toy_rows(args.n_train, args.n_test, seed=args.seed, max_ops=args.max_ops)
     data_prep.write_rows(train, out / "train.parquet")
     data_prep.write_rows(test, out / "test.parquet")
-    print(f"toy tasks: {len(train)} train, {len(test)} held-out (unseen combinations) in {out}")
+    with open(out / "sft.jsonl", "w") as f:
+        for conversation in data_prep.toy_teacher_conversations(train, args.slip_rate, seed=args.seed):
+            f.write(json.dumps(conversation) + "\n")
+    print(f"toy tasks: {len(train)} train, {len(test)} held-out (unseen combinations) in {out}; the careless "
+          f"teacher's solutions for SFT in {out / 'sft.jsonl'}")
     corpus = [r["prompt"][-1]["content"] + "\n" + r["extra_info"]["solution"] for r in train]
     model_dir = policy.make_tiny_model(out / "tiny-model", corpus, seed=args.seed, hidden_size=args.hidden_size,
                                        num_layers=args.num_layers)
     print(f"tiny model and tokenizer: {model_dir}")
 
-    run(torchrun(args.nproc, "train_sft.py", "--model", str(model_dir), "--data", str(out / "train.parquet"),
+    run(torchrun(args.nproc, "train_sft.py", "--model", str(model_dir), "--data", str(out / "sft.jsonl"),
                  "--output-dir", str(out / "sft"), "--steps", str(args.sft_steps), "--lr", "3e-3",
                  "--batch-size", "32", "--micro-batch-tokens", "1024", "--seed", str(args.seed)), "SFT warm start")
     run(torchrun(args.nproc, "train_grpo.py", "--model", str(out / "sft" / "hf"), "--data", str(out / "train.parquet"),
                  "--eval-data", str(out / "test.parquet"), "--output-dir", str(out / "grpo"),
-                 "--total-steps", str(args.grpo_steps), "--lr", str(args.grpo_lr), "--eval-every", "20",
+                 "--total-steps", str(args.grpo_steps), "--lr", str(args.grpo_lr), "--eval-every", str(args.eval_every),
                  "--prompts-per-step", "16", "--group-size", "8", "--max-new-tokens", "128",
-                 "--warmup-steps", "10",  # Adam's first, sign-like steps knock a tiny model off its warm start
+                 "--warmup-steps", "5",  # Adam's first, sign-like steps knock a tiny model off its warm start
                  "--micro-batch-tokens", "512",  # sdpa packing builds a dense mask: small is fast on CPU
                  "--save-every", str(args.grpo_steps), "--sample-every", "5", "--seed", str(args.seed)), "GRPO")
 
@@ -88,8 +99,9 @@ def main(args: Args) -> None:
     png = plot(out / "grpo" / "metrics.jsonl", out / "curves.png")
     minutes = (time.perf_counter() - start) / 60
     print(f"\nheld-out pass rate: {before:.1%} before GRPO -> {after:.1%} after ({(after - before) * 100:+.1f} points)")
-    print(f"wall time {minutes:.1f} min; metrics {out / 'grpo' / 'metrics.jsonl'}, samples "
+    print(f"seed {args.seed}, wall time {minutes:.1f} min; metrics {out / 'grpo' / 'metrics.jsonl'}, samples "
           f"{out / 'grpo' / 'samples.jsonl'}, curves {png}")
+    return {"before": before, "after": after, "minutes": minutes}
 
 
 def plot(metrics_path: Path, png: Path) -> Path:

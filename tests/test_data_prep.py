@@ -452,3 +452,42 @@ def test_toy_tests_reject_a_solution_missing_any_op(toy):
         assert not any(passes([assert_program(r, drop_line(i)(r["extra_info"]["solution"])) for r in with_line]))
     assert not any(passes([assert_program(r, r["extra_info"]["solution"].replace("return x", "return 0"))
                            for r in rows]))
+
+
+def test_toy_teacher_slips_at_its_rate_and_every_slip_is_caught_by_the_tests(toy):
+    train, _ = toy
+    prompt_and_answer = [(c["messages"][:-1], c["messages"][-1]["content"])
+                         for c in data_prep.toy_teacher_conversations(train, slip_rate=0.0)]
+    assert prompt_and_answer == [(r["prompt"], f"```python\n{r['extra_info']['solution']}\n```") for r in train]
+
+    slipped = data_prep.toy_teacher_conversations(train, slip_rate=1.0)
+    with_slip_op = [(r, c) for r, c in zip(train, slipped) if set(r["extra_info"]["ops"]) & set(data_prep.TOY_SLIPS)]
+    assert len(with_slip_op) > 200
+    for row, conversation in with_slip_op:
+        lines = conversation["messages"][-1]["content"].splitlines()[2:-3]  # the body between def and return
+        for op, k, line in zip(row["extra_info"]["ops"], row["extra_info"]["constants"], lines):
+            expected = data_prep.TOY_SLIPS.get(op, data_prep.TOY_OPS[op][1]).format(k=k)
+            assert line == f"    {expected}"
+    # The task's own tests fail every slipped solution (checked by running them, as the reward will).
+    for row, conversation in with_slip_op[:100]:
+        namespace: dict = {}
+        exec(conversation["messages"][-1]["content"].strip("`\n").removeprefix("python\n"), namespace)
+        failures = 0
+        for test in json.loads(row["reward_model"]["ground_truth"])["test_list"]:
+            try:
+                exec(test, namespace)
+            except Exception:
+                failures += 1
+        assert failures, (row["prompt"][0]["content"], conversation["messages"][-1]["content"])
+
+    # At 0.65 about 65% of the lines of slip ops are slips (hundreds of lines); other lines never are.
+    slips = total = 0
+    for row, conversation in zip(train, data_prep.toy_teacher_conversations(train, slip_rate=0.65, seed=1)):
+        lines = conversation["messages"][-1]["content"].splitlines()[2:-3]
+        for op, k, line in zip(row["extra_info"]["ops"], row["extra_info"]["constants"], lines):
+            if op not in data_prep.TOY_SLIPS:
+                assert line == "    " + data_prep.TOY_OPS[op][1].format(k=k)
+                continue
+            total += 1
+            slips += line == "    " + data_prep.TOY_SLIPS[op].format(k=k)
+    assert total > 300 and 0.58 < slips / total < 0.72, (slips, total)
