@@ -604,3 +604,5 @@ def save(t: Trainer) -> None:
 
 if __name__ == "__main__":
     main(tyro.cli(Args))
+    if dist.is_initialized():  # shut the group down cleanly rather than in interpreter teardown
+        dist.destroy_process_group()

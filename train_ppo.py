@@ -670,3 +670,5 @@ def write_samples(t: Trainer, samples: list[rollout.Sample]) -> None:
 
 if __name__ == "__main__":
     main(tyro.cli(Args))
+    if dist.is_initialized():  # shut the group down cleanly rather than in interpreter teardown
+        dist.destroy_process_group()
