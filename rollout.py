@@ -601,7 +601,8 @@ def run_agent(engine: Engine, tokenizer, rows: list[dict], group_size: int, samp
 
 def _any_live_anywhere(live: list) -> bool:
     """Whether any rank still has a live trajectory. Under torchrun every rank must make the same number of engine
-    calls (HFEngine's FSDP forwards and a TP-sharded vLLM engine are collectives), so ranks turn together."""
+    calls (HFEngine all-gathers FSDP parameters on entry; a TP-sharded vLLM engine is a collective), so ranks turn
+    together."""
     flag = torch.tensor(float(bool(live)))
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
