@@ -70,8 +70,8 @@ def truncate_at_stop(token_ids: list[int], logprobs: list[float], stop_ids: set[
 class HFEngine:
     """Generation with the policy model itself: CPU tests, debugging, machines without vLLM.
 
-    Every rank calls generate(). Under FSDP2 the full parameters are gathered once per call and kept for every
-    decoded token (not all-gathered again per token), so ranks then decode on their own, without collectives.
+    Every rank calls generate() with at least one prompt. Under FSDP2 the full parameters are gathered once per
+    call (by the prefill) and kept for every decoded token, so ranks then decode on their own, without collectives.
     load_weights/sleep/wake_up have nothing to do: the engine runs on the very parameters being trained, so it
     is always in sync.
     """
@@ -132,16 +132,16 @@ class HFEngine:
 
 @contextlib.contextmanager
 def full_parameters(model):
-    """Inside: every FSDP2 module of `model` keeps its full (unsharded) parameters across forwards; on exit they
+    """Inside: FSDP2 modules of `model` keep their full parameters after a forward, so the first forward (the
+    prefill, on every rank) all-gathers each layer once and later ones (each decoded token) reuse it; on exit they
     are resharded, and decoder layers go back to resharding after each forward (the root never does, as
-    `fully_shard` sets it). A no-op for a model without FSDP."""
+    `fully_shard` sets it). The gathers stay inside FSDP's own forward hooks (its lazy init included), as in
+    training. A no-op for a model without FSDP."""
     fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not fsdp_modules:
         yield
         return
     model.set_reshard_after_forward(False)
-    for module in fsdp_modules:
-        module.unshard()
     try:
         yield
     finally:
@@ -601,7 +601,7 @@ def run_agent(engine: Engine, tokenizer, rows: list[dict], group_size: int, samp
 
 def _any_live_anywhere(live: list) -> bool:
     """Whether any rank still has a live trajectory. Under torchrun every rank must make the same number of engine
-    calls (HFEngine all-gathers FSDP parameters on entry; a TP-sharded vLLM engine is a collective), so ranks turn
+    calls (HFEngine's prefill all-gathers FSDP parameters; a TP-sharded vLLM engine is a collective), so ranks turn
     together."""
     flag = torch.tensor(float(bool(live)))
     if dist.is_initialized() and dist.get_world_size() > 1:
