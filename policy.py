@@ -153,7 +153,7 @@ def shard_model(model, mixed_precision: bool = False, activation_checkpointing: 
     if not layers:
         raise ValueError(f"{type(model).__name__}: no decoder layers found (_no_split_modules={layer_classes})")
     for layer in layers:
-        fully_shard(layer, mp_policy=policy)  # reshards after forward (rollout.full_parameters relies on it)
+        fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)  # the root stays unsharded after forward: backward needs it first
     return model
 

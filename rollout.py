@@ -6,7 +6,6 @@ and re-encoded on the way to the trainer; text is decoded only for the reward.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
@@ -68,21 +67,34 @@ def truncate_at_stop(token_ids: list[int], logprobs: list[float], stop_ids: set[
 
 
 class HFEngine:
-    """Generation with the policy model itself: CPU tests, debugging, machines without vLLM.
+    """Generation with Hugging Face `generate`: CPU tests, debugging, machines without vLLM.
 
-    Every rank calls generate() with at least one prompt. Under FSDP2 the full parameters are gathered once per
-    call (by the prefill) and kept for every decoded token, so ranks then decode on their own, without collectives.
-    load_weights/sleep/wake_up have nothing to do: the engine runs on the very parameters being trained, so it
-    is always in sync.
+    On a plain model it generates with that very model, always in sync (load_weights has nothing to do). On an
+    FSDP2-sharded policy it generates with an unsharded replica that load_weights fills, as the trainer does before
+    every rollout (`policy.iter_full_weights`, the stream vLLM gets): decoding then needs no collectives, so each rank
+    decodes on its own instead of all-gathering every layer for every token.
     """
 
     def __init__(self, model, pad_token_id: int, batch_size: int = 64):
-        self.model = model
+        self.policy = model
+        self.sharded = any(isinstance(m, FSDPModule) for m in model.modules())
+        self.model = None if self.sharded else model
         self.pad_token_id = pad_token_id
         self.batch_size = batch_size
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        return None
+        if not self.sharded:
+            return None
+        weights = dict(weights)
+        if self.model is None:  # the policy's own class, built from its config, then filled below
+            model_class = next(c for c in type(self.policy).__mro__ if not issubclass(c, FSDPModule))
+            first = next(iter(weights.values()))
+            self.model = model_class(self.policy.config).to(device=first.device, dtype=first.dtype).eval()
+            self.model.generation_config = self.policy.generation_config
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        tied = {"lm_head.weight"} if getattr(self.policy.config, "tie_word_embeddings", False) else set()
+        if unexpected or set(missing) - tied:
+            raise ValueError(f"HFEngine.load_weights: unexpected {unexpected}, missing {sorted(set(missing) - tied)}")
 
     def sleep(self) -> None:
         return None
@@ -92,10 +104,12 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+        if self.model is None:
+            raise RuntimeError("HFEngine on an FSDP-sharded policy: call load_weights(policy.iter_full_weights(model)) "
+                               "before generate")
         out = []
-        with full_parameters(self.model):
-            for start in range(0, len(prompts), self.batch_size):
-                out += self._generate_batch(prompts[start : start + self.batch_size], sampling)
+        for start in range(0, len(prompts), self.batch_size):
+            out += self._generate_batch(prompts[start : start + self.batch_size], sampling)
         return out
 
     def _generate_batch(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
@@ -128,27 +142,6 @@ class HFEngine:
         logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
         stop_ids = set(sampling.stop_token_ids)
         return [truncate_at_stop(new_tokens[i].tolist(), logprobs[i].tolist(), stop_ids) for i in range(len(prompts))]
-
-
-@contextlib.contextmanager
-def full_parameters(model):
-    """Inside: FSDP2 modules of `model` keep their full parameters after a forward, so the first forward (the
-    prefill, on every rank) all-gathers each layer once and later ones (each decoded token) reuse it; on exit they
-    are resharded, and decoder layers go back to resharding after each forward (the root never does, as
-    `fully_shard` sets it). The gathers stay inside FSDP's own forward hooks (its lazy init included), as in
-    training. A no-op for a model without FSDP."""
-    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not fsdp_modules:
-        yield
-        return
-    model.set_reshard_after_forward(False)
-    try:
-        yield
-    finally:
-        for module in fsdp_modules:
-            module.reshard()
-            if module is not model:
-                module.set_reshard_after_forward(True, recurse=False)
 
 
 def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
@@ -601,7 +594,7 @@ def run_agent(engine: Engine, tokenizer, rows: list[dict], group_size: int, samp
 
 def _any_live_anywhere(live: list) -> bool:
     """Whether any rank still has a live trajectory. Under torchrun every rank must make the same number of engine
-    calls (HFEngine's prefill all-gathers FSDP parameters; a TP-sharded vLLM engine is a collective), so ranks turn
+    calls (HFEngine's load_weights streams FSDP parameters; a TP-sharded vLLM engine is a collective), so ranks turn
     together."""
     flag = torch.tensor(float(bool(live)))
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -104,6 +104,7 @@ def generation_fsdp_vs_plain(t, model_dir: Path, seed: int, repeats: int = 3) ->
     seconds = {}
     for name, model in (("fsdp2", t.model), ("plain", plain)):
         engine, times = rollout.HFEngine(model, pad_token_id=t.tokenizer.pad_token_id), []
+        engine.load_weights(policy.iter_full_weights(model))  # the FSDP2 policy's engine decodes on a replica
         for _ in range(repeats):
             torch.manual_seed(seed)
             start = time.perf_counter()

@@ -78,11 +78,18 @@ def main(model_dir: str, out_dir: str) -> None:
     torch.testing.assert_close(ent, ref_ent, atol=1e-6, rtol=0)
     report("packed_logprobs_sharded")
 
-    # HFEngine on the sharded model: parameters gathered once per generate call, so ranks decode on their own (here
+    # HFEngine on the sharded model: an unsharded replica filled by load_weights, so ranks decode on their own (here
     # for different numbers of tokens, which per-token all-gathers could not survive); greedy tokens and logprobs
-    # are the unsharded model's, and the layers are sharded again afterwards.
+    # are the unsharded model's, and the policy stays sharded.
     sampling = rollout.Sampling(max_new_tokens=4 + 5 * rank, temperature=0.0)
-    got = rollout.HFEngine(model, pad_token_id=0).generate(sequences[: 3 - 2 * rank], sampling)
+    engine = rollout.HFEngine(model, pad_token_id=0)
+    try:
+        engine.generate(sequences, sampling)
+        raise AssertionError("generate before load_weights must fail")
+    except RuntimeError as e:
+        assert "load_weights" in str(e)
+    engine.load_weights(policy.iter_full_weights(model))
+    got = engine.generate(sequences[: 3 - 2 * rank], sampling)
     want = rollout.HFEngine(reference, pad_token_id=0).generate(sequences[: 3 - 2 * rank], sampling)
     assert [c.token_ids for c in got] == [c.token_ids for c in want] and len(got[0].token_ids) == 4 + 5 * rank
     for a, b in zip(got, want):
