@@ -89,7 +89,9 @@ class HFEngine:
         if self.model is None:  # the policy's own class, built from its config, then filled below
             model_class = next(c for c in type(self.policy).__mro__ if not issubclass(c, FSDPModule))
             first = next(iter(weights.values()))
-            self.model = model_class(self.policy.config).to(device=first.device, dtype=first.dtype).eval()
+            with torch.random.fork_rng(devices=[first.device] if first.is_cuda else []):  # init draws must not
+                self.model = model_class(self.policy.config)  # shift the sampling stream (resume, seeds)
+            self.model.to(device=first.device, dtype=first.dtype).eval()
             self.model.generation_config = self.policy.generation_config
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         tied = {"lm_head.weight"} if getattr(self.policy.config, "tie_word_embeddings", False) else set()
