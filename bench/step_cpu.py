@@ -93,9 +93,9 @@ def run_kiln(bench: BenchArgs, model_dir: Path, data: Path, out: Path) -> dict:
 
 
 def generation_fsdp_vs_plain(t, model_dir: Path, seed: int, repeats: int = 3) -> dict:
-    """Median seconds of one step's generation (32 x 32 tokens) through kiln's HFEngine, on the trainer's FSDP2-wrapped
-    model and on the same weights unwrapped: how much of time/rollout is the wrapping (per-layer all-gathers on
-    every decoding step, even in a one-process group)."""
+    """Median seconds of one step's generation (32 x 32 tokens) through kiln's HFEngine, for the trainer's FSDP2-wrapped
+    policy (decoded on the engine's unsharded replica) and for the same weights in a plain model: what the engine
+    adds on top of generate()."""
     prompts = [rollout.encode_prompt(t.tokenizer, r["prompt"]) for r in t.rows[:PROMPTS_PER_STEP]]
     prompts = [p for p in prompts for _ in range(GROUP_SIZE)]
     plain = policy.load_model(model_dir)
