@@ -5,12 +5,14 @@ Every function works on a plain model and on a `shard_model`-ed one, with or wit
 """
 
 import json
+import logging
 import os
 import random
 import re
 import shutil
+import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NoReturn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # kiln never downloads a model; read by huggingface_hub at import
 
@@ -134,6 +136,22 @@ def init_distributed() -> tuple[int, int, torch.device]:
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def exit_distributed(code: int = 0) -> NoReturn:
+    """The last call of a script that ran `init_distributed`: destroy the process group, flush output, and exit
+    without the interpreter's teardown.
+
+    A gloo worker thread can still be dropping its reference to a finished collective's tensor when the script ends;
+    that needs the GIL, and if the interpreter is finalizing by then the process aborts with "terminate called without
+    an active exception" (pytorch/pytorch#190489, open). Destroying the group does not join those threads while
+    FSDP/DTensor caches still hold it, so the process leaves with `os._exit` once everything is written."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def shard_model(model, mixed_precision: bool = False, activation_checkpointing: bool = False):

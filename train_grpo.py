@@ -184,6 +184,10 @@ def main(args: Args, score_fn: ScoreFn = rewards.score_batch) -> Trainer:
         log(t, evaluate(t) | {"step": t.step})
     if t.rank == 0:
         print(f"done: metrics in {out / 'metrics.jsonl'}, checkpoints in {out / 'checkpoints'}")
+    if t.rank == 0 and args.wandb_project:
+        import wandb
+
+        wandb.finish()  # here, not at interpreter exit: the script leaves through policy.exit_distributed
     return t
 
 
@@ -604,5 +608,4 @@ def save(t: Trainer) -> None:
 
 if __name__ == "__main__":
     main(tyro.cli(Args))
-    if dist.is_initialized():  # shut the group down cleanly rather than in interpreter teardown
-        dist.destroy_process_group()
+    policy.exit_distributed()

@@ -215,6 +215,10 @@ def main(args: Args, score_fn: ScoreFn = rewards.score_batch) -> Trainer | None:
     bar.close()
     if t.rank == 0:
         print(f"done: metrics, eval report and best/ in {args.output_dir}")
+    if t.rank == 0 and args.wandb_project:
+        import wandb
+
+        wandb.finish()  # here, not at interpreter exit: the script leaves through policy.exit_distributed
     return t
 
 
@@ -670,5 +674,4 @@ def write_samples(t: Trainer, samples: list[rollout.Sample]) -> None:
 
 if __name__ == "__main__":
     main(tyro.cli(Args))
-    if dist.is_initialized():  # shut the group down cleanly rather than in interpreter teardown
-        dist.destroy_process_group()
+    policy.exit_distributed()

@@ -181,5 +181,4 @@ def lr_factor(args: Args, step: int) -> float:
 
 if __name__ == "__main__":
     main(tyro.cli(Args))
-    if dist.is_initialized():  # shut the group down cleanly rather than in interpreter teardown
-        dist.destroy_process_group()
+    policy.exit_distributed()

@@ -174,8 +174,8 @@ def main(model_dir: str, out_dir: str) -> None:
     grad = mixed.model.embed_tokens.weight.grad
     assert grad.dtype == torch.float32 and full(grad).abs().sum() > 0
     report("mixed_precision")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    policy.exit_distributed()

@@ -36,7 +36,7 @@ TRAIN_AND_SAVE = textwrap.dedent("""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save(full, out + "/checkpointed_weights.pt")
-    torch.distributed.destroy_process_group()
+    policy.exit_distributed()
 """)
 
 

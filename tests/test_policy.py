@@ -198,6 +198,26 @@ def test_world_one_without_torchrun(model_dir, model):
             dist.destroy_process_group()
 
 
+def test_exit_distributed_flushes_and_keeps_the_exit_code():
+    """Scripts leave through `exit_distributed` (no interpreter teardown): what they printed must still arrive, with
+    the exit code asked for, and nothing after the call may run."""
+    script = textwrap.dedent("""
+        import torch, torch.distributed as dist
+        import policy
+        policy.init_distributed()
+        x = torch.ones(3)
+        dist.all_reduce(x)
+        print("summed", int(x.sum()), end="")  # no newline: stays in the pipe's buffer until flushed
+        policy.exit_distributed(3)
+        print("after exit")
+    """)
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=ROOT, env=buffered | {"PYTHONPATH": str(ROOT)}, timeout=300)
+    assert run.returncode == 3, run.stderr[-3000:]
+    assert run.stdout == "summed 3"
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no process group: DCP runs single-process
 def test_interrupted_save_is_ignored(model_dir, tmp_path, monkeypatch):
     model = policy.load_model(model_dir)
