@@ -1,0 +1,162 @@
+"""Tokens/s and MFU of kiln's GRPO update (train_grpo.update: packing, chunked logprobs, loss, backward, clip, AdamW)
+on a Qwen2.5-1.5B-shaped model with random weights, in bf16 under FSDP2.
+
+    python bench/update_mfu.py                               # one GPU (H100/H200/A100 peak is known)
+    torchrun --nproc-per-node 8 bench/update_mfu.py          # every rank takes `samples` sequences
+    python bench/update_mfu.py --shape tiny --samples 8 --steps 2 --warmup 1   # CPU smoke run, no MFU
+
+Model FLOPs follow the PaLM / torchtitan convention: 6 x (parameters of every matmul, the output layer included) per
+token, plus 12 x layers x hidden x sequence length per token for attention; activation-checkpointing recompute is not
+counted. Sequences are a fixed prompt plus a completion of random length, packed up to `micro_batch_tokens`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from pathlib import Path
+from typing import Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import tyro
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import policy
+import rollout
+import train_grpo
+
+# Qwen2.5-1.5B's published config (the weights are random here: only the shape matters for speed).
+SHAPES = {
+    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                         rope_theta=1000000.0, tie_word_embeddings=True),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True),
+}
+# Dense bf16 peak FLOP/s per GPU, by a substring of torch.cuda.get_device_name().
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+@dataclass
+class Args:
+    shape: Literal["qwen2.5-1.5b", "tiny"] = "qwen2.5-1.5b"
+    """model shape (random init)"""
+    samples: int = 64
+    """sequences per update on each rank"""
+    prompt_tokens: int = 512
+    """prompt length of every sequence"""
+    completion_tokens: tuple[int, int] = (256, 1536)
+    """completion lengths are drawn uniformly from this range"""
+    micro_batch_tokens: int = 16384
+    """kiln's packed micro-batch size"""
+    activation_checkpointing: bool = True
+    """recompute each decoder layer in backward"""
+    attn_implementation: str = "sdpa"
+    """transformers attention backend for the packed forward"""
+    steps: int = 5
+    """measured updates"""
+    warmup: int = 2
+    """updates run first and not measured"""
+    peak_tflops: float | None = None
+    """peak bf16 TFLOP/s of one device; known for H100/H200/A100"""
+    seed: int = 0
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """Weights that multiply activations: every Linear, the (possibly tied) output layer included, embeddings not."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def flops_per_update(config: Qwen2Config, n_matmul: int, lengths: list[int]) -> float:
+    """Model FLOPs of forward + backward over packed sequences of `lengths` (each attends only to itself)."""
+    attention = sum(12 * config.num_hidden_layers * config.hidden_size * n * n for n in lengths)
+    return 6 * n_matmul * sum(lengths) + attention
+
+
+def synthetic_batch(args: Args, vocab: int, rng: random.Random) -> list[tuple[rollout.Sample, float]]:
+    """Random token sequences standing in for one rank's rollouts, with advantages of +-1."""
+    batch = []
+    for i in range(args.samples):
+        completion = rng.randint(*args.completion_tokens)
+        sample = rollout.Sample(prompt_ids=[rng.randrange(vocab) for _ in range(args.prompt_tokens)],
+                                completion_ids=[rng.randrange(vocab) for _ in range(completion)],
+                                loss_mask=[1] * completion, engine_logprobs=[0.0] * completion, row={}, group=i // 4)
+        batch.append((sample, rng.choice([-1.0, 1.0])))
+    return batch
+
+
+def peak_flops(args: Args, device: torch.device) -> float | None:
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    known = [peak for key, peak in PEAK_BF16.items() if key in name]
+    if not known:
+        raise SystemExit(f"unknown peak FLOP/s for {name!r}: pass --peak-tflops")
+    return known[0]
+
+
+def main(args: Args) -> dict:
+    rank, world, device = policy.init_distributed()
+    cuda = device.type == "cuda"
+    config = Qwen2Config(**SHAPES[args.shape])
+    torch.manual_seed(args.seed)
+    with device:
+        model = Qwen2ForCausalLM._from_config(config, attn_implementation=args.attn_implementation,
+                                              dtype=torch.float32)
+    n_matmul = matmul_params(model)
+    model = policy.shard_model(model, mixed_precision=cuda, activation_checkpointing=args.activation_checkpointing)
+    grpo_args = train_grpo.Args(model="", micro_batch_tokens=args.micro_batch_tokens, max_new_tokens=max(
+        args.completion_tokens), mixed_precision=cuda, activation_checkpointing=args.activation_checkpointing)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    # No engine, data or reward: update() only needs the pad id, for the dummy micro-batch of a rank with fewer.
+    t = train_grpo.Trainer(grpo_args, rank, world, model, None, optimizer, scheduler, engine=None,
+                           tokenizer=SimpleNamespace(pad_token_id=0), sampling=None, rows=[], eval_rows=[],
+                           score_fn=None)
+    rng = random.Random(args.seed + rank)
+    seconds, flops, tokens = [], [], []
+    for step in range(args.warmup + args.steps):
+        batch = synthetic_batch(args, config.vocab_size, rng)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        stats = train_grpo.update(t, batch, 0, None, None)
+        if cuda:
+            torch.cuda.synchronize()
+        if not torch.isfinite(torch.tensor(stats["loss"])):
+            raise SystemExit(f"update {step}: loss is {stats['loss']}")
+        if step >= args.warmup:
+            lengths = [len(s.ids) for s, _ in batch]
+            seconds.append(time.perf_counter() - start)
+            flops.append(flops_per_update(config, n_matmul, lengths))
+            tokens.append(sum(lengths))
+    per_rank_flops = sum(flops) / sum(seconds)  # throughput over all measured updates
+    peak = peak_flops(args, device)
+    result = {
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu", "world": world, "shape": args.shape,
+        "torch": torch.__version__, "attn_implementation": args.attn_implementation,
+        "activation_checkpointing": args.activation_checkpointing, "micro_batch_tokens": args.micro_batch_tokens,
+        "tokens_per_update_per_rank": statistics.mean(tokens),
+        "seconds_per_update": round(statistics.mean(seconds), 4),
+        "tokens_per_s_per_rank": round(sum(tokens) / sum(seconds), 1),
+        "model_tflops_per_rank": float(f"{per_rank_flops / 1e12:.4g}"),
+        "mfu": round(per_rank_flops / peak, 4) if peak else None,
+        "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
+    }
+    if rank == 0:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
+    policy.exit_distributed()
