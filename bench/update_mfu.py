@@ -18,8 +18,8 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -132,11 +132,12 @@ def main(args: Args) -> dict:
         stats = train_grpo.update(t, batch, 0, None, None)
         if cuda:
             torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
         if not torch.isfinite(torch.tensor(stats["loss"])):
             raise SystemExit(f"update {step}: loss is {stats['loss']}")
         if step >= args.warmup:
             lengths = [len(s.ids) for s, _ in batch]
-            seconds.append(time.perf_counter() - start)
+            seconds.append(elapsed)
             flops.append(flops_per_update(config, n_matmul, lengths))
             tokens.append(sum(lengths))
     per_rank_flops = sum(flops) / sum(seconds)  # throughput over all measured updates
