@@ -147,7 +147,7 @@ def main(args: Args) -> dict:
         "torch": torch.__version__, "attn_implementation": args.attn_implementation,
         "activation_checkpointing": args.activation_checkpointing, "micro_batch_tokens": args.micro_batch_tokens,
         "tokens_per_update_per_rank": statistics.mean(tokens),
-        "seconds_per_update": round(statistics.mean(seconds), 4),
+        "seconds_per_update": float(f"{statistics.mean(seconds):.4g}"),
         "tokens_per_s_per_rank": round(sum(tokens) / sum(seconds), 1),
         "model_tflops_per_rank": float(f"{per_rank_flops / 1e12:.4g}"),
         "mfu": round(per_rank_flops / peak, 4) if peak else None,

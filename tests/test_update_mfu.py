@@ -41,5 +41,6 @@ def test_cpu_run_reports_consistent_numbers():
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["tokens_per_update_per_rank"] == 6 * (16 + 8)
-    assert result["tokens_per_s_per_rank"] == pytest.approx(144 / result["seconds_per_update"], rel=1e-3)
+    # (reported to 4 significant digits)
+    assert result["tokens_per_s_per_rank"] == pytest.approx(144 / result["seconds_per_update"], rel=2e-3)
     assert result["mfu"] == pytest.approx(result["model_tflops_per_rank"] / 0.001, rel=1e-3)
