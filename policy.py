@@ -154,11 +154,14 @@ def exit_distributed(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
-def shard_model(model, mixed_precision: bool = False, activation_checkpointing: bool = False):
+def shard_model(model, mixed_precision: bool = False, activation_checkpointing: bool = False,
+                compile_layers: bool = False):
     """FSDP2 `fully_shard` on every decoder layer (the model's `_no_split_modules`) and then the root, in place.
     mixed_precision: bf16 compute with fp32 master weights and fp32 gradient reduction. Activation checkpointing is
     Hugging Face's (it keeps parameter names unchanged) and acts only in train mode, so the model is left in train
-    mode then. Needs `init_distributed()` first."""
+    mode then. compile_layers: torch.compile each decoder layer's forward (fuses its norms, rotary and activation;
+    FSDP's hooks and checkpointing stay outside the compiled code, parameter names stay). Needs
+    `init_distributed()` first."""
     if not dist.is_initialized():
         raise RuntimeError("shard_model needs a process group: call policy.init_distributed() first")
     if activation_checkpointing:
@@ -171,37 +174,68 @@ def shard_model(model, mixed_precision: bool = False, activation_checkpointing: 
     if not layers:
         raise ValueError(f"{type(model).__name__}: no decoder layers found (_no_split_modules={layer_classes})")
     for layer in layers:
+        if compile_layers:
+            layer.forward = torch.compile(layer.forward)
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)  # the root stays unsharded after forward: backward needs it first
     return model
 
 
+def _chunk_forward(logits, targets, temperature: float, with_entropy: bool):
+    """log p(target), log-sum-exp and entropy (None without) of softmax(logits / temperature) for one chunk of rows,
+    in fp32 or wider, in place on one [rows, vocab] buffer (two with entropy)."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)).div_(temperature)
+    chosen = z.gather(1, targets[:, None]).squeeze(1)
+    top = z.amax(dim=-1, keepdim=True)
+    z.sub_(top)
+    entropy = None
+    if with_entropy:  # H = lse - E_p[z] = log(sum e) - sum(e * z) / sum(e), with e = exp(z - max)
+        e = z.exp()
+        total = e.sum(-1)
+        entropy = total.log() - e.mul_(z).sum(-1) / total
+    else:
+        total = z.exp_().sum(-1)
+    lse = top.squeeze(1) + total.log()
+    return chosen - lse, lse, entropy
+
+
+def _chunk_grad(logits, targets, lse, entropy, grad_logprob, grad_entropy, temperature: float):
+    """d loss / d logits of one chunk, in the logits' dtype, from the upstream gradients of its log p(target) and
+    entropy (entropy None: no entropy term). dH/dz = -p (log p + H); d log p_y/dz = onehot(y) - p."""
+    logp = logits.to(lse.dtype).div_(temperature).sub_(lse[:, None])
+    if entropy is None:
+        g = logp.exp_().mul_(-grad_logprob)
+    else:
+        p = logp.exp()
+        g = logp.add_(entropy[:, None]).mul_(grad_entropy).add_(grad_logprob).mul_(p).neg_()
+    return g.scatter_add_(1, targets[:, None], grad_logprob).div_(temperature).to(logits.dtype)
+
+
+# On a GPU the chunk math is memory-bound (about ten passes over [rows, vocab] in fp32): compiled, it fuses into a
+# few kernels. On a CPU it stays eager, where it runs the same code in place.
+_chunk_forward_gpu = torch.compile(_chunk_forward, dynamic=True)
+_chunk_grad_gpu = torch.compile(_chunk_grad, dynamic=True)
+
+
 class _ChunkedChosenLogprobs(torch.autograd.Function):
     """log p(target) and optionally the entropy of softmax(hidden @ weight.T / temperature), row chunk by row chunk,
     in fp32 (fp64 for an fp64 model). Backward recomputes each chunk's logits: at no point is more than one chunk's
-    [rows, vocab] alive."""
+    [rows, vocab] alive. The matmuls run in the model's dtype (as the output layer would; in bf16 that is the tensor
+    cores), the softmax math in fp32 or wider."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy):
+        forward_math = _chunk_forward_gpu if hidden.is_cuda else _chunk_forward
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         out = torch.empty(len(hidden), 2 if with_entropy else 1, dtype=dtype, device=hidden.device)
         lse = torch.empty(len(hidden), dtype=dtype, device=hidden.device)
         for i in range(0, len(hidden), chunk_size):
             rows = slice(i, i + chunk_size)
-            z = _logits(hidden[rows], weight, temperature)
-            chosen = z.gather(1, targets[rows, None]).squeeze(1)
-            top = z.amax(dim=-1, keepdim=True)
-            z.sub_(top)  # in place from here on: one [rows, vocab] buffer (two with entropy)
-            if with_entropy:  # H = lse - E_p[z] = log(sum e) - sum(e * z) / sum(e), with e = exp(z - max)
-                e = z.exp()
-                total = e.sum(-1)
-                out[rows, 1] = total.log() - e.mul_(z).sum(-1) / total
-                del e
-            else:
-                total = z.exp_().sum(-1)
-            lse[rows] = top.squeeze(1) + total.log()
-            out[rows, 0] = chosen - lse[rows]
-            del z  # before the next chunk's logits exist, not after
+            logprob, lse[rows], entropy = forward_math(hidden[rows] @ weight.T, targets[rows], temperature,
+                                                       with_entropy)
+            out[rows, 0] = logprob
+            if with_entropy:
+                out[rows, 1] = entropy
         ctx.save_for_backward(hidden, weight, targets, lse, out)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         return out
@@ -209,32 +243,21 @@ class _ChunkedChosenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, targets, lse, out = ctx.saved_tensors
+        grad_math = _chunk_grad_gpu if hidden.is_cuda else _chunk_grad
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if want_weight else None
         for i in range(0, len(hidden), ctx.chunk_size):
             rows = slice(i, i + ctx.chunk_size)
-            logp = _logits(hidden[rows], weight, ctx.temperature).sub_(lse[rows, None])
-            g_lp = grad_out[rows, 0, None]
-            if ctx.with_entropy:  # dH/dz = -p (log p + H); d log p_y/dz = onehot(y) - p
-                p = logp.exp()
-                g = logp.add_(out[rows, 1, None]).mul_(grad_out[rows, 1, None]).add_(g_lp).mul_(p).neg_()
-                del p
-            else:
-                g = logp.exp_().mul_(-g_lp)
-            g.scatter_add_(1, targets[rows, None], g_lp).div_(ctx.temperature)
+            entropy, grad_entropy = (out[rows, 1], grad_out[rows, 1, None]) if ctx.with_entropy else (None, None)
+            g = grad_math(hidden[rows] @ weight.T, targets[rows], lse[rows], entropy, grad_out[rows, 0, None],
+                          grad_entropy, ctx.temperature)
             if want_hidden:
-                grad_hidden[rows] = g.to(weight.dtype) @ weight
+                grad_hidden[rows] = g @ weight
             if want_weight:
-                grad_weight.addmm_(g.T, hidden[rows].to(g.dtype))
-            del logp, g
+                grad_weight.add_(g.T @ hidden[rows].to(weight.dtype))
+            del g
         return grad_hidden, grad_weight.to(weight.dtype) if want_weight else None, None, None, None, None
-
-
-def _logits(hidden, weight, temperature):
-    # The matmul runs in the model's dtype (as the lm_head would), the softmax math in fp32 or wider.
-    logits = hidden @ weight.T
-    return logits.to(torch.promote_types(logits.dtype, torch.float32)).div_(temperature)
 
 
 def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0, chunk_size: int = 512,

@@ -99,7 +99,10 @@ class Args:
     activation_checkpointing: bool = False
     """recompute decoder layers in backward to save memory"""
     attn_implementation: str = "sdpa"
-    """transformers attention backend (flash_attention_2 when installed)"""
+    """transformers attention backend; on GPUs flex_attention (or flash_attention_2 when installed) skips the
+    attention between packed sequences, which sdpa computes and masks"""
+    compile_layers: bool = False
+    """torch.compile each decoder layer of the trained models (GPUs: fuses norms, rotary and activations)"""
     vllm_gpu_memory_utilization: float = 0.5
     """fraction of GPU memory vLLM may take while awake"""
     vllm_max_model_len: int = 4096
@@ -209,11 +212,12 @@ def setup(args: Args, score_fn: ScoreFn) -> Trainer:
         engine.sleep()
     model = policy.shard_model(policy.load_model(args.model, attn_implementation=args.attn_implementation).to(device),
                                mixed_precision=args.mixed_precision,
-                               activation_checkpointing=args.activation_checkpointing)
+                               activation_checkpointing=args.activation_checkpointing,
+                               compile_layers=args.compile_layers)
     ref_model = None
     if args.kl_coef > 0:
-        ref_model = policy.shard_model(policy.load_model(args.model).to(device), mixed_precision=args.mixed_precision,
-                                       activation_checkpointing=False)
+        ref_model = policy.shard_model(policy.load_model(args.model, attn_implementation=args.attn_implementation)
+                                       .to(device), mixed_precision=args.mixed_precision)
         ref_model.requires_grad_(False)
     if engine is None:
         engine = rollout.HFEngine(model, pad_token_id=tokenizer.pad_token_id)

@@ -124,7 +124,10 @@ class Args:
     activation_checkpointing: bool = False
     """recompute decoder layers in backward to save memory"""
     attn_implementation: str = "sdpa"
-    """transformers attention backend (flash_attention_2 when installed)"""
+    """transformers attention backend; on GPUs flex_attention (or flash_attention_2 when installed) skips the
+    attention between packed sequences, which sdpa computes and masks"""
+    compile_layers: bool = False
+    """torch.compile each decoder layer of the trained models (GPUs: fuses norms, rotary and activations)"""
     vllm_gpu_memory_utilization: float = 0.4
     """fraction of GPU memory vLLM may take while awake"""
     vllm_max_model_len: int = 2048
@@ -246,7 +249,8 @@ def setup(args: Args, score_fn: ScoreFn) -> Trainer:
 
     def shard(model, train: bool = True):
         return policy.shard_model(model.to(device), mixed_precision=args.mixed_precision,
-                                  activation_checkpointing=train and args.activation_checkpointing)
+                                  activation_checkpointing=train and args.activation_checkpointing,
+                                  compile_layers=train and args.compile_layers)
 
     model = shard(policy.load_model(args.model, attn_implementation=args.attn_implementation))
     value_model = shard(policy.load_value_model(args.critic_model or args.model,

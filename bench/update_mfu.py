@@ -3,7 +3,8 @@ on a Qwen2.5-1.5B-shaped model with random weights, in bf16 under FSDP2.
 
     python bench/update_mfu.py                               # one GPU (H100/H200/A100 peak is known)
     torchrun --nproc-per-node 8 bench/update_mfu.py          # every rank takes `samples` sequences
-    python bench/update_mfu.py --shape tiny --samples 8 --steps 2 --warmup 1   # CPU smoke run, no MFU
+    python bench/update_mfu.py --shape tiny --samples 8 --steps 2 --warmup 1 \
+        --attn-implementation sdpa --no-compile-layers       # CPU smoke run, no MFU (flex has no CPU backward)
 
 Model FLOPs follow the PaLM / torchtitan convention: 6 x (parameters of every matmul, the output layer included) per
 token, plus 12 x layers x hidden x sequence length per token for attention; activation-checkpointing recompute is not
@@ -54,19 +55,23 @@ class Args:
     """prompt length of every sequence"""
     completion_tokens: tuple[int, int] = (256, 1536)
     """completion lengths are drawn uniformly from this range"""
-    micro_batch_tokens: int = 16384
+    micro_batch_tokens: int = 65536
     """kiln's packed micro-batch size"""
     activation_checkpointing: bool = True
     """recompute each decoder layer in backward"""
-    attn_implementation: str = "sdpa"
-    """transformers attention backend for the packed forward"""
+    attn_implementation: str = "flex_attention"
+    """transformers attention backend for the packed forward (flex_attention skips the blocks between sequences)"""
+    compile_layers: bool = True
+    """torch.compile each decoder layer"""
     steps: int = 5
     """measured updates"""
-    warmup: int = 2
-    """updates run first and not measured"""
+    warmup: int = 3
+    """updates run first and not measured (compilation: the first two take longer)"""
     peak_tflops: float | None = None
     """peak bf16 TFLOP/s of one device; known for H100/H200/A100"""
     seed: int = 0
+    profile: str | None = None
+    """after the measured updates, profile one more and write its top operators (by device time) to this file"""
 
 
 def matmul_params(model: torch.nn.Module) -> int:
@@ -104,6 +109,19 @@ def peak_flops(args: Args, device: torch.device) -> float | None:
     return known[0]
 
 
+def profile_update(args: Args, t: train_grpo.Trainer, batch: list, rank: int) -> None:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        train_grpo.update(t, batch, 0, None, None)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    if rank == 0:
+        Path(args.profile).write_text(prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=70))
+
+
 def main(args: Args) -> dict:
     rank, world, device = policy.init_distributed()
     cuda = device.type == "cuda"
@@ -113,7 +131,8 @@ def main(args: Args) -> dict:
         model = Qwen2ForCausalLM._from_config(config, attn_implementation=args.attn_implementation,
                                               dtype=torch.float32)
     n_matmul = matmul_params(model)
-    model = policy.shard_model(model, mixed_precision=cuda, activation_checkpointing=args.activation_checkpointing)
+    model = policy.shard_model(model, mixed_precision=cuda, activation_checkpointing=args.activation_checkpointing,
+                                compile_layers=args.compile_layers)
     grpo_args = train_grpo.Args(model="", micro_batch_tokens=args.micro_batch_tokens, max_new_tokens=max(
         args.completion_tokens), mixed_precision=cuda, activation_checkpointing=args.activation_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
@@ -135,16 +154,21 @@ def main(args: Args) -> dict:
         elapsed = time.perf_counter() - start
         if not torch.isfinite(torch.tensor(stats["loss"])):
             raise SystemExit(f"update {step}: loss is {stats['loss']}")
+        if rank == 0:
+            print(f"update {step}: {elapsed:.3f} s", file=sys.stderr, flush=True)
         if step >= args.warmup:
             lengths = [len(s.ids) for s, _ in batch]
             seconds.append(elapsed)
             flops.append(flops_per_update(config, n_matmul, lengths))
             tokens.append(sum(lengths))
+    if args.profile:
+        profile_update(args, t, synthetic_batch(args, config.vocab_size, rng), rank)
     per_rank_flops = sum(flops) / sum(seconds)  # throughput over all measured updates
     peak = peak_flops(args, device)
     result = {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu", "world": world, "shape": args.shape,
         "torch": torch.__version__, "attn_implementation": args.attn_implementation,
+        "compile_layers": args.compile_layers,
         "activation_checkpointing": args.activation_checkpointing, "micro_batch_tokens": args.micro_batch_tokens,
         "tokens_per_update_per_rank": statistics.mean(tokens),
         "seconds_per_update": float(f"{statistics.mean(seconds):.4g}"),

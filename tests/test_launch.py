@@ -67,5 +67,6 @@ def test_dry_run_resolves_every_default_into_train_grpo_args(script, tmp_path):
     assert args["lr"] == 3e-6 and args["activation_checkpointing"] is False
     assert args["vllm_gpu_memory_utilization"] == float(memory) and args["micro_batch_tokens"] == int(micro_batch)
     assert (args["model"], args["engine"], args["mixed_precision"]) == ("Qwen/Qwen2.5-Coder-7B-Instruct", "vllm", True)
+    assert (args["attn_implementation"], args["compile_layers"]) == ("flex_attention", True)
     assert (args["group_size"], args["max_new_tokens"], args["vllm_max_model_len"]) == (8, 2048, 3072)
     assert not (tmp_path / "run").exists()  # a dry run starts nothing

@@ -198,6 +198,30 @@ def test_world_one_without_torchrun(model_dir, model):
             dist.destroy_process_group()
 
 
+@pytest.mark.slow
+def test_compiled_layers_match_eager_and_keep_names(model_dir, model):
+    """compile_layers: same logprobs and gradients as eager, and the parameter names engines and checkpoints use."""
+    created = not dist.is_initialized()
+    try:
+        policy.init_distributed()
+        eager = policy.shard_model(policy.load_model(model_dir), activation_checkpointing=True)
+        compiled = policy.shard_model(policy.load_model(model_dir), activation_checkpointing=True, compile_layers=True)
+        for sequences in (SEQUENCES, SEQUENCES[1:]):  # a second length: the compiled layers must not be stuck on one
+            results = []
+            for m in (eager, compiled):
+                m.zero_grad()
+                lp, _ = policy.packed_logprobs(m, sequences)
+                lp.sum().backward()
+                results.append((lp.detach(), {n: p.grad.full_tensor() for n, p in m.named_parameters()}))
+            torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=0)
+            for name, grad in results[0][1].items():
+                torch.testing.assert_close(results[1][1][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+        assert dict(policy.iter_full_weights(compiled)).keys() == dict(model.named_parameters()).keys()
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
 def test_exit_distributed_flushes_and_keeps_the_exit_code():
     """Scripts leave through `exit_distributed` (no interpreter teardown): what they printed must still arrive, with
     the exit code asked for, and nothing after the call may run."""
