@@ -6,6 +6,7 @@ and re-encoded on the way to the trainer; text is decoded only for the reward.
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
@@ -89,8 +90,12 @@ class HFEngine:
         if self.model is None:  # the policy's own class, built from its config, then filled below
             model_class = next(c for c in type(self.policy).__mro__ if not issubclass(c, FSDPModule))
             first = next(iter(weights.values()))
-            with torch.random.fork_rng(devices=[first.device] if first.is_cuda else []):  # init draws must not
-                self.model = model_class(self.policy.config)  # shift the sampling stream (resume, seeds)
+            # flex_attention suits packed training, not decoding (it compiles a kernel per decoding shape).
+            config = copy.deepcopy(self.policy.config)  # _from_config sets the attention on the config it gets
+            attn = "sdpa" if config._attn_implementation == "flex_attention" else config._attn_implementation
+            # The replica's init draws must not shift the sampling stream (resume, seeds).
+            with torch.random.fork_rng(devices=[first.device] if first.is_cuda else []):
+                self.model = model_class._from_config(config, attn_implementation=attn)
             self.model.to(device=first.device, dtype=first.dtype).eval()
             self.model.generation_config = self.policy.generation_config
         missing, unexpected = self.model.load_state_dict(weights, strict=False)

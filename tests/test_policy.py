@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import policy
+import rollout
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = [inspect.getsource(m) for m in (json.decoder, json.encoder, textwrap, inspect)]
@@ -193,6 +194,26 @@ def test_world_one_without_torchrun(model_dir, model):
         assert calls == [1], "activation checkpointing must recompute the layer in backward"
         assert policy.clip_grad_norm(sharded, 1.0) > 0
         assert dict(policy.iter_full_weights(sharded)).keys() == dict(model.named_parameters()).keys()
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def test_hf_engine_decodes_a_flex_attention_policy_with_sdpa(model_dir, model):
+    """A policy trained with flex_attention: its HFEngine replica decodes with sdpa (flex recompiles per decoding
+    shape) and gives the plain model's greedy tokens."""
+    created = not dist.is_initialized()
+    try:
+        policy.init_distributed()
+        sharded = policy.shard_model(policy.load_model(model_dir, attn_implementation="flex_attention"))
+        engine = rollout.HFEngine(sharded, pad_token_id=0)
+        engine.load_weights(policy.iter_full_weights(sharded))
+        assert engine.model.config._attn_implementation == "sdpa"
+        assert sharded.config._attn_implementation == "flex_attention"
+        sampling = rollout.Sampling(max_new_tokens=6, temperature=0.0)
+        got = engine.generate(SEQUENCES[:3], sampling)
+        want = rollout.HFEngine(model, pad_token_id=0).generate(SEQUENCES[:3], sampling)
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
     finally:
         if created:
             dist.destroy_process_group()
