@@ -51,6 +51,11 @@ class Args:
     """bf16 parameters with fp32 reductions (use on GPUs)"""
     activation_checkpointing: bool = False
     """recompute decoder layers in backward to save memory"""
+    attn_implementation: str = "sdpa"
+    """transformers attention backend; on GPUs flex_attention (or flash_attention_2 when installed) skips the
+    attention between packed sequences, which sdpa computes and masks"""
+    compile_layers: bool = False
+    """torch.compile each decoder layer (GPUs: fuses norms, rotary and activations)"""
     save_every: int = 0
     """checkpoint every N steps (0 = only at the end)"""
     resume: bool = False
@@ -82,8 +87,10 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.seed)
     tokenizer = policy.load_tokenizer(args.model)
     encoded = [rollout.encode_conversation(tokenizer, c) for c in load_conversations(args.data)]
-    model = policy.shard_model(policy.load_model(args.model).to(device), mixed_precision=args.mixed_precision,
-                               activation_checkpointing=args.activation_checkpointing)
+    model = policy.shard_model(policy.load_model(args.model, attn_implementation=args.attn_implementation).to(device),
+                               mixed_precision=args.mixed_precision,
+                               activation_checkpointing=args.activation_checkpointing,
+                               compile_layers=args.compile_layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(args, s))
     step = 0
