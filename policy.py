@@ -4,6 +4,7 @@ of packed sequences in chunks, save/restore atomic DCP checkpoints, and stream f
 Every function works on a plain model and on a `shard_model`-ed one, with or without torchrun.
 """
 
+import functools
 import json
 import logging
 import os
@@ -211,10 +212,12 @@ def _chunk_grad(logits, targets, lse, entropy, grad_logprob, grad_entropy, tempe
     return g.scatter_add_(1, targets[:, None], grad_logprob).div_(temperature).to(logits.dtype)
 
 
-# On a GPU the chunk math is memory-bound (about ten passes over [rows, vocab] in fp32): compiled, it fuses into a
-# few kernels. On a CPU it stays eager, where it runs the same code in place.
-_chunk_forward_gpu = torch.compile(_chunk_forward, dynamic=True)
-_chunk_grad_gpu = torch.compile(_chunk_grad, dynamic=True)
+@functools.cache
+def _compiled(chunk_math):
+    """On a GPU the chunk math is memory-bound (about ten passes over [rows, vocab] in fp32): compiled, it fuses into
+    a few kernels. On a CPU it stays eager and in place. Compiled on first use: importing torch.compile's machinery
+    costs about a second."""
+    return torch.compile(chunk_math, dynamic=True)
 
 
 class _ChunkedChosenLogprobs(torch.autograd.Function):
@@ -225,7 +228,7 @@ class _ChunkedChosenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy):
-        forward_math = _chunk_forward_gpu if hidden.is_cuda else _chunk_forward
+        forward_math = _compiled(_chunk_forward) if hidden.is_cuda else _chunk_forward
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         out = torch.empty(len(hidden), 2 if with_entropy else 1, dtype=dtype, device=hidden.device)
         lse = torch.empty(len(hidden), dtype=dtype, device=hidden.device)
@@ -243,7 +246,7 @@ class _ChunkedChosenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, targets, lse, out = ctx.saved_tensors
-        grad_math = _chunk_grad_gpu if hidden.is_cuda else _chunk_grad
+        grad_math = _compiled(_chunk_grad) if hidden.is_cuda else _chunk_grad
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if want_weight else None

@@ -15,7 +15,7 @@ def test_compiled_chunk_math_equals_eager_in_bf16(with_entropy):
     logits = (torch.randn(rows, vocab, device="cuda") * 4).bfloat16()
     targets = torch.randint(0, vocab, (rows,), device="cuda")
     eager = policy._chunk_forward(logits.clone(), targets, temperature, with_entropy)
-    compiled = policy._chunk_forward_gpu(logits.clone(), targets, temperature, with_entropy)
+    compiled = policy._compiled(policy._chunk_forward)(logits.clone(), targets, temperature, with_entropy)
     for name, a, b in zip(["logprob", "lse", "entropy"], eager, compiled):
         if a is not None:
             torch.testing.assert_close(b, a, atol=5e-4, rtol=1e-5, msg=name)
@@ -23,8 +23,8 @@ def test_compiled_chunk_math_equals_eager_in_bf16(with_entropy):
     grad_logprob = torch.randn(rows, 1, device="cuda")
     grad_entropy = torch.randn(rows, 1, device="cuda") if with_entropy else None
     g_eager = policy._chunk_grad(logits.clone(), targets, eager[1], entropy, grad_logprob, grad_entropy, temperature)
-    g_compiled = policy._chunk_grad_gpu(logits.clone(), targets, eager[1], entropy, grad_logprob, grad_entropy,
-                                        temperature)
+    g_compiled = policy._compiled(policy._chunk_grad)(logits.clone(), targets, eager[1], entropy, grad_logprob,
+                                                      grad_entropy, temperature)
     assert g_compiled.dtype == torch.bfloat16
     torch.testing.assert_close(g_compiled.float(), g_eager.float(), atol=1e-3, rtol=1e-2)
 
