@@ -257,8 +257,10 @@ class _ChunkedChosenLogprobs(torch.autograd.Function):
                           grad_entropy, ctx.temperature)
             if want_hidden:
                 grad_hidden[rows] = g @ weight
-            if want_weight:
-                grad_weight.add_(g.T @ hidden[rows].to(weight.dtype))
+            if want_weight and g.dtype == grad_weight.dtype:  # fp32 (or fp64) model: accumulate in place
+                grad_weight.addmm_(g.T, hidden[rows].to(g.dtype))
+            elif want_weight:  # bf16: a tensor-core matmul, then the fp32 sum (an fp32 matmul would skip them)
+                grad_weight.add_(g.T @ hidden[rows].to(g.dtype))
             del g
         return grad_hidden, grad_weight.to(weight.dtype) if want_weight else None, None, None, None, None
 
