@@ -74,7 +74,6 @@ def run_kiln(bench: BenchArgs, model_dir: Path, data: Path, out: Path) -> dict:
     # train_grpo's own pieces instead of main(): main() stops at EOS, and the workload needs exactly 32 new tokens.
     t = train_grpo.setup(args, kiln_score)
     t.sampling = dataclasses.replace(t.sampling, stop_token_ids=[])
-    t.model.generation_config.eos_token_id = None  # else generate() falls back to the saved config's EOS
     walls, metrics = [], []
     for _ in range(args.total_steps):
         start = time.perf_counter()
@@ -83,7 +82,7 @@ def run_kiln(bench: BenchArgs, model_dir: Path, data: Path, out: Path) -> dict:
         t.step += 1
         train_grpo.log(t, m | {"step": t.step})
         metrics.append(m)
-    generation = generation_fsdp_vs_plain(t, model_dir, bench.seed)
+    generation = generation_engine_vs_generate(t, model_dir, bench.seed)
     measured = metrics[bench.warmup:]
     # No stop token: every completion ends by length, i.e. has exactly 32 new tokens, when this is 1.0.
     lengths = {m["rollout/truncated_frac"] for m in measured}
@@ -92,23 +91,30 @@ def run_kiln(bench: BenchArgs, model_dir: Path, data: Path, out: Path) -> dict:
             "lengths": lengths, "generation": generation}
 
 
-def generation_fsdp_vs_plain(t, model_dir: Path, seed: int, repeats: int = 3) -> dict:
-    """Median seconds of one step's generation (32 x 32 tokens) through kiln's HFEngine, for the trainer's FSDP2-wrapped
-    policy (decoded on the engine's unsharded replica) and for the same weights in a plain model: what the engine
-    adds on top of generate()."""
+def generation_engine_vs_generate(t, model_dir: Path, seed: int, repeats: int = 3) -> dict:
+    """Median seconds of one step's generation (32 x 32 tokens): through kiln's HFEngine for the trainer's
+    FSDP2-wrapped policy (decoded on the engine's unsharded replica), and through transformers' `generate()` on the
+    same weights in a plain model (what TRL calls)."""
     prompts = [rollout.encode_prompt(t.tokenizer, r["prompt"]) for r in t.rows[:PROMPTS_PER_STEP]]
     prompts = [p for p in prompts for _ in range(GROUP_SIZE)]
-    plain = policy.load_model(model_dir)
+    width = max(len(p) for p in prompts)
+    pad = t.tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    plain = policy.load_model(model_dir).eval()
     plain.load_state_dict(dict(policy.iter_full_weights(t.model)), strict=False)  # a tied lm_head is not yielded
-    plain.generation_config.eos_token_id = None
+    engine = rollout.HFEngine(t.model, pad_token_id=pad)
+    engine.load_weights(policy.iter_full_weights(t.model))
+    runs = {"hf_engine": lambda: engine.generate(prompts, t.sampling),
+            "generate": lambda: plain.generate(input_ids=input_ids, attention_mask=(input_ids != pad).long(),
+                                               max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=True,
+                                               pad_token_id=pad)}
     seconds = {}
-    for name, model in (("fsdp2", t.model), ("plain", plain)):
-        engine, times = rollout.HFEngine(model, pad_token_id=t.tokenizer.pad_token_id), []
-        engine.load_weights(policy.iter_full_weights(model))  # the FSDP2 policy's engine decodes on a replica
+    for name, run in runs.items():
+        times = []
         for _ in range(repeats):
             torch.manual_seed(seed)
             start = time.perf_counter()
-            engine.generate(prompts, t.sampling)
+            run()
             times.append(time.perf_counter() - start)
         seconds[name] = statistics.median(times)
     return seconds
@@ -169,7 +175,7 @@ def main(bench: BenchArgs) -> None:
     trl_walls = [w for r in results["trl"] for w in r["wall"]]
     kiln_median, trl_median = statistics.median(kiln_walls), statistics.median(trl_walls)
     parts = {k: statistics.median(r["parts"][k] for r in results["kiln"]) for k in results["kiln"][0]["parts"]}
-    generation = {k: statistics.median(r["generation"][k] for r in results["kiln"]) for k in ("fsdp2", "plain")}
+    generation = {k: statistics.median(r["generation"][k] for r in results["kiln"]) for k in ("hf_engine", "generate")}
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
           f"{torch.get_num_threads()} threads, {bench.rounds} rounds alternating which trainer goes first")
     print(f"workload: {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} samples x {NEW_TOKENS} new tokens; "
