@@ -85,13 +85,12 @@ def main(args: Args) -> dict:
 
     run(torchrun(args.nproc, "train_sft.py", "--model", str(model_dir), "--data", str(out / "sft.jsonl"),
                  "--output-dir", str(out / "sft"), "--steps", str(args.sft_steps), "--lr", "3e-3",
-                 "--batch-size", "32", "--micro-batch-tokens", "1024", "--seed", str(args.seed)), "SFT warm start")
+                 "--batch-size", "32", "--seed", str(args.seed)), "SFT warm start")
     run(torchrun(args.nproc, "train_grpo.py", "--model", str(out / "sft" / "hf"), "--data", str(out / "train.parquet"),
                  "--eval-data", str(out / "test.parquet"), "--output-dir", str(out / "grpo"),
                  "--total-steps", str(args.grpo_steps), "--lr", str(args.grpo_lr), "--eval-every", str(args.eval_every),
                  "--prompts-per-step", "16", "--group-size", "8", "--max-new-tokens", "128",
                  "--warmup-steps", "5",  # Adam's first, sign-like steps knock a tiny model off its warm start
-                 "--micro-batch-tokens", "512",  # sdpa packing builds a dense mask: small is fast on CPU
                  "--save-every", str(args.grpo_steps), "--sample-every", "5", "--seed", str(args.seed)), "GRPO")
 
     evals = [m for m in map(json.loads, open(out / "grpo" / "metrics.jsonl")) if "eval/all/pass_rate" in m]

@@ -94,9 +94,11 @@ class HFEngine:
         if self.model is None:  # the policy's own class, built from its config, then filled below
             model_class = next(c for c in type(self.policy).__mro__ if not issubclass(c, FSDPModule))
             first = next(iter(weights.values()))
-            # flex_attention suits packed training, not decoding (it compiles a kernel per decoding shape).
+            # Packed-training attentions do not decode: packed_sdpa has no KV cache, flex_attention compiles a kernel
+            # per decoding shape.
             config = copy.deepcopy(self.policy.config)  # _from_config sets the attention on the config it gets
-            attn = "sdpa" if config._attn_implementation == "flex_attention" else config._attn_implementation
+            attn = config._attn_implementation
+            attn = "sdpa" if attn in ("packed_sdpa", "flex_attention") else attn
             # The replica's init draws must not shift the sampling stream (resume, seeds).
             with torch.random.fork_rng(devices=[first.device] if first.is_cuda else []):
                 self.model = model_class._from_config(config, attn_implementation=attn)

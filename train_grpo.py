@@ -98,9 +98,9 @@ class Args:
     """bf16 parameters with fp32 reductions (use on GPUs)"""
     activation_checkpointing: bool = False
     """recompute decoder layers in backward to save memory"""
-    attn_implementation: str = "sdpa"
-    """transformers attention backend; on GPUs flex_attention (or flash_attention_2 when installed) skips the
-    attention between packed sequences, which sdpa computes and masks"""
+    attn_implementation: str = "packed_sdpa"
+    """attention of the trained models: packed_sdpa (policy.py: sdpa per packed sequence), flex_attention (faster on
+    GPUs), flash_attention_2 when installed; plain sdpa masks the whole micro-batch, quadratic in its tokens"""
     compile_layers: bool = False
     """torch.compile each decoder layer of the trained models (GPUs: fuses norms, rotary and activations)"""
     vllm_gpu_memory_utilization: float = 0.5
@@ -136,7 +136,8 @@ class Args:
     max_tool_response_tokens: int = 512
     """longer tool outputs are cut and marked (tools on)"""
     check_tito: bool = False
-    """compare every trajectory with the chat template's rendering of its messages; fail on drift (tools on)"""
+    """compare every trajectory with the chat template's rendering of its messages; log the drifting fraction
+    (tools/tito_drift_frac) and the first drift of each step (tools on)"""
 
 
 ScoreFn = Callable[[list[dict], list[str]], list["rewards.Reward"]]
@@ -411,8 +412,9 @@ def rollout_samples(t: Trainer, rows: list[dict], group_size: int, sampling: rol
     if args.check_tito:  # a sampled tokenization the template would not produce is drift too: logged, not fatal
         drifts = [(s, rollout.check_tito(t.tokenizer, s, s.info["messages"], s.info["tools"])) for s in samples]
         metrics["tools/tito_drift_frac"] = sum(bool(d) for _, d in drifts) / len(drifts)
-        for s, d in drifts[:1] if any(d for _, d in drifts[:1]) else []:
-            tqdm.write(f"rank {t.rank}, task {data_prep.row_id(s.row)}: {d[0]}")
+        first = next(((s, d) for s, d in drifts if d), None)
+        if first is not None:
+            tqdm.write(f"rank {t.rank}, task {data_prep.row_id(first[0].row)}: {first[1][0]}")
     for k in [k for k in metrics if k.startswith("tools/")]:
         metrics[k] = mean_over_ranks(metrics[k], t.world)
     return samples, metrics

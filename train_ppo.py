@@ -123,9 +123,9 @@ class Args:
     """bf16 parameters with fp32 reductions (use on GPUs)"""
     activation_checkpointing: bool = False
     """recompute decoder layers in backward to save memory"""
-    attn_implementation: str = "sdpa"
-    """transformers attention backend; on GPUs flex_attention (or flash_attention_2 when installed) skips the
-    attention between packed sequences, which sdpa computes and masks"""
+    attn_implementation: str = "packed_sdpa"
+    """attention of the trained models: packed_sdpa (policy.py: sdpa per packed sequence), flex_attention (faster on
+    GPUs), flash_attention_2 when installed; plain sdpa masks the whole micro-batch, quadratic in its tokens"""
     compile_layers: bool = False
     """torch.compile each decoder layer of the trained models (GPUs: fuses norms, rotary and activations)"""
     vllm_gpu_memory_utilization: float = 0.4

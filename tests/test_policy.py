@@ -170,6 +170,33 @@ def test_temperature_and_entropy_by_hand(model):
     assert (cold - warm).abs().max() > 1e-3
 
 
+def test_packed_sdpa_equals_sdpa_including_gradients(model_dir):
+    """packed_sdpa (each packed sequence attended on its own, no block-diagonal mask) computes what sdpa with the mask
+    computes: per-sequence forwards' values, and the same gradients (the tiny model has grouped KV heads, 4 and 2)."""
+    results = {}
+    for attn in ("sdpa", "packed_sdpa"):
+        model = policy.load_model(model_dir, attn_implementation=attn)
+        lp, ent = policy.packed_logprobs(model, SEQUENCES, with_entropy=True)
+        (lp.sum() + ent.sum()).backward()
+        results[attn] = [lp.detach(), ent.detach()] + [p.grad for p in model.parameters()]
+    for got, want in zip(results["packed_sdpa"], results["sdpa"]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        separate_lp, _ = naive_logprobs(model, SEQUENCES, packed=False)
+    torch.testing.assert_close(results["packed_sdpa"][0], separate_lp, atol=1e-5, rtol=0)
+
+
+def test_packed_sdpa_refuses_what_it_cannot_attend(model_dir):
+    """A KV cache, padded rows or positions that do not start at 0 would be attended wrongly: a clear error instead."""
+    model = policy.load_model(model_dir, attn_implementation="packed_sdpa")
+    with torch.no_grad(), pytest.raises(ValueError, match="packed forwards only"):
+        model.generate(torch.tensor([[1, 40, 41]]), max_new_tokens=2, do_sample=False)
+    with torch.no_grad(), pytest.raises(ValueError, match="packed forwards only"):
+        model(input_ids=torch.tensor([[1, 40], [1, 41]]), position_ids=torch.tensor([[0, 1], [0, 1]]))
+    with torch.no_grad(), pytest.raises(ValueError, match="start at 0"):
+        model(input_ids=torch.tensor([[1, 40, 41]]), position_ids=torch.tensor([[3, 4, 5]]), use_cache=False)
+
+
 def test_packed_logprobs_rejects_bad_input(model):
     with pytest.raises(ValueError, match="temperature"):
         policy.packed_logprobs(model, SEQUENCES, temperature=0.0)
@@ -199,17 +226,18 @@ def test_world_one_without_torchrun(model_dir, model):
             dist.destroy_process_group()
 
 
-def test_hf_engine_decodes_a_flex_attention_policy_with_sdpa(model_dir, model):
-    """A policy trained with flex_attention: its HFEngine replica decodes with sdpa (flex recompiles per decoding
-    shape) and gives the plain model's greedy tokens."""
+@pytest.mark.parametrize("attn", ["flex_attention", "packed_sdpa"])
+def test_hf_engine_decodes_a_packed_attention_policy_with_sdpa(model_dir, model, attn):
+    """A policy trained with a packed-only attention: its HFEngine replica decodes with sdpa (packed_sdpa has no KV
+    cache, flex recompiles per decoding shape) and gives the plain model's greedy tokens."""
     created = not dist.is_initialized()
     try:
         policy.init_distributed()
-        sharded = policy.shard_model(policy.load_model(model_dir, attn_implementation="flex_attention"))
+        sharded = policy.shard_model(policy.load_model(model_dir, attn_implementation=attn))
         engine = rollout.HFEngine(sharded, pad_token_id=0)
         engine.load_weights(policy.iter_full_weights(sharded))
         assert engine.model.config._attn_implementation == "sdpa"
-        assert sharded.config._attn_implementation == "flex_attention"
+        assert sharded.config._attn_implementation == attn
         sampling = rollout.Sampling(max_new_tokens=6, temperature=0.0)
         got = engine.generate(SEQUENCES[:3], sampling)
         want = rollout.HFEngine(model, pad_token_id=0).generate(SEQUENCES[:3], sampling)

@@ -81,8 +81,7 @@ def test_every_mbpp_reference_scores_one_and_mutations_zero(mbpp):
 
 
 def test_apps_references_score_one_and_partial_credit():
-    rows = data_prep.apps_rows("/work/shared/data/apps" if Path("/work/shared/data/apps").is_dir()
-                               else str(ROOT.parent / "shared" / "data" / "apps"))
+    rows = data_prep.apps_rows(ROOT.parent / "shared" / "data" / "apps")
     assert len(rows) == 5
     results = rewards.score_batch(rows, [fenced(r["extra_info"]["solutions"][0]) for r in rows])
     assert [x.score for x in results] == [1.0] * 5
