@@ -103,6 +103,7 @@ def make_tiny_model(out_dir, corpus: list[str], vocab_size: int = 512, hidden_si
     return out
 
 
+@torch.compiler.disable  # data-dependent boundaries: under compile_layers each new packing would recompile
 def packed_sdpa(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, position_ids=None,
                 **kwargs):
     """Attention for packed forwards (`attn_implementation="packed_sdpa"`): causal sdpa on each sequence of the pack

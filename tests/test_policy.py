@@ -248,13 +248,15 @@ def test_hf_engine_decodes_a_packed_attention_policy_with_sdpa(model_dir, model,
 
 
 @pytest.mark.slow
-def test_compiled_layers_match_eager_and_keep_names(model_dir, model):
+@pytest.mark.parametrize("attn", ["sdpa", "packed_sdpa"])
+def test_compiled_layers_match_eager_and_keep_names(model_dir, model, attn):
     """compile_layers: same logprobs and gradients as eager, and the parameter names engines and checkpoints use."""
     created = not dist.is_initialized()
     try:
         policy.init_distributed()
-        eager = policy.shard_model(policy.load_model(model_dir), activation_checkpointing=True)
-        compiled = policy.shard_model(policy.load_model(model_dir), activation_checkpointing=True, compile_layers=True)
+        eager = policy.shard_model(policy.load_model(model_dir, attn_implementation=attn), activation_checkpointing=True)
+        compiled = policy.shard_model(policy.load_model(model_dir, attn_implementation=attn),
+                                      activation_checkpointing=True, compile_layers=True)
         for sequences in (SEQUENCES, SEQUENCES[1:]):  # a second length: the compiled layers must not be stuck on one
             results = []
             for m in (eager, compiled):
