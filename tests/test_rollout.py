@@ -29,7 +29,7 @@ def generate_reference(model, prompts, sampling, pad_token_id=0):
     """transformers' generate() on the same left-padded batch: completions cut at the first stop id, logprobs of the
     processed scores (what generate sampled from)."""
     width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts])
+    input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts], device=model.device)
     attention_mask = (input_ids != pad_token_id).long()
     sample = sampling.temperature > 0
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=sampling.max_new_tokens,
@@ -37,15 +37,21 @@ def generate_reference(model, prompts, sampling, pad_token_id=0):
                          top_k=sampling.top_k if sample else None, top_p=sampling.top_p if sample else None,
                          eos_token_id=sampling.stop_token_ids, pad_token_id=pad_token_id,
                          return_dict_in_generate=True, output_scores=True)
-    new = out.sequences[:, width:]
-    logprobs = torch.stack(out.scores, 1).log_softmax(-1).gather(-1, new[..., None]).squeeze(-1)
+    new = out.sequences[:, width:].cpu()
+    logprobs = torch.stack(out.scores, 1).log_softmax(-1).cpu().gather(-1, new[..., None]).squeeze(-1)
     return [rollout.truncate_at_stop(new[i].tolist(), logprobs[i].tolist(), set(sampling.stop_token_ids))
             for i in range(len(prompts))]
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu,
+                                   pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.7, top_k=20),
                                       dict(temperature=1.3, top_p=0.8), dict(temperature=0.0)])
-def test_hf_engine_draws_what_generate_draws(model, settings):
+def test_hf_engine_draws_what_generate_draws(model, settings, device):
+    model.to(device)
     sampling = rollout.Sampling(max_new_tokens=24, stop_token_ids=STOP_IDS, **settings)
     prompts = [p for p in PROMPTS for _ in range(3)]
     torch.manual_seed(11)
