@@ -1,5 +1,6 @@
-"""The model being trained: build or load a Hugging Face causal LM, shard it with FSDP2, compute per-token logprobs
-of packed sequences in chunks, save/restore atomic DCP checkpoints, and stream full weights to an inference engine.
+"""The model being trained: build or load a Hugging Face causal LM, shard it with FSDP2, attend within packed
+sequences (`packed_sdpa`), compute per-token logprobs of packed sequences in chunks, save/restore atomic DCP
+checkpoints, and stream full weights to an inference engine.
 
 Every function works on a plain model and on a `shard_model`-ed one, with or without torchrun.
 """
