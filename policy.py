@@ -106,7 +106,7 @@ def make_tiny_model(out_dir, corpus: list[str], vocab_size: int = 512, hidden_si
 
 @torch.compiler.disable  # data-dependent boundaries: under compile_layers each new packing would recompile
 def packed_sdpa(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, position_ids=None,
-                **kwargs):
+                sliding_window=None, **kwargs):
     """Attention for packed forwards (`attn_implementation="packed_sdpa"`): causal sdpa on each sequence of the pack
     by itself, the sequences found where the position ids restart at 0. sdpa given the pack builds and applies a
     [tokens, tokens] block-diagonal mask, work quadratic in the micro-batch; this is quadratic only in each sequence
@@ -118,6 +118,9 @@ def packed_sdpa(module, query, key, value, attention_mask, scaling=None, dropout
     starts = (position_ids[0] == 0).nonzero().squeeze(1).tolist()
     if not starts or starts[0] != 0:
         raise ValueError("packed_sdpa: the position ids must start at 0 (they restart at 0 for every packed sequence)")
+    if sliding_window is not None:
+        raise ValueError(f"packed_sdpa attends to whole sequences; this layer has a sliding window of {sliding_window} "
+                         "tokens: train with --attn-implementation flex_attention or sdpa")
     bounds = zip(starts, starts[1:] + [query.shape[2]])
     out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
         query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout, is_causal=True, scale=scaling,

@@ -1,6 +1,7 @@
 """policy.py: tiny model + tokenizer, chat template, packed chunked logprobs, checkpoints; the FSDP2 checks run in
 one torchrun launch (tests/dist_policy.py)."""
 
+import copy
 import filecmp
 import inspect
 import json
@@ -198,6 +199,11 @@ def test_packed_sdpa_refuses_what_it_cannot_attend(model_dir):
         model(input_ids=torch.tensor([[1, 40], [1, 41]]), position_ids=torch.tensor([[0, 1], [0, 1]]))
     with torch.no_grad(), pytest.raises(ValueError, match="start at 0"):
         model(input_ids=torch.tensor([[1, 40, 41]]), position_ids=torch.tensor([[3, 4, 5]]), use_cache=False)
+    config = copy.deepcopy(model.config)
+    config.update(dict(use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"]))
+    windowed = type(model)._from_config(config, attn_implementation="packed_sdpa")
+    with torch.no_grad(), pytest.raises(ValueError, match="sliding window of 4"):
+        policy.packed_logprobs(windowed, SEQUENCES)
 
 
 def test_packed_logprobs_rejects_bad_input(model):
