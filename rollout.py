@@ -148,7 +148,7 @@ class HFEngine:
             [TemperatureLogitsWarper(sampling.temperature)]
             + ([TopKLogitsWarper(sampling.top_k)] if sampling.top_k > 0 else [])
             + ([TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1 else []))
-        stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=device)
+        stop_tokens = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=device)
         tokens = torch.full((rows, new), self.pad_token_id, dtype=torch.long, device=device)
         logprobs = torch.zeros((rows, new), device=device)
         stopped = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -161,8 +161,9 @@ class HFEngine:
             scores = warpers(None, logits.float())  # these warpers never look at the ids
             token = scores.argmax(-1) if greedy else torch.multinomial(scores.softmax(-1), 1).squeeze(1)
             tokens[:, step] = token.masked_fill(stopped, self.pad_token_id)
-            logprobs[:, step] = scores.log_softmax(-1).gather(1, token[:, None]).squeeze(1)
-            stopped |= torch.isin(token, stop_ids)
+            # log p(token) without a [rows, vocab] log_softmax: one column of it is all that is kept
+            logprobs[:, step] = scores.gather(1, token[:, None]).squeeze(1) - scores.logsumexp(-1)
+            stopped |= torch.isin(token, stop_tokens)
             if step == new - 1 or stopped.all():
                 break
             positions = positions[:, -1:] + 1
