@@ -6,6 +6,7 @@ Every function works on a plain model and on a `shard_model`-ed one, with or wit
 """
 
 import functools
+import itertools
 import json
 import logging
 import os
@@ -121,10 +122,11 @@ def packed_sdpa(module, query, key, value, attention_mask, scaling=None, dropout
     if sliding_window is not None:
         raise ValueError(f"packed_sdpa attends to whole sequences; this layer has a sliding window of {sliding_window} "
                          "tokens: train with --attn-implementation flex_attention or sdpa")
-    bounds = zip(starts, starts[1:] + [query.shape[2]])
+    lengths = [b - a for a, b in zip(starts, starts[1:] + [query.shape[2]])]
+    # split, not slicing: its backward is one cat, where each slice's backward zero-fills a full-size gradient
     out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
-        query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout, is_causal=True, scale=scaling,
-        enable_gqa=True) for a, b in bounds], dim=2)
+        q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=True)
+        for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2))], dim=2)
     return out.transpose(1, 2), None  # [1, tokens, heads, head_dim], as transformers' attention functions return
 
 
@@ -296,23 +298,31 @@ class _ChunkedChosenLogprobs(torch.autograd.Function):
 
 
 def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0, chunk_size: int = 512,
-                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    with_entropy: bool = False, score_from: list[int] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs (and entropies) of `sequences` in one packed forward: ids concatenated into one row,
     position ids restarting per sequence, no padding. Flat fp32 outputs aligned with the concatenated ids: entry j is
     log p(ids[j] | earlier ids of its sequence) under softmax(logits / temperature), and 0 at each sequence's first
-    token. The model's output layer is swapped for a chunked chosen-token computation for this one call, so the
-    [tokens, vocab] logits never exist, and FSDP2's root hooks still gather the head's weight as usual."""
+    token. `score_from[i]` (default 1) is the first position of sequence i that is scored, e.g. its prompt length:
+    earlier positions are 0 too, and the output layer never runs on them (RL scores completions only, and the head is
+    a large share of the work at vocab 152k). The model's output layer is swapped for a chunked chosen-token
+    computation for this one call, so the [tokens, vocab] logits never exist, and FSDP2's root hooks still gather the
+    head's weight as usual."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if not sequences or any(len(s) == 0 for s in sequences):
         raise ValueError("packed_logprobs needs at least one sequence and no empty ones")
+    score_from = [1] * len(sequences) if score_from is None else score_from
+    if len(score_from) != len(sequences) or any(not 1 <= f <= len(s) for f, s in zip(score_from, sequences)):
+        raise ValueError(f"score_from needs one position per sequence, each in [1, its length]; got {score_from} for "
+                         f"lengths {[len(s) for s in sequences]}")
     device = next(model.parameters()).device
     ids = torch.tensor([t for s in sequences for t in s], device=device)
     positions = torch.cat([torch.arange(len(s), device=device) for s in sequences])
-    ends = torch.tensor([len(s) for s in sequences], device=device).cumsum(0) - 1
-    has_next = torch.ones(len(ids), dtype=torch.bool, device=device)
-    has_next[ends] = False
-    source = has_next.nonzero().squeeze(1)  # the hidden state at j predicts token j + 1 of the same sequence
+    offsets = [0] + list(itertools.accumulate(len(s) for s in sequences))
+    # the hidden state at j predicts token j + 1 of the same sequence
+    source = torch.tensor([j for offset, first, s in zip(offsets, score_from, sequences)
+                           for j in range(offset + first - 1, offset + len(s) - 1)], dtype=torch.long, device=device)
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"{type(model).__name__}: an output layer with a bias is not supported")

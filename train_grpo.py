@@ -222,7 +222,8 @@ def setup(args: Args, score_fn: ScoreFn) -> Trainer:
         ref_model.requires_grad_(False)
     if engine is None:
         engine = rollout.HFEngine(model, pad_token_id=tokenizer.pad_token_id)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    # foreach: torch's default for GPU tensors; on CPU it would step one tensor at a time in Python
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(args, s))
     sampling = rollout.Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 stop_token_ids=policy.stop_token_ids(tokenizer, args.model))
@@ -320,8 +321,7 @@ def update(t: Trainer, batch: list, minibatch: int, old_logprobs, ref_logprobs) 
     for micro in micro_batches:
         # An empty micro-batch (this rank has fewer) runs a masked-out dummy: FSDP collectives must stay in step.
         samples = [batch[i][0] for i in micro] or [dummy_sample(t)]
-        logprobs, entropy = policy.packed_logprobs(t.model, [s.ids for s in samples], temperature=args.temperature,
-                                                   with_entropy=True)
+        logprobs, entropy = completion_logprobs(t, t.model, samples, with_entropy=True)
         logprobs, entropy = completion_part(logprobs, samples), completion_part(entropy, samples)
         device = logprobs.device
         mask = padded([s.loss_mask for s in samples], device)
@@ -363,7 +363,7 @@ def logprobs_no_grad(t: Trainer, model, batch: list) -> list[torch.Tensor]:
     with torch.no_grad():
         for micro in pack(index, [len(s.ids) for s, _ in batch], t.args.micro_batch_tokens, t.world):
             samples = [batch[i][0] for i in micro] or [dummy_sample(t)]
-            flat, _ = policy.packed_logprobs(model, [s.ids for s in samples], temperature=t.args.temperature)
+            flat, _ = completion_logprobs(t, model, samples)
             if micro:
                 out += split_completions(flat, samples)
     return out
@@ -486,6 +486,12 @@ def pack(index: list[int], lengths: list[int], max_tokens: int, world: int) -> l
         micro.append(current)
     count = int(max_over_ranks(len(micro), world))
     return micro + [[] for _ in range(count - len(micro))]
+
+
+def completion_logprobs(t: Trainer, model, samples: list[rollout.Sample], with_entropy: bool = False):
+    """`policy.packed_logprobs` of the samples, scored from each completion's first token (the prompts are not)."""
+    return policy.packed_logprobs(model, [s.ids for s in samples], temperature=t.args.temperature,
+                                  with_entropy=with_entropy, score_from=[len(s.prompt_ids) for s in samples])
 
 
 def dummy_sample(t: Trainer) -> rollout.Sample:

@@ -261,8 +261,10 @@ def setup(args: Args, score_fn: ScoreFn) -> Trainer:
         ref_model.requires_grad_(False)
     if engine is None:
         engine = rollout.HFEngine(model, pad_token_id=tokenizer.pad_token_id)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    critic_optimizer = torch.optim.AdamW(value_model.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
+    # foreach: torch's default for GPU tensors; on CPU it would step one tensor at a time in Python
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=True)
+    critic_optimizer = torch.optim.AdamW(value_model.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay,
+                                         foreach=True)
     sampling = rollout.Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 stop_token_ids=policy.stop_token_ids(tokenizer, args.model))
     t = Trainer(args, rank, world, total_steps, model, value_model, ref_model, optimizer, critic_optimizer, engine,
@@ -361,12 +363,12 @@ def make_experience(t: Trainer, samples: list[rollout.Sample]) -> tuple[Experien
     def per_token(forward):  # [B, T] over the completion tokens, 0 off-mask
         return completion_no_grad(t, forward, samples) * mask
 
-    old = per_token(lambda ids: policy.packed_logprobs(t.model, ids, temperature=args.temperature)[0])
-    values = per_token(lambda ids: policy.packed_values(t.value_model, ids))
+    old = per_token(lambda batch: completion_logprobs(t, t.model, batch)[0])
+    values = per_token(lambda batch: policy.packed_values(t.value_model, [s.ids for s in batch]))
     token_rewards = losses.outcome_token_rewards(torch.tensor([s.reward for s in samples]), mask)
     kl = torch.zeros_like(mask)
     if t.ref_model is not None:
-        ref = per_token(lambda ids: policy.packed_logprobs(t.ref_model, ids, temperature=args.temperature)[0])
+        ref = per_token(lambda batch: completion_logprobs(t, t.ref_model, batch)[0])
         kl = losses.kl_penalty(old, ref, args.kl_estimator) * mask
         token_rewards = token_rewards - t.kl_coef * kl
     advantages, returns = losses.gae(token_rewards, values, mask, args.gamma, args.lam)
@@ -395,8 +397,7 @@ def update_actor(t: Trainer, exp: Experience, minibatch: int) -> dict:
     t.optimizer.zero_grad(set_to_none=True)
     for micro in micro_batches:
         samples = [exp.samples[i] for i in micro] or [dummy_sample(t)]
-        logprobs, entropy = policy.packed_logprobs(t.model, [s.ids for s in samples], temperature=args.temperature,
-                                                   with_entropy=True)
+        logprobs, entropy = completion_logprobs(t, t.model, samples, with_entropy=True)
         logprobs, entropy = completion_part(logprobs, samples), completion_part(entropy, samples)
         mask, old, adv = (rows_of(x, micro, logprobs) for x in (exp.mask, exp.old_logprobs, exp.advantages))
         token_loss, pstats = losses.clipped_policy_loss(logprobs, old, adv, mask, clip_low=args.clip_low,
@@ -449,13 +450,13 @@ def rows_of(x: torch.Tensor, micro: list[int], like: torch.Tensor) -> torch.Tens
 
 
 def completion_no_grad(t: Trainer, forward: Callable, samples: list[rollout.Sample]) -> torch.Tensor:
-    """`forward(sequences) -> flat per-token tensor` over `samples`, micro-batched without grad, as padded [B, T]
+    """`forward(samples) -> flat per-token tensor` over `samples`, micro-batched without grad, as padded [B, T]
     completion tensors."""
     out = []
     with torch.no_grad():
         for micro in pack(list(range(len(samples))), [len(s.ids) for s in samples], t.args.micro_batch_tokens):
             batch = [samples[i] for i in micro] or [dummy_sample(t)]
-            flat = forward([s.ids for s in batch]).float().cpu()
+            flat = forward(batch).float().cpu()
             if micro:
                 out += split_completions(flat, batch)
     return padded(out)
@@ -594,6 +595,12 @@ def pack(index: list[int], lengths: list[int], max_tokens: int) -> list[list[int
     count = torch.tensor(len(micro))
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     return micro + [[] for _ in range(int(count) - len(micro))]
+
+
+def completion_logprobs(t: Trainer, model, samples: list[rollout.Sample], with_entropy: bool = False):
+    """`policy.packed_logprobs` of the samples, scored from each completion's first token (the prompts are not)."""
+    return policy.packed_logprobs(model, [s.ids for s in samples], temperature=t.args.temperature,
+                                  with_entropy=with_entropy, score_from=[len(s.prompt_ids) for s in samples])
 
 
 def dummy_sample(t: Trainer) -> rollout.Sample:

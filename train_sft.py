@@ -91,7 +91,8 @@ def main(args: Args) -> dict:
                                mixed_precision=args.mixed_precision,
                                activation_checkpointing=args.activation_checkpointing,
                                compile_layers=args.compile_layers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    # foreach: torch's default for GPU tensors; on CPU it would step one tensor at a time in Python
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(args, s))
     step = 0
     checkpoint = policy.latest_checkpoint(args.output_dir) if args.resume else None

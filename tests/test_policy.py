@@ -206,6 +206,34 @@ def test_packed_sdpa_refuses_what_it_cannot_attend(model_dir):
         policy.packed_logprobs(windowed, SEQUENCES)
 
 
+def test_score_from_scores_only_completions(model, monkeypatch):
+    """score_from = prompt lengths: the same logprobs, entropies and gradients on the scored tokens, 0 before them,
+    and the output layer runs on the scored positions only."""
+    score_from = [5, 1, 4, 1]  # the last sequence has one token: nothing to score either way
+    head_rows = []
+    chunked = policy._ChunkedChosenLogprobs.apply
+    monkeypatch.setattr(policy._ChunkedChosenLogprobs, "apply",
+                        lambda hidden, *a: head_rows.append(hidden.shape[0]) or chunked(hidden, *a))
+    results = []
+    for kwargs in ({}, {"score_from": score_from}):
+        model.zero_grad()
+        lp, ent = policy.packed_logprobs(model, SEQUENCES, with_entropy=True, **kwargs)
+        scored = torch.cat([torch.arange(len(s)) >= f for s, f in zip(SEQUENCES, score_from)])
+        (lp[scored].sum() + ent[scored].sum()).backward()
+        results.append((lp.detach(), ent.detach(), scored, [p.grad.clone() for p in model.parameters()]))
+    model.zero_grad()
+    (full_lp, full_ent, scored, full_grads), (lp, ent, _, grads) = results
+    assert head_rows == [sum(len(s) - 1 for s in SEQUENCES), sum(len(s) - f for s, f in zip(SEQUENCES, score_from))]
+    assert scored.sum() == 5 and lp[~scored].eq(0).all() and ent[~scored].eq(0).all()
+    torch.testing.assert_close(lp[scored], full_lp[scored], atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent[scored], full_ent[scored], atol=1e-6, rtol=0)
+    for got, want in zip(grads, full_grads):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    for bad in ([1, 1, 1], [0, 1, 1, 1], [1, 3, 1, 1]):
+        with pytest.raises(ValueError, match="score_from"):
+            policy.packed_logprobs(model, SEQUENCES, score_from=bad)
+
+
 def test_packed_logprobs_rejects_bad_input(model):
     with pytest.raises(ValueError, match="temperature"):
         policy.packed_logprobs(model, SEQUENCES, temperature=0.0)
