@@ -7,6 +7,7 @@ and re-encoded on the way to the trainer; text is decoded only for the reward.
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
@@ -15,8 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from transformers import DynamicCache
-from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
-                                                   TopPLogitsWarper)
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 
 @dataclass
@@ -132,8 +132,8 @@ class HFEngine:
         `generate()`, for two reasons: only `sampling` shapes the distribution (generate would also apply what the
         model's generation_config holds, e.g. Qwen2.5's repetition_penalty, which the trainer's logprobs know nothing
         of), and only the chosen tokens' logprobs are kept (generate's scores hold [rows, vocab] floats per step: 40 GB
-        for 64 rows of 1024 tokens at vocab 152k). Sampling follows generate's (its warpers, softmax, multinomial), so
-        with a plain generation_config both draw the same tokens from the same seed."""
+        for 64 rows of 1024 tokens at vocab 152k). Scores go through transformers' own warpers (temperature, top-k,
+        top-p); Llama-layout models decode with `decode_step`, the others with their own forward."""
         device = next(self.model.parameters()).device
         rows, width, new = len(prompts), max(len(p) for p in prompts), sampling.max_new_tokens
         input_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
@@ -144,7 +144,7 @@ class HFEngine:
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         positions = (attention_mask[:, :width].cumsum(-1) - 1).clamp_(min=0)
         greedy = sampling.temperature <= 0
-        warpers = LogitsProcessorList() if greedy else LogitsProcessorList(
+        warpers = [] if greedy else (  # called directly: LogitsProcessorList inspects signatures at every call
             [TemperatureLogitsWarper(sampling.temperature)]
             + ([TopKLogitsWarper(sampling.top_k)] if sampling.top_k > 0 else [])
             + ([TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1 else []))
@@ -157,22 +157,98 @@ class HFEngine:
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask[:, :width], position_ids=positions,
                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        lean = lean_decoding_supported(self.model)
+        if lean:
+            cache = KVBuffer.from_prefill(cache, width + new - 1)
+            attend = attention_mask.bool()[:, None, None, :]  # [rows, 1, 1, keys]: what sdpa broadcasts over heads
         for step in range(new):
-            scores = warpers(None, logits.float())  # these warpers never look at the ids
-            token = scores.argmax(-1) if greedy else torch.multinomial(scores.softmax(-1), 1).squeeze(1)
+            scores = logits.float()
+            for warp in warpers:
+                scores = warp(None, scores)  # these warpers never look at the ids
+            probs = scores.softmax(-1)
+            token = scores.argmax(-1) if greedy else sample_from(probs)
             tokens[:, step] = token.masked_fill(stopped, self.pad_token_id)
-            # log p(token) without a [rows, vocab] log_softmax: one column of it is all that is kept
-            logprobs[:, step] = scores.gather(1, token[:, None]).squeeze(1) - scores.logsumexp(-1)
+            logprobs[:, step] = probs.gather(1, token[:, None]).squeeze(1).log()  # no [rows, vocab] log_softmax
             stopped |= torch.isin(token, stop_tokens)
             if step == new - 1 or stopped.all():
                 break
             positions = positions[:, -1:] + 1
-            logits = self.model(input_ids=token[:, None], attention_mask=attention_mask[:, : width + step + 1],
-                                position_ids=positions, past_key_values=cache, use_cache=True).logits[:, -1]
+            if lean:
+                logits = decode_step(self.model, cache, token, positions, attend[..., : width + step + 1])
+            else:
+                logits = self.model(input_ids=token[:, None], attention_mask=attention_mask[:, : width + step + 1],
+                                    position_ids=positions, past_key_values=cache, use_cache=True).logits[:, -1]
         self.model.train(was_training)
         tokens, logprobs = tokens[:, : step + 1].cpu(), logprobs[:, : step + 1].cpu()
         stop_ids = set(sampling.stop_token_ids)
         return [truncate_at_stop(tokens[i].tolist(), logprobs[i].tolist(), stop_ids) for i in range(rows)]
+
+
+def sample_from(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` [rows, vocab] by inverting its CDF at a uniform draw: one random number per row.
+    (torch.multinomial draws an exponential per vocabulary entry: 0.3 ms for 32 x 371 on a CPU, most of a tiny
+    model's decoding step.) The CDF is summed in fp64 so that at vocab 152k rounding cannot shift tail tokens' mass;
+    `right=True` never lands on a zero-probability token (its CDF step is empty)."""
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+
+LEAN_DECODING_TYPES = ("llama", "qwen2", "qwen3")  # Mistral: its window is in the config, not the layers
+
+
+def lean_decoding_supported(model) -> bool:
+    """Whether `decode_step` computes what the model's own forward computes: a Llama-layout decoder (pre-norm
+    attention and MLP blocks, rotary positions) of a type listed in LEAN_DECODING_TYPES, with no sliding window."""
+    return (getattr(model.config, "model_type", None) in LEAN_DECODING_TYPES
+            and all(getattr(layer.self_attn, "sliding_window", None) is None for layer in model.model.layers))
+
+
+@dataclass
+class KVBuffer:
+    """Keys and values of every layer in preallocated [rows, kv_heads, capacity, head_dim] buffers: a decoding step
+    writes one position instead of concatenating a longer cache."""
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int
+
+    @classmethod
+    def from_prefill(cls, cache: DynamicCache, capacity: int) -> KVBuffer:
+        def grown(t):
+            buffer = t.new_empty(*t.shape[:2], capacity, t.shape[3])
+            buffer[:, :, : t.shape[2]] = t
+            return buffer
+        return cls([grown(layer.keys) for layer in cache.layers], [grown(layer.values) for layer in cache.layers],
+                   cache.get_seq_length())
+
+
+def decode_step(model, cache: KVBuffer, token: torch.Tensor, positions: torch.Tensor,
+                attend: torch.Tensor) -> torch.Tensor:
+    """Next-token logits [rows, vocab] after `token` [rows] at `positions` [rows, 1], attending to the cached keys
+    where `attend` [rows, 1, 1, keys] is True. The model's own modules (embedding, rotary, norms, projections, MLP,
+    head) in a Llama-layout decoder's order, without the generic forward's per-step mask building, cache
+    bookkeeping and output objects: 1.2 -> 0.75 ms per step for the tiny 2-layer model on a CPU, same values."""
+    inner = model.model
+    rope = sys.modules[type(inner.layers[0].self_attn).__module__].apply_rotary_pos_emb  # the model's own
+    hidden = inner.embed_tokens(token[:, None])
+    cos, sin = inner.rotary_emb(hidden, positions)
+    at = cache.length
+    for keys, values, layer in zip(cache.keys, cache.values, inner.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        shape = (x.shape[0], 1, -1, attn.head_dim)
+        q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        keys[:, :, at] = k[:, :, 0]
+        values[:, :, at] = v[:, 0]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, keys[:, :, : at + 1], values[:, :, : at + 1], attn_mask=attend, scale=attn.scaling, enable_gqa=True)
+        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(x.shape[0], 1, -1))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    cache.length += 1
+    return model.lm_head(inner.norm(hidden))[:, -1]
 
 
 def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:

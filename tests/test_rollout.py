@@ -1,11 +1,15 @@
-"""rollout.HFEngine: its decoding loop draws what `generate()` draws, and samples from exactly the distribution the
-trainer scores, whatever the model's saved generation_config says."""
+"""rollout.HFEngine: its decoding loop samples from exactly the distribution the trainer scores (transformers' warpers
+on the model's logits), whatever the model's saved generation_config says; greedy decoding is generate()'s."""
 
 import inspect
 import json
 
 import pytest
 import torch
+
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import policy
 import rollout
@@ -43,27 +47,127 @@ def generate_reference(model, prompts, sampling, pad_token_id=0):
             for i in range(len(prompts))]
 
 
+def warped_logprobs(model, prompts, completions, sampling):
+    """log p(token) of each completion token under transformers' warpers applied to logits from one plain forward of
+    the whole left-padded prompt + completion (no KV cache): what the engine claims to have sampled from."""
+    seqs = [p + c.token_ids for p, c in zip(prompts, completions)]
+    width = max(map(len, seqs))
+    ids = torch.tensor([[0] * (width - len(s)) + s for s in seqs], device=model.device)
+    attention_mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=model.device)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention_mask,
+                       position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0)).logits.float()
+    out = []
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        start = width - len(seqs[i]) + len(p)  # logits at j predict token j + 1
+        scores = logits[i, start - 1 : width - 1]
+        for warper in [TemperatureLogitsWarper(sampling.temperature)] + (
+                [TopKLogitsWarper(sampling.top_k)] if sampling.top_k else []) + (
+                [TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1 else []):
+            scores = warper(None, scores)
+        out.append(scores.log_softmax(-1).gather(1, torch.tensor(c.token_ids, device=model.device)[:, None])[:, 0])
+    return out
+
+
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu,
                                    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_greedy_hf_engine_equals_generate(model, device):
+    model.to(device)
+    sampling = rollout.Sampling(max_new_tokens=24, temperature=0.0, stop_token_ids=STOP_IDS)
+    got = rollout.HFEngine(model, pad_token_id=0).generate(PROMPTS, sampling)
+    want = generate_reference(model, PROMPTS, sampling)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.7, top_k=20),
-                                      dict(temperature=1.3, top_p=0.8), dict(temperature=0.0)])
-def test_hf_engine_draws_what_generate_draws(model, settings, device):
+                                      dict(temperature=1.3, top_p=0.8)])
+def test_hf_engine_logprobs_are_the_warped_distribution(model, settings, device):
+    """Each sampled token's logprob is its log-probability under the warped scores of a plain forward (no KV cache,
+    no decode_step), and no token outside top-k / top-p is ever drawn (its logprob would be -inf)."""
     model.to(device)
     sampling = rollout.Sampling(max_new_tokens=24, stop_token_ids=STOP_IDS, **settings)
     prompts = [p for p in PROMPTS for _ in range(3)]
     torch.manual_seed(11)
     got = rollout.HFEngine(model, pad_token_id=0).generate(prompts, sampling)
+    for completion, want in zip(got, warped_logprobs(model, prompts, got, sampling)):
+        assert torch.isfinite(want).all()
+        torch.testing.assert_close(torch.tensor(completion.logprobs), want.cpu(), atol=1e-5, rtol=0)
+    assert {c.finish_reason for c in got} == {"stop", "length"}  # rows differ in length: the early stop is tested
     torch.manual_seed(11)
-    want = generate_reference(model, prompts, sampling)
+    assert [c.token_ids for c in rollout.HFEngine(model, pad_token_id=0).generate(prompts, sampling)] == \
+        [c.token_ids for c in got]  # same seed, same draws
+
+
+def test_sample_from_draws_the_given_distribution():
+    """Frequencies over 400k draws within 5 standard errors of each probability; zero-probability tokens (what top-k
+    and top-p leave) are never drawn, including the last one, which a CDF rounding short of 1 would pick."""
+    probs = torch.tensor([0.0, 0.5, 0.25, 0.0, 0.125, 0.0625, 0.0625, 0.0])
+    draws = 400_000
+    torch.manual_seed(0)
+    counts = torch.bincount(rollout.sample_from(probs.expand(draws, -1)), minlength=len(probs)).double()
+    assert counts[probs == 0].sum() == 0
+    standard_error = (probs * (1 - probs) / draws).double().sqrt()
+    assert ((counts / draws - probs).abs() <= 5 * standard_error).all(), counts / draws
+    peaked = torch.zeros(3, 152064).index_fill_(1, torch.tensor([7]), 1.0)  # a one-hot row at vocab 152k
+    assert rollout.sample_from(peaked).tolist() == [7, 7, 7]
+
+
+def tiny_decoder(kind: str):
+    """A randomly initialised 2-layer model of each Llama-layout family decode_step serves."""
+    common = dict(vocab_size=420, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
+    torch.manual_seed(1)
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
+    if kind == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=32, **common)).eval()  # own q/k norms, head_dim != hidden/heads
+    return LlamaForCausalLM(LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                                        **common)).eval()
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
+def test_lean_decoding_equals_the_models_forward(kind):
+    """decode_step (the engine's loop for Llama-layout models) against the model's own forward: the same greedy
+    tokens and logprobs as generate(), and with sampling the same draws from the same seed as the engine decoding
+    through the model's forward."""
+    model = tiny_decoder(kind)
+    assert rollout.lean_decoding_supported(model)
+    greedy = rollout.Sampling(max_new_tokens=20, temperature=0.0)
+    got = rollout.HFEngine(model, pad_token_id=0).generate(PROMPTS, greedy)
+    want = generate_reference(model, PROMPTS, greedy)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
-    assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
     for g, w in zip(got, want):
-        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-6, rtol=0)
-    if settings["temperature"] > 0:  # the rows must differ in length, or the early stop is untested
-        assert {c.finish_reason for c in got} == {"stop", "length"}
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+    sampling = rollout.Sampling(max_new_tokens=20, temperature=1.0)
+    runs = []
+    for lean in (True, False):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(rollout, "lean_decoding_supported", lambda m: lean)
+            torch.manual_seed(4)
+            runs.append(rollout.HFEngine(model, pad_token_id=0).generate(PROMPTS, sampling))
+    assert [c.token_ids for c in runs[0]] == [c.token_ids for c in runs[1]]
+    for a, b in zip(*runs):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_models_lean_decoding_cannot_serve_decode_with_their_forward(model_dir):
+    """A sliding window (or a family decode_step does not know) keeps the model's own forward, which applies it."""
+    config = policy.load_model(model_dir).config
+    config.update(dict(use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"]))
+    windowed = Qwen2ForCausalLM(config).eval()
+    assert not rollout.lean_decoding_supported(windowed)
+    assert not rollout.lean_decoding_supported(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
+    greedy = rollout.Sampling(max_new_tokens=12, temperature=0.0)
+    got = rollout.HFEngine(windowed, pad_token_id=0).generate(PROMPTS, greedy)
+    assert [c.token_ids for c in got] == [c.token_ids for c in generate_reference(windowed, PROMPTS, greedy)]
 
 
 def test_hf_engine_ignores_the_models_generation_config(model):
