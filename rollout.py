@@ -154,9 +154,18 @@ class HFEngine:
         stopped = torch.zeros(rows, dtype=torch.bool, device=device)
         was_training = self.model.training
         self.model.eval()
+        # A group's samples share their prompt: each distinct prompt is prefilled once, then its cache row is copied.
+        distinct: dict[tuple, tuple[int, int]] = {}  # prompt -> (its number, its first row)
+        for i, p in enumerate(prompts):
+            distinct.setdefault(tuple(p), (len(distinct), i))
+        first = torch.tensor([row for _, row in distinct.values()], device=device)
+        which = torch.tensor([distinct[tuple(p)][0] for p in prompts], device=device)
         cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask[:, :width], position_ids=positions,
-                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = self.model(input_ids=input_ids[first], attention_mask=attention_mask[first, :width],
+                            position_ids=positions[first], past_key_values=cache, use_cache=True,
+                            logits_to_keep=1).logits[:, -1]
+        cache.reorder_cache(which)
+        logits = logits[which]
         lean = lean_decoding_supported(self.model)
         if lean:
             cache = KVBuffer.from_prefill(cache, width + new - 1)

@@ -75,10 +75,12 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu,
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_greedy_hf_engine_equals_generate(model, device):
+    """Repeated prompts too (the engine prefills each distinct prompt once and copies its cache rows)."""
     model.to(device)
     sampling = rollout.Sampling(max_new_tokens=24, temperature=0.0, stop_token_ids=STOP_IDS)
-    got = rollout.HFEngine(model, pad_token_id=0).generate(PROMPTS, sampling)
-    want = generate_reference(model, PROMPTS, sampling)
+    prompts = PROMPTS + PROMPTS[2:0:-1] + PROMPTS[1:2]
+    got = rollout.HFEngine(model, pad_token_id=0).generate(prompts, sampling)
+    want = generate_reference(model, prompts, sampling)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
     for g, w in zip(got, want):
