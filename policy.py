@@ -109,25 +109,53 @@ def make_tiny_model(out_dir, corpus: list[str], vocab_size: int = 512, hidden_si
 def packed_sdpa(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, position_ids=None,
                 sliding_window=None, **kwargs):
     """Attention for packed forwards (`attn_implementation="packed_sdpa"`): causal sdpa on each sequence of the pack
-    by itself, the sequences found where the position ids restart at 0. sdpa given the pack builds and applies a
-    [tokens, tokens] block-diagonal mask, work quadratic in the micro-batch; this is quadratic only in each sequence
-    (on a 2-core CPU, 32 sequences of ~70 tokens: 34 ms forward + backward instead of 145). No KV cache and no
-    padding: engines decode with sdpa."""
+    by itself, read off the position ids. A sequence starts where they restart at 0. A *branch* is a run of tokens
+    whose positions start at p > 0 and do not continue the tokens before it: it continues the first p tokens of its
+    sequence (a prompt shared by a GRPO group, `packed_logprobs(share_prefixes=True)`) and attends to them and to
+    itself. sdpa given the pack would build and apply a [tokens, tokens] mask, work quadratic in the micro-batch;
+    this is quadratic only in each sequence (on a 2-core CPU, 32 sequences of ~70 tokens: 34 ms forward + backward
+    instead of 145). No KV cache and no padding: engines decode with sdpa."""
     if query.shape[0] != 1 or position_ids is None or position_ids.dim() != 2 or query.shape[2] != key.shape[2]:
         raise ValueError("attn_implementation='packed_sdpa' serves packed forwards only (one row of sequences, 2-d "
                          "position ids, no KV cache); decode with sdpa")
-    starts = (position_ids[0] == 0).nonzero().squeeze(1).tolist()
-    if not starts or starts[0] != 0:
-        raise ValueError("packed_sdpa: the position ids must start at 0 (they restart at 0 for every packed sequence)")
     if sliding_window is not None:
         raise ValueError(f"packed_sdpa attends to whole sequences; this layer has a sliding window of {sliding_window} "
                          "tokens: train with --attn-implementation flex_attention or sdpa")
+    positions = position_ids[0]
+    # pieces: runs of consecutive positions; each starts a sequence (position 0) or a branch of the current one
+    cut = torch.ones_like(positions, dtype=torch.bool)
+    cut[1:] = positions[1:] != positions[:-1] + 1
+    starts = cut.nonzero().squeeze(1)
+    starts, firsts = starts.tolist(), positions[starts].tolist()
+    if firsts[0] != 0:
+        raise ValueError("packed_sdpa: the position ids must start at 0 (they restart at 0 for every packed sequence)")
     lengths = [b - a for a, b in zip(starts, starts[1:] + [query.shape[2]])]
+
+    def attend(q, k, v, mask=None):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=True)
+
     # split, not slicing: its backward is one cat, where each slice's backward zero-fills a full-size gradient
-    out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=True)
-        for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2))], dim=2)
-    return out.transpose(1, 2), None  # [1, tokens, heads, head_dim], as transformers' attention functions return
+    qs, ks, vs = query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2)
+    out = [None] * len(lengths)
+    branches = {}  # (sequence's first piece, branch point, length) -> branch pieces
+    for i, first in enumerate(firsts):
+        if first == 0:
+            head = i
+            out[i] = attend(qs[i], ks[i], vs[i])
+        elif first > lengths[head]:
+            raise ValueError(f"packed_sdpa: tokens at positions {first}.. continue a sequence whose first "
+                             f"{lengths[head]} tokens are all that precede them")
+        else:
+            branches.setdefault((head, first, lengths[i]), []).append(i)
+    for (head, shared, length), pieces in branches.items():  # equal-length branches of one prefix: one batched call
+        n = len(pieces)
+        k = torch.cat([ks[head][:, :, :shared].expand(n, -1, -1, -1), torch.cat([ks[i] for i in pieces])], 2)
+        v = torch.cat([vs[head][:, :, :shared].expand(n, -1, -1, -1), torch.cat([vs[i] for i in pieces])], 2)
+        sees = torch.ones(length, shared + length, dtype=torch.bool, device=query.device).tril(shared)
+        for i, o in zip(pieces, attend(torch.cat([qs[i] for i in pieces]), k, v, sees).split(1)):
+            out[i] = o
+    return torch.cat(out, dim=2).transpose(1, 2), None  # [1, tokens, heads, head_dim], as transformers' return
 
 
 AttentionInterface.register("packed_sdpa", packed_sdpa)
@@ -297,17 +325,48 @@ class _ChunkedChosenLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight.to(weight.dtype) if want_weight else None, None, None, None, None
 
 
+def shares_prefixes(model) -> bool:
+    """Whether `packed_logprobs(share_prefixes=True)` runs a shared prefix once for this model: only packed_sdpa reads
+    branches off the position ids. flex_attention, flash_attention_2 and sdpa take every break in the positions for a
+    new sequence, so their callers get each sequence whole (the same numbers, more tokens)."""
+    return getattr(model.config, "_attn_implementation", None) == "packed_sdpa"
+
+
+def _layout(sequences: list[list[int]], score_from: list[int], share: bool):
+    """The packed row of `sequences`: token ids, position ids, and for every scored token (position >= its
+    score_from) the row index of the hidden state that predicts it and its index in the concatenated sequences.
+    With `share`, the sequences whose first score_from tokens are equal follow the first of them as branches: only
+    their tokens from score_from on, positions continuing from score_from (what packed_sdpa attends as a branch)."""
+    ids, positions, source, dest = [], [], [], []
+    offsets = list(itertools.accumulate((len(s) for s in sequences), initial=0))
+    groups = {}
+    for i, (s, first) in enumerate(zip(sequences, score_from)):
+        groups.setdefault(tuple(s[:first]) if share else i, []).append(i)
+    for members in groups.values():
+        trunk = len(ids)  # row index of the group's first sequence, laid out whole
+        for n, i in enumerate(members):
+            s, first = sequences[i], score_from[i]
+            begin, row = (0 if n == 0 else first), len(ids)
+            ids += s[begin:]
+            positions += range(begin, len(s))
+            for j in range(first, len(s)):  # token j is predicted by the hidden state of token j - 1
+                source.append(trunk + j - 1 if j - 1 < begin else row + j - 1 - begin)
+                dest.append(offsets[i] + j)
+    return ids, positions, source, dest
+
+
 def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0, chunk_size: int = 512,
-                    with_entropy: bool = False, score_from: list[int] | None = None
+                    with_entropy: bool = False, score_from: list[int] | None = None, share_prefixes: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs (and entropies) of `sequences` in one packed forward: ids concatenated into one row,
     position ids restarting per sequence, no padding. Flat fp32 outputs aligned with the concatenated ids: entry j is
     log p(ids[j] | earlier ids of its sequence) under softmax(logits / temperature), and 0 at each sequence's first
     token. `score_from[i]` (default 1) is the first position of sequence i that is scored, e.g. its prompt length:
     earlier positions are 0 too, and the output layer never runs on them (RL scores completions only, and the head is
-    a large share of the work at vocab 152k). The model's output layer is swapped for a chunked chosen-token
-    computation for this one call, so the [tokens, vocab] logits never exist, and FSDP2's root hooks still gather the
-    head's weight as usual."""
+    a large share of the work at vocab 152k). share_prefixes: sequences whose first score_from tokens are equal (the
+    samples of a GRPO group) run those tokens once, where the model can (`shares_prefixes`); the outputs are the
+    same. The model's output layer is swapped for a chunked chosen-token computation for this one call, so the
+    [tokens, vocab] logits never exist, and FSDP2's root hooks still gather the head's weight as usual."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if not sequences or any(len(s) == 0 for s in sequences):
@@ -317,18 +376,17 @@ def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0,
         raise ValueError(f"score_from needs one position per sequence, each in [1, its length]; got {score_from} for "
                          f"lengths {[len(s) for s in sequences]}")
     device = next(model.parameters()).device
-    ids = torch.tensor([t for s in sequences for t in s], device=device)
-    positions = torch.cat([torch.arange(len(s), device=device) for s in sequences])
-    offsets = [0] + list(itertools.accumulate(len(s) for s in sequences))
-    # the hidden state at j predicts token j + 1 of the same sequence
-    source = torch.tensor([j for offset, first, s in zip(offsets, score_from, sequences)
-                           for j in range(offset + first - 1, offset + len(s) - 1)], dtype=torch.long, device=device)
+    row_ids, row_positions, source, dest = _layout(sequences, score_from, share_prefixes and shares_prefixes(model))
+    ids, positions = torch.tensor(row_ids, device=device), torch.tensor(row_positions, device=device)
+    source = torch.tensor(source, dtype=torch.long, device=device)
+    dest = torch.tensor(dest, dtype=torch.long, device=device)
+    targets = torch.tensor([t for s in sequences for t in s], device=device)[dest]
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"{type(model).__name__}: an output layer with a bias is not supported")
 
     def chosen_token_head(hidden):
-        return _ChunkedChosenLogprobs.apply(hidden[0, source], head.weight, ids[source + 1], temperature, chunk_size,
+        return _ChunkedChosenLogprobs.apply(hidden[0, source], head.weight, targets, temperature, chunk_size,
                                             with_entropy)
 
     head.forward = chosen_token_head
@@ -336,9 +394,8 @@ def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0,
         out = model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits
     finally:
         del head.forward
-    zeros = out.new_zeros(len(ids))
-    logprobs = zeros.index_copy(0, source + 1, out[:, 0])
-    return logprobs, zeros.index_copy(0, source + 1, out[:, 1]) if with_entropy else None
+    zeros = out.new_zeros(sum(map(len, sequences)))
+    return zeros.index_copy(0, dest, out[:, 0]), zeros.index_copy(0, dest, out[:, 1]) if with_entropy else None
 
 
 def clip_grad_norm(model, max_norm: float) -> float:

@@ -598,9 +598,12 @@ def pack(index: list[int], lengths: list[int], max_tokens: int) -> list[list[int
 
 
 def completion_logprobs(t: Trainer, model, samples: list[rollout.Sample], with_entropy: bool = False):
-    """`policy.packed_logprobs` of the samples, scored from each completion's first token (the prompts are not)."""
+    """`policy.packed_logprobs` of the samples, scored from each completion's first token (the prompts are not); a
+    group's common prompt runs once where the model can share it (micro-batches are still counted unshared: the
+    critic's forward shares nothing)."""
     return policy.packed_logprobs(model, [s.ids for s in samples], temperature=t.args.temperature,
-                                  with_entropy=with_entropy, score_from=[len(s.prompt_ids) for s in samples])
+                                  with_entropy=with_entropy, score_from=[len(s.prompt_ids) for s in samples],
+                                  share_prefixes=True)
 
 
 def dummy_sample(t: Trainer) -> rollout.Sample:

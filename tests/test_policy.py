@@ -234,6 +234,66 @@ def test_score_from_scores_only_completions(model, monkeypatch):
             policy.packed_logprobs(model, SEQUENCES, score_from=bad)
 
 
+PROMPT_A, PROMPT_B = [1, 40, 41, 42, 43], [1, 300, 301]
+GROUPED = [PROMPT_A + [7, 8, 9], PROMPT_B + [17], PROMPT_A + [250, 9], PROMPT_B, PROMPT_A + [44, 45, 2],
+           PROMPT_B + [9, 9], PROMPT_A + [11, 12, 13]]  # two groups, interleaved; one empty completion
+GROUPED_FROM = [len(PROMPT_A) if s[1] == 40 else len(PROMPT_B) for s in GROUPED]
+
+
+def test_shared_prefixes_run_once_and_change_nothing(model_dir, monkeypatch):
+    """share_prefixes: each group's prompt enters the forward once and its completions attend to it as branches;
+    logprobs, entropies and gradients are those of separate per-sequence forwards. A model whose attention cannot
+    share (sdpa) gets every sequence whole, with the same numbers."""
+    rows = []
+    embed = torch.nn.Embedding.forward
+    monkeypatch.setattr(torch.nn.Embedding, "forward", lambda self, ids: rows.append(ids.shape[-1]) or embed(self, ids))
+    results = {}
+    for attn, share in (("packed_sdpa", False), ("packed_sdpa", True), ("sdpa", True)):
+        model = policy.load_model(model_dir, attn_implementation=attn)
+        lp, ent = policy.packed_logprobs(model, GROUPED, with_entropy=True, score_from=GROUPED_FROM,
+                                         share_prefixes=share)
+        (lp.sum() + 0.5 * ent.sum()).backward()
+        results[attn, share] = (lp.detach(), ent.detach(), [p.grad for p in model.parameters()])
+    total = sum(map(len, GROUPED))
+    shared = total - 3 * len(PROMPT_A) - 2 * len(PROMPT_B)  # 4 + 3 sequences: each prompt once
+    assert rows == [total, shared, total]
+    assert policy.shares_prefixes(model) is False
+    with torch.no_grad():
+        separate_lp, separate_ent = naive_logprobs(policy.load_model(model_dir), GROUPED, packed=False)
+    scored = torch.cat([torch.arange(len(s)) >= f for s, f in zip(GROUPED, GROUPED_FROM)])
+    want_lp, want_ent, want_grads = results["packed_sdpa", False]
+    torch.testing.assert_close(want_lp[scored], separate_lp[scored], atol=1e-5, rtol=0)
+    torch.testing.assert_close(want_ent[scored], separate_ent[scored], atol=1e-5, rtol=0)
+    for key in (("packed_sdpa", True), ("sdpa", True)):
+        lp, ent, grads = results[key]
+        assert lp[~scored].eq(0).all() and ent[~scored].eq(0).all()
+        torch.testing.assert_close(lp, want_lp, atol=1e-6, rtol=0)
+        torch.testing.assert_close(ent, want_ent, atol=1e-6, rtol=0)
+        for got, want in zip(grads, want_grads):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_shared_prefix_layout_is_what_packed_sdpa_reads():
+    """The packed row of two groups: the first sequence of each whole, the others as branches whose positions continue
+    from the prompt; each scored token is predicted by its own sequence's previous token (the prompt's last token for a
+    branch's first)."""
+    ids, positions, source, dest = policy._layout([[5, 6, 7, 8], [9, 1], [5, 6, 3], [9, 1, 2]], [2, 1, 2, 1], True)
+    assert ids == [5, 6, 7, 8, 3, 9, 1, 1, 2]
+    assert positions == [0, 1, 2, 3, 2, 0, 1, 1, 2]
+    #                   scored tokens: 7, 8 | 1 | 3 | 1, 2 (concatenated index 2, 3 | 5 | 8 | 10, 11)
+    assert dest == [2, 3, 8, 5, 10, 11]
+    assert source == [1, 2, 1, 5, 5, 7]
+    assert [ids[j] for j in source] == [6, 7, 6, 9, 9, 1]
+
+
+def test_packed_sdpa_refuses_a_branch_past_its_prefix(model_dir):
+    """A run of positions starting at 4 after a sequence of 3 tokens would attend to a prefix that is not there."""
+    model = policy.load_model(model_dir, attn_implementation="packed_sdpa")
+    with torch.no_grad(), pytest.raises(ValueError, match="positions 4.. continue a sequence whose first 3 tokens"):
+        model(input_ids=torch.tensor([[1, 40, 41, 42, 43]]), position_ids=torch.tensor([[0, 1, 2, 4, 5]]),
+              use_cache=False)
+
+
 def test_packed_logprobs_rejects_bad_input(model):
     with pytest.raises(ValueError, match="temperature"):
         policy.packed_logprobs(model, SEQUENCES, temperature=0.0)
