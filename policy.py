@@ -126,7 +126,7 @@ def packed_sdpa(module, query, key, value, attention_mask, scaling=None, dropout
     cut = torch.ones_like(positions, dtype=torch.bool)
     cut[1:] = positions[1:] != positions[:-1] + 1
     starts = cut.nonzero().squeeze(1)
-    starts, firsts = starts.tolist(), positions[starts].tolist()
+    starts, firsts = torch.stack([starts, positions[starts]]).tolist()  # one wait for the device per layer
     if firsts[0] != 0:
         raise ValueError("packed_sdpa: the position ids must start at 0 (they restart at 0 for every packed sequence)")
     lengths = [b - a for a, b in zip(starts, starts[1:] + [query.shape[2]])]

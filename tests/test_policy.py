@@ -240,7 +240,9 @@ GROUPED = [PROMPT_A + [7, 8, 9], PROMPT_B + [17], PROMPT_A + [250, 9], PROMPT_B,
 GROUPED_FROM = [len(PROMPT_A) if s[1] == 40 else len(PROMPT_B) for s in GROUPED]
 
 
-def test_shared_prefixes_run_once_and_change_nothing(model_dir, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_shared_prefixes_run_once_and_change_nothing(model_dir, monkeypatch, device):
     """share_prefixes: each group's prompt enters the forward once and its completions attend to it as branches;
     logprobs, entropies and gradients are those of separate per-sequence forwards. A model whose attention cannot
     share (sdpa) gets every sequence whole, with the same numbers."""
@@ -249,15 +251,15 @@ def test_shared_prefixes_run_once_and_change_nothing(model_dir, monkeypatch):
     monkeypatch.setattr(torch.nn.Embedding, "forward", lambda self, ids: rows.append(ids.shape[-1]) or embed(self, ids))
     results = {}
     for attn, share in (("packed_sdpa", False), ("packed_sdpa", True), ("sdpa", True)):
-        model = policy.load_model(model_dir, attn_implementation=attn)
+        model = policy.load_model(model_dir, attn_implementation=attn).to(device)
+        assert policy.shares_prefixes(model) == (attn == "packed_sdpa")
         lp, ent = policy.packed_logprobs(model, GROUPED, with_entropy=True, score_from=GROUPED_FROM,
                                          share_prefixes=share)
         (lp.sum() + 0.5 * ent.sum()).backward()
-        results[attn, share] = (lp.detach(), ent.detach(), [p.grad for p in model.parameters()])
+        results[attn, share] = (lp.detach().cpu(), ent.detach().cpu(), [p.grad.cpu() for p in model.parameters()])
     total = sum(map(len, GROUPED))
     shared = total - 3 * len(PROMPT_A) - 2 * len(PROMPT_B)  # 4 + 3 sequences: each prompt once
     assert rows == [total, shared, total]
-    assert policy.shares_prefixes(model) is False
     with torch.no_grad():
         separate_lp, separate_ent = naive_logprobs(policy.load_model(model_dir), GROUPED, packed=False)
     scored = torch.cat([torch.arange(len(s)) >= f for s, f in zip(GROUPED, GROUPED_FROM)])
