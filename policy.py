@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.attention.flex_attention import create_block_mask
 from transformers import (AttentionInterface, AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 from transformers.masking_utils import AttentionMaskInterface
@@ -273,11 +274,11 @@ def _chunk_grad(logits, targets, lse, entropy, grad_logprob, grad_entropy, tempe
 
 
 @functools.cache
-def _compiled(chunk_math):
-    """On a GPU the chunk math is memory-bound (about ten passes over [rows, vocab] in fp32): compiled, it fuses into
-    a few kernels. On a CPU it stays eager and in place. Compiled on first use: importing torch.compile's machinery
-    costs about a second."""
-    return torch.compile(chunk_math, dynamic=True)
+def _compiled(fn):
+    """torch.compile(fn), made on first use (importing torch.compile's machinery costs about a second). The chunked
+    softmax math is compiled on GPUs only: there it is memory-bound (about ten passes over [rows, vocab] in fp32) and
+    fuses into a few kernels; on a CPU it stays eager and in place."""
+    return torch.compile(fn, dynamic=True)
 
 
 class _ChunkedChosenLogprobs(torch.autograd.Function):
@@ -326,10 +327,28 @@ class _ChunkedChosenLogprobs(torch.autograd.Function):
 
 
 def shares_prefixes(model) -> bool:
-    """Whether `packed_logprobs(share_prefixes=True)` runs a shared prefix once for this model: only packed_sdpa reads
-    branches off the position ids. flex_attention, flash_attention_2 and sdpa take every break in the positions for a
-    new sequence, so their callers get each sequence whole (the same numbers, more tokens)."""
-    return getattr(model.config, "_attn_implementation", None) == "packed_sdpa"
+    """Whether `packed_logprobs(share_prefixes=True)` runs a shared prefix once for this model: packed_sdpa reads
+    branches off the position ids, flex_attention is given a block mask that says the same. flash_attention_2 and
+    sdpa take every break in the positions for a new sequence, so they get each sequence whole (the same numbers,
+    more tokens)."""
+    return getattr(model.config, "_attn_implementation", None) in ("packed_sdpa", "flex_attention")
+
+
+def branch_block_mask(positions: torch.Tensor):
+    """flex_attention's BlockMask for a packed row with branches, what packed_sdpa attends: a token sees the earlier
+    tokens of its own run of consecutive positions and, when that run is a branch starting at position p, the first
+    p tokens of its sequence. Built by the compiled `create_block_mask`: no [tokens, tokens] mask is materialised."""
+    index = torch.arange(len(positions), device=positions.device)
+    run_start = torch.ones_like(positions, dtype=torch.bool)
+    run_start[1:] = positions[1:] != positions[:-1] + 1
+    sequence_from = torch.where(positions == 0, index, 0).cummax(0).values  # first token of each token's sequence
+    run_from = torch.where(run_start, index, 0).cummax(0).values
+    prefix_to = sequence_from + torch.where(run_from > sequence_from, positions[run_from], 0)  # a branch's prefix
+
+    def sees(batch, head, q, kv):
+        return (kv <= q) & (kv >= sequence_from[q]) & ((kv >= run_from[q]) | (kv < prefix_to[q]))
+
+    return _compiled(create_block_mask)(sees, None, None, len(positions), len(positions), device=positions.device)
 
 
 def _layout(sequences: list[list[int]], score_from: list[int], share: bool):
@@ -389,9 +408,12 @@ def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0,
         return _ChunkedChosenLogprobs.apply(hidden[0, source], head.weight, targets, temperature, chunk_size,
                                             with_entropy)
 
+    # flex_attention would take each branch for a sequence of its own: a row with branches brings its mask
+    branched = len(row_ids) < sum(map(len, sequences))
+    mask = branch_block_mask(positions) if branched and model.config._attn_implementation == "flex_attention" else None
     head.forward = chosen_token_head
     try:  # use_cache=False matters: with a cache, transformers skips the per-sequence (block-diagonal) mask
-        out = model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits
+        out = model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=False).logits
     finally:
         del head.forward
     zeros = out.new_zeros(sum(map(len, sequences)))

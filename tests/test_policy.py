@@ -288,6 +288,45 @@ def test_shared_prefix_layout_is_what_packed_sdpa_reads():
     assert [ids[j] for j in source] == [6, 7, 6, 9, 9, 1]
 
 
+def test_branch_block_mask_says_what_packed_sdpa_attends():
+    """The flex mask of the layout above, token by token: a sequence's first run is causal, a branch sees its prefix
+    (the first p tokens of its sequence) and itself, nothing crosses sequences or other branches."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    positions = torch.tensor([0, 1, 2, 3, 2, 0, 1, 1, 2])  # [5, 6, 7, 8] + branch [3] | [9, 1] + branch [1, 2]
+    mask = policy.branch_block_mask(positions)
+    dense = create_mask(mask.mask_mod, None, None, 9, 9, device="cpu")[0, 0]
+    want = torch.zeros(9, 9, dtype=torch.bool)
+    for q, visible in enumerate([[0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 4], [5], [5, 6], [5, 7], [5, 7, 8]]):
+        want[q, visible] = True
+    assert torch.equal(dense, want), dense.int()
+
+
+@pytest.mark.slow  # flex_attention compiles (about 15 s on the 2-core CPU)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_flex_attention_shares_prefixes_through_a_block_mask(model_dir, device):
+    """flex_attention alone would read each branch as a sequence of its own; packed_logprobs hands it the branch
+    mask, and the numbers are the unshared ones: logprobs and entropies, and on a GPU the gradients too (flex has no
+    backward on CPU)."""
+    model = policy.load_model(model_dir, attn_implementation="flex_attention").to(device)
+    train = device == "cuda"
+    results = []
+    for share in (False, True):
+        model.zero_grad()
+        with torch.set_grad_enabled(train):
+            lp, ent = policy.packed_logprobs(model, GROUPED, with_entropy=True, score_from=GROUPED_FROM,
+                                             share_prefixes=share)
+        if train:
+            (lp.sum() + 0.5 * ent.sum()).backward()
+        results.append((lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()] if train else []))
+    (want_lp, want_ent, want_grads), (lp, ent, grads) = results
+    torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=0)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
 def test_packed_sdpa_refuses_a_branch_past_its_prefix(model_dir):
     """A run of positions starting at 4 after a sequence of 3 tokens would attend to a prefix that is not there."""
     model = policy.load_model(model_dir, attn_implementation="packed_sdpa")
