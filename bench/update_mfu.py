@@ -8,7 +8,10 @@ on a Qwen2.5-1.5B-shaped model with random weights, in bf16 under FSDP2.
 
 Model FLOPs follow the PaLM / torchtitan convention: 6 x (parameters of every matmul, the output layer included) per
 token, plus 12 x layers x hidden x sequence length per token for attention; activation-checkpointing recompute is not
-counted. Sequences are a fixed prompt plus a completion of random length, packed up to `micro_batch_tokens`.
+counted. Sequences are a random prompt plus a completion of random length, packed up to `micro_batch_tokens`;
+with `--group-size G`, G consecutive samples share their prompt, as a GRPO group does, and an attention that shares
+prefixes (packed_sdpa, flex_attention) runs it once per micro-batch: tokens/s then counts every sample's tokens and
+MFU the work actually done.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class Args:
     """sequences per update on each rank"""
     prompt_tokens: int = 512
     """prompt length of every sequence"""
+    group_size: int = 1
+    """consecutive samples sharing one prompt (1: every sample has its own, nothing to share)"""
     completion_tokens: tuple[int, int] = (256, 1536)
     """completion lengths are drawn uniformly from this range"""
     micro_batch_tokens: int = 65536
@@ -79,20 +84,40 @@ def matmul_params(model: torch.nn.Module) -> int:
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
-def flops_per_update(config: Qwen2Config, n_matmul: int, lengths: list[int]) -> float:
-    """Model FLOPs of forward + backward over packed sequences of `lengths` (each attends only to itself)."""
-    attention = sum(12 * config.num_hidden_layers * config.hidden_size * n * n for n in lengths)
-    return 6 * n_matmul * sum(lengths) + attention
+def flops_per_update(config: Qwen2Config, n_matmul: int, runs: list[tuple[int, int]]) -> float:
+    """Model FLOPs of forward + backward over packed samples, each given as (tokens the forward runs, length of its
+    sequence): a whole sequence is (n, n); a branch that shares its prompt runs only its completion, whose tokens
+    attend to the whole sequence's length."""
+    attention = sum(12 * config.num_hidden_layers * config.hidden_size * run * n for run, n in runs)
+    return 6 * n_matmul * sum(run for run, _ in runs) + attention
+
+
+def forward_runs(t: train_grpo.Trainer, batch: list) -> list[tuple[int, int]]:
+    """(tokens run, sequence length) of each sample as `train_grpo.update` packs them: a sample whose prompt an earlier
+    sample of its micro-batch has run, under an attention that shares prefixes, runs only its completion."""
+    samples = [s for s, _ in batch]
+    share = policy.shares_prefixes(t.model)
+    runs = []
+    for micro in train_grpo.pack(list(range(len(samples))), [len(s.ids) for s in samples], t.args.micro_batch_tokens,
+                                 t.world, train_grpo.shared_prompts(t, samples)):
+        seen = set()
+        for i in micro:
+            s = samples[i]
+            runs.append((len(s.completion_ids) if share and tuple(s.prompt_ids) in seen else len(s.ids), len(s.ids)))
+            seen.add(tuple(s.prompt_ids))
+    return runs
 
 
 def synthetic_batch(args: Args, vocab: int, rng: random.Random) -> list[tuple[rollout.Sample, float]]:
-    """Random token sequences standing in for one rank's rollouts, with advantages of +-1."""
+    """Random token sequences standing in for one rank's rollouts, `group_size` to a prompt, with advantages of +-1."""
     batch = []
     for i in range(args.samples):
         completion = rng.randint(*args.completion_tokens)
-        sample = rollout.Sample(prompt_ids=[rng.randrange(vocab) for _ in range(args.prompt_tokens)],
-                                completion_ids=[rng.randrange(vocab) for _ in range(completion)],
-                                loss_mask=[1] * completion, engine_logprobs=[0.0] * completion, row={}, group=i // 4)
+        if i % args.group_size == 0:  # (drawn in this order, group size 1 gives the earlier sessions' batches)
+            prompt = [rng.randrange(vocab) for _ in range(args.prompt_tokens)]
+        sample = rollout.Sample(prompt_ids=prompt, completion_ids=[rng.randrange(vocab) for _ in range(completion)],
+                                loss_mask=[1] * completion, engine_logprobs=[0.0] * completion, row={},
+                                group=i // args.group_size)
         batch.append((sample, rng.choice([-1.0, 1.0])))
     return batch
 
@@ -142,7 +167,7 @@ def main(args: Args) -> dict:
                            tokenizer=SimpleNamespace(pad_token_id=0), sampling=None, rows=[], eval_rows=[],
                            score_fn=None)
     rng = random.Random(args.seed + rank)
-    seconds, flops, tokens = [], [], []
+    seconds, flops, tokens, tokens_run = [], [], [], []
     for step in range(args.warmup + args.steps):
         batch = synthetic_batch(args, config.vocab_size, rng)
         if cuda:
@@ -157,10 +182,11 @@ def main(args: Args) -> dict:
         if rank == 0:
             print(f"update {step}: {elapsed:.3f} s", file=sys.stderr, flush=True)
         if step >= args.warmup:
-            lengths = [len(s.ids) for s, _ in batch]
+            runs = forward_runs(t, batch)
             seconds.append(elapsed)
-            flops.append(flops_per_update(config, n_matmul, lengths))
-            tokens.append(sum(lengths))
+            flops.append(flops_per_update(config, n_matmul, runs))
+            tokens.append(sum(n for _, n in runs))
+            tokens_run.append(sum(run for run, _ in runs))
     if args.profile:
         profile_update(args, t, synthetic_batch(args, config.vocab_size, rng), rank)
     per_rank_flops = sum(flops) / sum(seconds)  # throughput over all measured updates
@@ -170,7 +196,8 @@ def main(args: Args) -> dict:
         "torch": torch.__version__, "attn_implementation": args.attn_implementation,
         "compile_layers": args.compile_layers,
         "activation_checkpointing": args.activation_checkpointing, "micro_batch_tokens": args.micro_batch_tokens,
-        "tokens_per_update_per_rank": statistics.mean(tokens),
+        "group_size": args.group_size, "tokens_per_update_per_rank": statistics.mean(tokens),
+        "tokens_run_per_update_per_rank": statistics.mean(tokens_run),
         "seconds_per_update": float(f"{statistics.mean(seconds):.4g}"),
         "tokens_per_s_per_rank": round(sum(tokens) / sum(seconds), 1),
         "model_tflops_per_rank": float(f"{per_rank_flops / 1e12:.4g}"),
