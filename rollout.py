@@ -212,8 +212,13 @@ LEAN_DECODING_TYPES = ("llama", "qwen2", "qwen3")  # Mistral: its window is in t
 
 def lean_decoding_supported(model) -> bool:
     """Whether `decode_step` computes what the model's own forward computes: a Llama-layout decoder (pre-norm
-    attention and MLP blocks, rotary positions) of a type listed in LEAN_DECODING_TYPES, with no sliding window."""
-    return (getattr(model.config, "model_type", None) in LEAN_DECODING_TYPES
+    attention and gated-MLP blocks, rotary positions) of a type listed in LEAN_DECODING_TYPES, with no sliding window
+    and rotary frequencies that do not depend on the length reached (the loop computes every step's angles up front;
+    dynamic NTK and longrope rescale them as a sequence grows)."""
+    if getattr(model.config, "model_type", None) not in LEAN_DECODING_TYPES:
+        return False
+    rope_type = model.model.rotary_emb.rope_type
+    return ("dynamic" not in rope_type and rope_type != "longrope"
             and all(getattr(layer.self_attn, "sliding_window", None) is None for layer in model.model.layers))
 
 

@@ -167,6 +167,9 @@ def test_models_lean_decoding_cannot_serve_decode_with_their_forward(model_dir):
     windowed = Qwen2ForCausalLM(config).eval()
     assert not rollout.lean_decoding_supported(windowed)
     assert not rollout.lean_decoding_supported(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
+    dynamic = LlamaForCausalLM(LlamaConfig(vocab_size=420, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                           num_attention_heads=4, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    assert not rollout.lean_decoding_supported(dynamic)  # its frequencies change as the generation grows
     greedy = rollout.Sampling(max_new_tokens=12, temperature=0.0)
     got = rollout.HFEngine(windowed, pad_token_id=0).generate(PROMPTS, greedy)
     assert [c.token_ids for c in got] == [c.token_ids for c in generate_reference(windowed, PROMPTS, greedy)]
