@@ -334,6 +334,15 @@ def shares_prefixes(model) -> bool:
     return getattr(model.config, "_attn_implementation", None) in ("packed_sdpa", "flex_attention")
 
 
+def row_mask(model, positions: torch.Tensor):
+    """The attention mask to pass with a packed row: None (the attention reads the sequences off the position ids),
+    except flex_attention on a row with branches, which would take each branch for a sequence of its own."""
+    if model.config._attn_implementation != "flex_attention":
+        return None
+    branched = bool(((positions[1:] != positions[:-1] + 1) & (positions[1:] != 0)).any())
+    return branch_block_mask(positions) if branched else None
+
+
 def branch_block_mask(positions: torch.Tensor):
     """flex_attention's BlockMask for a packed row with branches, what packed_sdpa attends: a token sees the earlier
     tokens of its own run of consecutive positions and, when that run is a branch starting at position p, the first
@@ -349,6 +358,17 @@ def branch_block_mask(positions: torch.Tensor):
         return (kv <= q) & (kv >= sequence_from[q]) & ((kv >= run_from[q]) | (kv < prefix_to[q]))
 
     return _compiled(create_block_mask)(sees, None, None, len(positions), len(positions), device=positions.device)
+
+
+def _checked(sequences: list[list[int]], score_from: list[int] | None, caller: str) -> list[int]:
+    """score_from, defaulted to 1 per sequence, after checking it and the sequences."""
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise ValueError(f"{caller} needs at least one sequence and no empty ones")
+    score_from = [1] * len(sequences) if score_from is None else score_from
+    if len(score_from) != len(sequences) or any(not 1 <= f <= len(s) for f, s in zip(score_from, sequences)):
+        raise ValueError(f"score_from needs one position per sequence, each in [1, its length]; got {score_from} for "
+                         f"lengths {[len(s) for s in sequences]}")
+    return score_from
 
 
 def _layout(sequences: list[list[int]], score_from: list[int], share: bool):
@@ -388,12 +408,7 @@ def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0,
     [tokens, vocab] logits never exist, and FSDP2's root hooks still gather the head's weight as usual."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if not sequences or any(len(s) == 0 for s in sequences):
-        raise ValueError("packed_logprobs needs at least one sequence and no empty ones")
-    score_from = [1] * len(sequences) if score_from is None else score_from
-    if len(score_from) != len(sequences) or any(not 1 <= f <= len(s) for f, s in zip(score_from, sequences)):
-        raise ValueError(f"score_from needs one position per sequence, each in [1, its length]; got {score_from} for "
-                         f"lengths {[len(s) for s in sequences]}")
+    score_from = _checked(sequences, score_from, "packed_logprobs")
     device = next(model.parameters()).device
     row_ids, row_positions, source, dest = _layout(sequences, score_from, share_prefixes and shares_prefixes(model))
     ids, positions = torch.tensor(row_ids, device=device), torch.tensor(row_positions, device=device)
@@ -408,12 +423,10 @@ def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0,
         return _ChunkedChosenLogprobs.apply(hidden[0, source], head.weight, targets, temperature, chunk_size,
                                             with_entropy)
 
-    # flex_attention would take each branch for a sequence of its own: a row with branches brings its mask
-    branched = len(row_ids) < sum(map(len, sequences))
-    mask = branch_block_mask(positions) if branched and model.config._attn_implementation == "flex_attention" else None
     head.forward = chosen_token_head
     try:  # use_cache=False matters: with a cache, transformers skips the per-sequence (block-diagonal) mask
-        out = model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=False).logits
+        out = model(input_ids=ids[None], position_ids=positions[None], attention_mask=row_mask(model, positions),
+                    use_cache=False).logits
     finally:
         del head.forward
     zeros = out.new_zeros(sum(map(len, sequences)))
@@ -608,17 +621,21 @@ def load_value_model(path, dtype: torch.dtype = torch.float32, attn_implementati
     return model
 
 
-def packed_values(value_model, sequences: list[list[int]]) -> torch.Tensor:
+def packed_values(value_model, sequences: list[list[int]], score_from: list[int] | None = None,
+                  share_prefixes: bool = False) -> torch.Tensor:
     """Per-token values of `sequences` in one packed forward (as packed_logprobs: concatenated ids, positions restarting
     per sequence), flat fp32 aligned like packed_logprobs: entry j is the value of the state before token j, i.e. the
-    head on the hidden state that predicts token j, and 0 at each sequence's first token."""
-    if not sequences or any(len(s) == 0 for s in sequences):
-        raise ValueError("packed_values needs at least one sequence and no empty ones")
+    head on the hidden state that predicts token j, and 0 at each sequence's first token. score_from and
+    share_prefixes as in packed_logprobs: positions before score_from[i] are 0, equal prefixes run once."""
+    score_from = _checked(sequences, score_from, "packed_values")
     device = next(value_model.parameters()).device
-    ids = torch.tensor([t for s in sequences for t in s], device=device)
-    positions = torch.cat([torch.arange(len(s), device=device) for s in sequences])
+    row_ids, row_positions, source, dest = _layout(sequences, score_from,
+                                                   share_prefixes and shares_prefixes(value_model))
+    ids, positions = torch.tensor(row_ids, device=device), torch.tensor(row_positions, device=device)
     with warnings.catch_warnings():  # FSDP2 warns that the head's output is a view; it is only read out of place here
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        out = value_model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0, :, 0].float()
-    shifted = torch.cat([out.new_zeros(1), out[:-1]])
-    return torch.where(positions == 0, 0.0, shifted)
+        out = value_model(input_ids=ids[None], position_ids=positions[None],
+                          attention_mask=row_mask(value_model, positions), use_cache=False).logits[0, :, 0].float()
+    source = torch.tensor(source, dtype=torch.long, device=device)
+    dest = torch.tensor(dest, dtype=torch.long, device=device)
+    return out.new_zeros(sum(map(len, sequences))).index_copy(0, dest, out[source])

@@ -364,7 +364,7 @@ def make_experience(t: Trainer, samples: list[rollout.Sample]) -> tuple[Experien
         return completion_no_grad(t, forward, samples) * mask
 
     old = per_token(lambda batch: completion_logprobs(t, t.model, batch)[0])
-    values = per_token(lambda batch: policy.packed_values(t.value_model, [s.ids for s in batch]))
+    values = per_token(lambda batch: completion_values(t, batch))
     token_rewards = losses.outcome_token_rewards(torch.tensor([s.reward for s in samples]), mask)
     kl = torch.zeros_like(mask)
     if t.ref_model is not None:
@@ -423,7 +423,7 @@ def update_critic(t: Trainer, exp: Experience, minibatch: int) -> dict:
     t.critic_optimizer.zero_grad(set_to_none=True)
     for micro in micro_batches:
         samples = [exp.samples[i] for i in micro] or [dummy_sample(t)]
-        values = completion_part(policy.packed_values(t.value_model, [s.ids for s in samples]), samples)
+        values = completion_part(completion_values(t, samples), samples)
         mask, old, returns = (rows_of(x, micro, values) for x in (exp.mask, exp.values, exp.returns))
         token_loss, clip_frac = losses.value_loss(values, old, returns, mask, clip=args.value_clip)
         loss = losses.masked_sum(token_loss, mask) / tokens * t.world
@@ -599,11 +599,17 @@ def pack(index: list[int], lengths: list[int], max_tokens: int) -> list[list[int
 
 def completion_logprobs(t: Trainer, model, samples: list[rollout.Sample], with_entropy: bool = False):
     """`policy.packed_logprobs` of the samples, scored from each completion's first token (the prompts are not); a
-    group's common prompt runs once where the model can share it (micro-batches are still counted unshared: the
-    critic's forward shares nothing)."""
+    group's common prompt runs once where the model can share it (micro-batches are still counted unshared)."""
     return policy.packed_logprobs(model, [s.ids for s in samples], temperature=t.args.temperature,
                                   with_entropy=with_entropy, score_from=[len(s.prompt_ids) for s in samples],
                                   share_prefixes=True)
+
+
+def completion_values(t: Trainer, samples: list[rollout.Sample]) -> torch.Tensor:
+    """`policy.packed_values` of the samples on their completion tokens, a group's common prompt run once where the
+    critic can share it."""
+    return policy.packed_values(t.value_model, [s.ids for s in samples],
+                                score_from=[len(s.prompt_ids) for s in samples], share_prefixes=True)
 
 
 def dummy_sample(t: Trainer) -> rollout.Sample:

@@ -288,6 +288,29 @@ def test_shared_prefix_layout_is_what_packed_sdpa_reads():
     assert [ids[j] for j in source] == [6, 7, 6, 9, 9, 1]
 
 
+def test_shared_prefixes_in_the_value_model(model_dir):
+    """packed_values with score_from and share_prefixes: on the scored positions the values and gradients of
+    separate per-sequence forwards, 0 before them."""
+    results = []
+    for share in (False, True):
+        critic = policy.load_value_model(model_dir, attn_implementation="packed_sdpa")
+        torch.manual_seed(0)
+        torch.nn.init.normal_(critic.score.weight)  # a fresh critic's head is 0: every value would be
+        values = policy.packed_values(critic, GROUPED, score_from=GROUPED_FROM, share_prefixes=share)
+        values.square().sum().backward()
+        results.append((values.detach(), [p.grad for p in critic.parameters()]))
+    with torch.no_grad():
+        separate = torch.cat([torch.cat([torch.zeros(1), critic(input_ids=torch.tensor([s])).logits[0, :-1, 0]])
+                              for s in GROUPED])
+    scored = torch.cat([torch.arange(len(s)) >= f for s, f in zip(GROUPED, GROUPED_FROM)])
+    (want, want_grads), (got, grads) = results
+    assert got[~scored].eq(0).all() and want[~scored].eq(0).all()
+    torch.testing.assert_close(want[scored], separate[scored], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    for g, w in zip(grads, want_grads):  # to each tensor's scale: a shared prompt's gradient sums in another order
+        torch.testing.assert_close(g, w, atol=1e-5 * w.abs().max().item(), rtol=0)
+
+
 def test_branch_block_mask_says_what_packed_sdpa_attends():
     """The flex mask of the layout above, token by token: a sequence's first run is causal, a branch sees its prefix
     (the first p tokens of its sequence) and itself, nothing crosses sequences or other branches."""
