@@ -235,8 +235,10 @@ def test_score_from_scores_only_completions(model, monkeypatch):
 
 
 PROMPT_A, PROMPT_B = [1, 40, 41, 42, 43], [1, 300, 301]
-GROUPED = [PROMPT_A + [7, 8, 9], PROMPT_B + [17], PROMPT_A + [250, 9], PROMPT_B, PROMPT_A + [44, 45, 2],
-           PROMPT_B + [9, 9], PROMPT_A + [11, 12, 13]]  # two groups, interleaved; one empty completion
+# Two groups, interleaved. B's first sample has an empty completion, so the branch after it continues its positions
+# without a break (packed_sdpa reads one run: prompt + that branch, which is that sequence) and the next one branches.
+GROUPED = [PROMPT_A + [7, 8, 9], PROMPT_B, PROMPT_A + [250, 9], PROMPT_B + [17], PROMPT_A + [44, 45, 2],
+           PROMPT_B + [9, 9], PROMPT_A + [11, 12, 13]]
 GROUPED_FROM = [len(PROMPT_A) if s[1] == 40 else len(PROMPT_B) for s in GROUPED]
 
 
