@@ -208,18 +208,24 @@ def sample_from(probs: torch.Tensor) -> torch.Tensor:
 
 
 LEAN_DECODING_TYPES = ("llama", "qwen2", "qwen3")  # Mistral: its window is in the config, not the layers
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
 
 
 def lean_decoding_supported(model) -> bool:
     """Whether `decode_step` computes what the model's own forward computes: a Llama-layout decoder (pre-norm
-    attention and gated-MLP blocks, rotary positions) of a type listed in LEAN_DECODING_TYPES, with no sliding window
-    and rotary frequencies that do not depend on the length reached (the loop computes every step's angles up front;
-    dynamic NTK and longrope rescale them as a sequence grows)."""
+    attention and gated-MLP blocks, rotary positions) of a type listed in LEAN_DECODING_TYPES, with no sliding window,
+    rotary frequencies that do not depend on the length reached (the loop computes every step's angles up front;
+    dynamic NTK and longrope rescale them as a sequence grows), plain `nn.Linear` projections and no hooks
+    (decode_step uses the weights directly and skips `Module.__call__`: an adapter or a hook would be left out)."""
     if getattr(model.config, "model_type", None) not in LEAN_DECODING_TYPES:
         return False
     rope_type = model.model.rotary_emb.rope_type
+    layers = model.model.layers
     return ("dynamic" not in rope_type and rope_type != "longrope"
-            and all(getattr(layer.self_attn, "sliding_window", None) is None for layer in model.model.layers))
+            and all(getattr(layer.self_attn, "sliding_window", None) is None for layer in layers)
+            and all(type(layer.get_submodule(p)) is torch.nn.Linear for layer in layers for p in PROJECTIONS)
+            and not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()))
 
 
 @dataclass
@@ -247,8 +253,8 @@ def decode_step(model, cache: KVBuffer, token: torch.Tensor, rotary: tuple[torch
     A Llama-layout decoder's computation in its order, with the model's own weights, norms, activation and rotation,
     without the generic forward's per-step mask building, cache bookkeeping and output objects (1.2 -> 0.75 ms per
     step for the tiny 2-layer model on a CPU, same values). Modules are entered through `forward` and projections
-    through `F.linear`: the replica has no hooks, and `Module.__call__`'s dispatch was another 5% of a tiny model's
-    decoding."""
+    through `F.linear` (`lean_decoding_supported` checks that nothing hooks them): `Module.__call__`'s dispatch was
+    another 5% of a tiny model's decoding."""
     inner = model.model
     rope = sys.modules[type(inner.layers[0].self_attn).__module__].apply_rotary_pos_emb  # the model's own
     cos, sin = rotary

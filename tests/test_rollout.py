@@ -170,6 +170,10 @@ def test_models_lean_decoding_cannot_serve_decode_with_their_forward(model_dir):
     dynamic = LlamaForCausalLM(LlamaConfig(vocab_size=420, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                                            num_attention_heads=4, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
     assert not rollout.lean_decoding_supported(dynamic)  # its frequencies change as the generation grows
+    hooked = tiny_decoder("qwen2")
+    assert rollout.lean_decoding_supported(hooked)
+    hooked.model.layers[1].mlp.up_proj.register_forward_hook(lambda module, args, out: out * 2)
+    assert not rollout.lean_decoding_supported(hooked)  # decode_step would skip the hook
     greedy = rollout.Sampling(max_new_tokens=12, temperature=0.0)
     got = rollout.HFEngine(windowed, pad_token_id=0).generate(PROMPTS, greedy)
     assert [c.token_ids for c in got] == [c.token_ids for c in generate_reference(windowed, PROMPTS, greedy)]
