@@ -360,6 +360,32 @@ def branch_block_mask(positions: torch.Tensor):
     return _compiled(create_block_mask)(sees, None, None, len(positions), len(positions), device=positions.device)
 
 
+def pack(index: list[int], sequences: list[list[int]], score_from: list[int], max_tokens: int,
+         model) -> list[list[int]]:
+    """Micro-batches for packed forwards of `model`: the samples `index` (with `sequences`, scored from `score_from`)
+    greedily packed into at most `max_tokens` tokens each (a longer sample goes alone), padded with empty
+    micro-batches to the largest count over ranks so that every rank runs the same number of forwards. Where the model
+    shares prefixes, a sample that starts with the same first score_from tokens as the one before it costs only the
+    rest when both land in one micro-batch."""
+    share = shares_prefixes(model)
+    micro, current, used = [], [], 0
+    for k, (i, s, first) in enumerate(zip(index, sequences, score_from)):
+        n = len(s)
+        if share and current and score_from[k - 1] == first and sequences[k - 1][:first] == s[:first]:
+            n -= first
+        if current and used + n > max_tokens:
+            micro.append(current)
+            current, used, n = [], 0, len(s)
+        current.append(i)
+        used += n
+    if current:
+        micro.append(current)
+    count = torch.tensor(len(micro))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return micro + [[] for _ in range(int(count) - len(micro))]
+
+
 def _checked(sequences: list[list[int]], score_from: list[int] | None, caller: str) -> list[int]:
     """score_from, defaulted to 1 per sequence, after checking it and the sequences."""
     if not sequences or any(len(s) == 0 for s in sequences):

@@ -315,8 +315,7 @@ def update(t: Trainer, batch: list, minibatch: int, old_logprobs, ref_logprobs) 
     # averages gradients over ranks, hence the factor `world`.
     tokens = sum_over_ranks(sum(sum(batch[i][0].loss_mask) for i in index), t.world)
     seqs = sum_over_ranks(len(index), t.world)
-    micro_batches = pack(index, [len(batch[i][0].ids) for i in index], args.micro_batch_tokens, t.world,
-                         shared_prompts(t, [batch[i][0] for i in index]))
+    micro_batches = micro_batches_of(t, index, [batch[i][0] for i in index])
     stats = defaultdict(float)
     t.optimizer.zero_grad(set_to_none=True)
     for micro in micro_batches:
@@ -362,8 +361,7 @@ def logprobs_no_grad(t: Trainer, model, batch: list) -> list[torch.Tensor]:
     out = []
     index = list(range(len(batch)))
     with torch.no_grad():
-        for micro in pack(index, [len(s.ids) for s, _ in batch], t.args.micro_batch_tokens, t.world,
-                          shared_prompts(t, [s for s, _ in batch])):
+        for micro in micro_batches_of(t, index, [s for s, _ in batch]):
             samples = [batch[i][0] for i in micro] or [dummy_sample(t)]
             flat, _ = completion_logprobs(t, model, samples)
             if micro:
@@ -474,32 +472,11 @@ def load_rows_within(source: str, tokenizer, max_prompt_tokens: int, rank: int) 
     return kept
 
 
-def pack(index: list[int], lengths: list[int], max_tokens: int, world: int,
-         shared: list[int] | None = None) -> list[list[int]]:
-    """Greedy packing of samples into micro-batches of at most `max_tokens` (a longer sample goes alone), padded
-    with empty micro-batches to the largest count over ranks so every rank runs the same number of forwards.
-    shared[k]: tokens of sample index[k] that the forward runs once with the sample before it (their common prompt),
-    free when both land in one micro-batch."""
-    micro, current, used = [], [], 0
-    for k, (i, n) in enumerate(zip(index, lengths)):
-        n -= shared[k] if shared and current else 0
-        if current and used + n > max_tokens:
-            micro.append(current)
-            current, used, n = [], 0, lengths[k]
-        current.append(i)
-        used += n
-    if current:
-        micro.append(current)
-    count = int(max_over_ranks(len(micro), world))
-    return micro + [[] for _ in range(count - len(micro))]
-
-
-def shared_prompts(t: Trainer, samples: list[rollout.Sample]) -> list[int]:
-    """For `pack`: the prompt tokens each sample shares with the one before it, where the policy's forward runs a
-    shared prompt once (`policy.shares_prefixes`), else 0."""
-    if not policy.shares_prefixes(t.model):
-        return [0] * len(samples)
-    return [len(s.prompt_ids) if k and s.prompt_ids == samples[k - 1].prompt_ids else 0 for k, s in enumerate(samples)]
+def micro_batches_of(t: Trainer, index: list[int], samples: list[rollout.Sample]) -> list[list[int]]:
+    """`policy.pack` of the samples `index` into micro-batches of `micro_batch_tokens`, prompts counted once per
+    micro-batch where they are shared."""
+    return policy.pack(index, [s.ids for s in samples], [len(s.prompt_ids) for s in samples],
+                       t.args.micro_batch_tokens, t.model)
 
 
 def completion_logprobs(t: Trainer, model, samples: list[rollout.Sample], with_entropy: bool = False):
@@ -574,14 +551,6 @@ def sum_dicts_over_ranks(stats: dict, world: int) -> dict:
 
 def mean_over_ranks(value: float, world: int) -> float:
     return sum_over_ranks(value, world) / world
-
-
-def max_over_ranks(value: float, world: int) -> float:
-    if world == 1:
-        return value
-    x = torch.tensor(float(value), dtype=torch.float64)
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    return x.item()
 
 
 class Timer:

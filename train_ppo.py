@@ -440,7 +440,7 @@ def minibatch_plan(t: Trainer, exp: Experience, minibatch: int) -> tuple[list[li
     in step) and the global count of policy tokens, so that micro-batch token means add up to the batch's."""
     index = list(range(minibatch, len(exp.samples), t.args.minibatches))
     tokens = max(1.0, sum_over_ranks(exp.mask[index].sum().item()))
-    return pack(index, [len(exp.samples[i].ids) for i in index], t.args.micro_batch_tokens), tokens
+    return micro_batches_of(t, index, [exp.samples[i] for i in index]), tokens
 
 
 def rows_of(x: torch.Tensor, micro: list[int], like: torch.Tensor) -> torch.Tensor:
@@ -454,7 +454,7 @@ def completion_no_grad(t: Trainer, forward: Callable, samples: list[rollout.Samp
     completion tensors."""
     out = []
     with torch.no_grad():
-        for micro in pack(list(range(len(samples))), [len(s.ids) for s in samples], t.args.micro_batch_tokens):
+        for micro in micro_batches_of(t, list(range(len(samples))), samples):
             batch = [samples[i] for i in micro] or [dummy_sample(t)]
             flat = forward(batch).float().cpu()
             if micro:
@@ -580,26 +580,16 @@ def load_rows_within(source: str, tokenizer, max_prompt_tokens: int, rank: int) 
     return kept
 
 
-def pack(index: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Greedy packing into micro-batches of at most `max_tokens` (a longer sample goes alone), padded with empty
-    micro-batches to the largest count over ranks so every rank runs the same number of forwards."""
-    micro, current, used = [], [], 0
-    for i, n in zip(index, lengths):
-        if current and used + n > max_tokens:
-            micro.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += n
-    if current:
-        micro.append(current)
-    count = torch.tensor(len(micro))
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return micro + [[] for _ in range(int(count) - len(micro))]
+def micro_batches_of(t: Trainer, index: list[int], samples: list[rollout.Sample]) -> list[list[int]]:
+    """`policy.pack` of the samples `index` into micro-batches of `micro_batch_tokens`, prompts counted once per
+    micro-batch where they are shared (the actor and the critic use the same attention)."""
+    return policy.pack(index, [s.ids for s in samples], [len(s.prompt_ids) for s in samples],
+                       t.args.micro_batch_tokens, t.model)
 
 
 def completion_logprobs(t: Trainer, model, samples: list[rollout.Sample], with_entropy: bool = False):
     """`policy.packed_logprobs` of the samples, scored from each completion's first token (the prompts are not); a
-    group's common prompt runs once where the model can share it (micro-batches are still counted unshared)."""
+    group's common prompt runs once where the model can share it."""
     return policy.packed_logprobs(model, [s.ids for s in samples], temperature=t.args.temperature,
                                   with_entropy=with_entropy, score_from=[len(s.prompt_ids) for s in samples],
                                   share_prefixes=True)

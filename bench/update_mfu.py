@@ -98,8 +98,7 @@ def forward_runs(t: train_grpo.Trainer, batch: list) -> list[tuple[int, int]]:
     samples = [s for s, _ in batch]
     share = policy.shares_prefixes(t.model)
     runs = []
-    for micro in train_grpo.pack(list(range(len(samples))), [len(s.ids) for s in samples], t.args.micro_batch_tokens,
-                                 t.world, train_grpo.shared_prompts(t, samples)):
+    for micro in train_grpo.micro_batches_of(t, list(range(len(samples))), samples):
         seen = set()
         for i in micro:
             s = samples[i]

@@ -131,14 +131,3 @@ def test_tiny_model_learns_a_simple_reward(task, tmp_path):
     first, last = sum(rewards[:2]) / 2, sum(rewards[-5:]) / 5  # the first two steps are (almost) untrained
     assert last > 2 * first and last - first > 0.15, rewards
 
-
-def test_pack_counts_a_shared_prompt_once_per_micro_batch():
-    """Samples 0-2 share a 6-token prompt and sample 3 has its own: with sharing, 0-2 fit one micro-batch of 20
-    tokens (10 + 4 + 4); without it, every sample counts whole. A sample opening a micro-batch pays its prompt again."""
-    import train_grpo
-
-    lengths = [10, 10, 10, 8]
-    assert train_grpo.pack([0, 1, 2, 3], lengths, 20, 1) == [[0, 1], [2, 3]]
-    assert train_grpo.pack([0, 1, 2, 3], lengths, 20, 1, shared=[0, 6, 6, 0]) == [[0, 1, 2], [3]]
-    assert train_grpo.pack([0, 1, 2, 3], lengths, 13, 1, shared=[0, 6, 6, 0]) == [[0], [1], [2], [3]]
-    assert train_grpo.pack([0, 1, 2, 3], lengths, 14, 1, shared=[0, 6, 6, 0]) == [[0, 1], [2], [3]]

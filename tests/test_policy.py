@@ -313,6 +313,19 @@ def test_shared_prefixes_in_the_value_model(model_dir):
         torch.testing.assert_close(g, w, atol=1e-5 * w.abs().max().item(), rtol=0)
 
 
+def test_pack_counts_a_shared_prompt_once_per_micro_batch(model_dir):
+    """Samples 10-12 share a 6-token prompt, sample 13 has its own: under packed_sdpa 10-12 fit one micro-batch of 20
+    tokens (10 + 4 + 4), under sdpa every sample counts whole. A sample opening a micro-batch pays its prompt again."""
+    shares, whole = (policy.load_model(model_dir, attn_implementation=a) for a in ("packed_sdpa", "sdpa"))
+    prompt = [1, 2, 3, 4, 5, 6]
+    sequences = [prompt + [7, 8, 9, 10], prompt + [11, 12, 13, 14], prompt + [15, 16, 17, 18], [9] * 6 + [1, 2]]
+    index, first = [10, 11, 12, 13], [6, 6, 6, 6]
+    assert policy.pack(index, sequences, first, 20, whole) == [[10, 11], [12, 13]]
+    assert policy.pack(index, sequences, first, 20, shares) == [[10, 11, 12], [13]]
+    assert policy.pack(index, sequences, first, 13, shares) == [[10], [11], [12], [13]]
+    assert policy.pack(index, sequences, first, 14, shares) == [[10, 11], [12], [13]]
+
+
 def test_branch_block_mask_says_what_packed_sdpa_attends():
     """The flex mask of the layout above, token by token: a sequence's first run is causal, a branch sees its prefix
     (the first p tokens of its sequence) and itself, nothing crosses sequences or other branches."""
