@@ -334,15 +334,6 @@ def shares_prefixes(model) -> bool:
     return getattr(model.config, "_attn_implementation", None) in ("packed_sdpa", "flex_attention")
 
 
-def row_mask(model, positions: torch.Tensor):
-    """The attention mask to pass with a packed row: None (the attention reads the sequences off the position ids),
-    except flex_attention on a row with branches, which would take each branch for a sequence of its own."""
-    if model.config._attn_implementation != "flex_attention":
-        return None
-    branched = bool(((positions[1:] != positions[:-1] + 1) & (positions[1:] != 0)).any())
-    return branch_block_mask(positions) if branched else None
-
-
 def branch_block_mask(positions: torch.Tensor):
     """flex_attention's BlockMask for a packed row with branches, what packed_sdpa attends: a token sees the earlier
     tokens of its own run of consecutive positions and, when that run is a branch starting at position p, the first
@@ -420,6 +411,20 @@ def _layout(sequences: list[list[int]], score_from: list[int], share: bool):
     return ids, positions, source, dest
 
 
+def _packed_row(model, sequences: list[list[int]], score_from: list[int], share_prefixes: bool):
+    """`_layout` on the model's device: ids, positions, source and dest as tensors, and the attention mask to pass:
+    None (the attention reads the sequences off the position ids), except flex_attention on a row with branches,
+    which would take each branch for a sequence of its own."""
+    share = share_prefixes and shares_prefixes(model)
+    ids, positions, source, dest = _layout(sequences, score_from, share)
+    branched = len(ids) < sum(map(len, sequences))  # some sequence was laid out from its score_from on
+    device = next(model.parameters()).device
+    ids, positions, source, dest = (torch.tensor(x, dtype=torch.long, device=device)
+                                    for x in (ids, positions, source, dest))
+    flex = model.config._attn_implementation == "flex_attention"
+    return ids, positions, source, dest, branch_block_mask(positions) if branched and flex else None
+
+
 def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0, chunk_size: int = 512,
                     with_entropy: bool = False, score_from: list[int] | None = None, share_prefixes: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -435,12 +440,8 @@ def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0,
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     score_from = _checked(sequences, score_from, "packed_logprobs")
-    device = next(model.parameters()).device
-    row_ids, row_positions, source, dest = _layout(sequences, score_from, share_prefixes and shares_prefixes(model))
-    ids, positions = torch.tensor(row_ids, device=device), torch.tensor(row_positions, device=device)
-    source = torch.tensor(source, dtype=torch.long, device=device)
-    dest = torch.tensor(dest, dtype=torch.long, device=device)
-    targets = torch.tensor([t for s in sequences for t in s], device=device)[dest]
+    ids, positions, source, dest, mask = _packed_row(model, sequences, score_from, share_prefixes)
+    targets = torch.tensor([t for s in sequences for t in s], device=ids.device)[dest]
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"{type(model).__name__}: an output layer with a bias is not supported")
@@ -451,8 +452,7 @@ def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0,
 
     head.forward = chosen_token_head
     try:  # use_cache=False matters: with a cache, transformers skips the per-sequence (block-diagonal) mask
-        out = model(input_ids=ids[None], position_ids=positions[None], attention_mask=row_mask(model, positions),
-                    use_cache=False).logits
+        out = model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=False).logits
     finally:
         del head.forward
     zeros = out.new_zeros(sum(map(len, sequences)))
@@ -654,14 +654,9 @@ def packed_values(value_model, sequences: list[list[int]], score_from: list[int]
     head on the hidden state that predicts token j, and 0 at each sequence's first token. score_from and
     share_prefixes as in packed_logprobs: positions before score_from[i] are 0, equal prefixes run once."""
     score_from = _checked(sequences, score_from, "packed_values")
-    device = next(value_model.parameters()).device
-    row_ids, row_positions, source, dest = _layout(sequences, score_from,
-                                                   share_prefixes and shares_prefixes(value_model))
-    ids, positions = torch.tensor(row_ids, device=device), torch.tensor(row_positions, device=device)
+    ids, positions, source, dest, mask = _packed_row(value_model, sequences, score_from, share_prefixes)
     with warnings.catch_warnings():  # FSDP2 warns that the head's output is a view; it is only read out of place here
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        out = value_model(input_ids=ids[None], position_ids=positions[None],
-                          attention_mask=row_mask(value_model, positions), use_cache=False).logits[0, :, 0].float()
-    source = torch.tensor(source, dtype=torch.long, device=device)
-    dest = torch.tensor(dest, dtype=torch.long, device=device)
+        out = value_model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
+                          use_cache=False).logits[0, :, 0].float()
     return out.new_zeros(sum(map(len, sequences))).index_copy(0, dest, out[source])
