@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import create_block_mask
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from transformers import (AttentionInterface, AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 from transformers.masking_utils import AttentionMaskInterface
@@ -216,19 +217,52 @@ def exit_distributed(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
-def shard_model(model, mixed_precision: bool = False, activation_checkpointing: bool = False,
+# Outputs that selective activation checkpointing keeps: every matmul's and attention's. With them saved, the
+# backward's recompute of a layer is only its elementwise work (norms, rotary, activation, residual adds), and the
+# inputs each matmul's backward needs come out of that recompute.
+_KEPT_BY_SELECTIVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                      torch.ops.aten._scaled_dot_product_flash_attention.default,
+                      torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                      torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+                      torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                      torch.ops.higher_order.flex_attention}
+
+
+def _keep_matmuls_and_attention(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _KEPT_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_RECOMPUTE = {  # a partial, not a closure: torch.compile traces a checkpoint's context_fn only in this form
+    "full": functools.partial(checkpoint, use_reentrant=False),
+    "selective": functools.partial(checkpoint, use_reentrant=False, context_fn=functools.partial(
+        create_selective_checkpoint_contexts, _keep_matmuls_and_attention)),
+}
+
+
+def _checkpointed(forward, mode: str):
+    """`forward` under activation checkpointing: backward recomputes what the forward did not keep (nothing but the
+    inputs with "full"; all but matmul and attention outputs with "selective"). Grad-free forwards run as usual."""
+    run_checkpointed = _RECOMPUTE[mode]
+
+    def checkpointed_forward(*args, **kwargs):
+        return run_checkpointed(forward, *args, **kwargs)
+    return checkpointed_forward
+
+
+def shard_model(model, mixed_precision: bool = False, activation_checkpointing: str = "none",
                 compile_layers: bool = False):
     """FSDP2 `fully_shard` on every decoder layer (the model's `_no_split_modules`) and then the root, in place.
-    mixed_precision: bf16 compute with fp32 master weights and fp32 gradient reduction. Activation checkpointing is
-    Hugging Face's (it keeps parameter names unchanged) and acts only in train mode, so the model is left in train
-    mode then. compile_layers: torch.compile each decoder layer's forward (fuses its norms, rotary and activation;
-    FSDP's hooks and checkpointing stay outside the compiled code, parameter names stay). Needs
-    `init_distributed()` first."""
+    mixed_precision: bf16 compute with fp32 master weights and fp32 gradient reduction. activation_checkpointing:
+    "none"; "full" keeps only each decoder layer's input and recomputes the layer in backward (least memory, about a
+    third more matmul work); "selective" also keeps every matmul and attention output and recomputes only the
+    elementwise work (about half the activation memory of "none", no matmul recomputed). compile_layers:
+    torch.compile each decoder layer's forward, checkpointing included (fuses its norms, rotary and activation).
+    FSDP's hooks stay outside the compiled code; parameter names stay as they are. Needs `init_distributed()`
+    first."""
     if not dist.is_initialized():
         raise RuntimeError("shard_model needs a process group: call policy.init_distributed() first")
-    if activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()  # from_pretrained returns eval mode, where transformers silently skips checkpointing
+    if activation_checkpointing not in ("none", *_RECOMPUTE):
+        raise ValueError(f"activation_checkpointing must be none, full or selective; got {activation_checkpointing!r}")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
         else MixedPrecisionPolicy()
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
@@ -236,6 +270,8 @@ def shard_model(model, mixed_precision: bool = False, activation_checkpointing: 
     if not layers:
         raise ValueError(f"{type(model).__name__}: no decoder layers found (_no_split_modules={layer_classes})")
     for layer in layers:
+        if activation_checkpointing != "none":
+            layer.forward = _checkpointed(layer.forward, activation_checkpointing)
         if compile_layers:
             layer.forward = torch.compile(layer.forward)
         fully_shard(layer, mp_policy=policy)

@@ -30,7 +30,7 @@ defaults=(
     --prompts-per-step 64 --group-size 8
     --max-prompt-tokens 1024 --max-new-tokens 2048 --vllm-max-model-len 3072
     --temperature 1.0 --lr 1e-6
-    --mixed-precision --activation-checkpointing --micro-batch-tokens 8192
+    --mixed-precision --activation-checkpointing full --micro-batch-tokens 8192
     --attn-implementation flex_attention --compile-layers
     --vllm-gpu-memory-utilization 0.5 --vllm-tensor-parallel-size 1
     --total-steps 200 --save-every 25 --eval-every 25 --seed 0

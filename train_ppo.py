@@ -121,8 +121,9 @@ class Args:
 
     mixed_precision: bool = False
     """bf16 parameters with fp32 reductions (use on GPUs)"""
-    activation_checkpointing: bool = False
-    """recompute decoder layers in backward to save memory"""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """recompute in backward to save memory: full (decoder layers from their inputs) or selective (keeps matmul and
+    attention outputs, recomputes only elementwise work)"""
     attn_implementation: str = "packed_sdpa"
     """attention of the trained models: packed_sdpa (policy.py: sdpa per packed sequence), flex_attention (faster on
     GPUs), flash_attention_2 when installed; plain sdpa masks the whole micro-batch, quadratic in its tokens"""
@@ -249,7 +250,7 @@ def setup(args: Args, score_fn: ScoreFn) -> Trainer:
 
     def shard(model, train: bool = True):
         return policy.shard_model(model.to(device), mixed_precision=args.mixed_precision,
-                                  activation_checkpointing=train and args.activation_checkpointing,
+                                  activation_checkpointing=args.activation_checkpointing if train else "none",
                                   compile_layers=train and args.compile_layers)
 
     model = shard(policy.load_model(args.model, attn_implementation=args.attn_implementation))

@@ -11,6 +11,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -49,8 +50,9 @@ class Args:
     """gradient clipping"""
     mixed_precision: bool = False
     """bf16 parameters with fp32 reductions (use on GPUs)"""
-    activation_checkpointing: bool = False
-    """recompute decoder layers in backward to save memory"""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """recompute in backward to save memory: full (decoder layers from their inputs) or selective (keeps matmul and
+    attention outputs, recomputes only elementwise work)"""
     attn_implementation: str = "packed_sdpa"
     """attention of the trained models: packed_sdpa (policy.py: sdpa per packed sequence), flex_attention (faster on
     GPUs), flash_attention_2 when installed; plain sdpa masks the whole micro-batch, quadratic in its tokens"""

@@ -62,8 +62,8 @@ class Args:
     """completion lengths are drawn uniformly from this range"""
     micro_batch_tokens: int = 65536
     """kiln's packed micro-batch size"""
-    activation_checkpointing: bool = True
-    """recompute each decoder layer in backward"""
+    activation_checkpointing: Literal["none", "full", "selective"] = "full"
+    """recompute in backward: full (each decoder layer) or selective (only elementwise work; keeps matmul outputs)"""
     attn_implementation: str = "flex_attention"
     """transformers attention backend for the packed forward (flex_attention skips the blocks between sequences)"""
     compile_layers: bool = True

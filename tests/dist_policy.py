@@ -51,7 +51,7 @@ def main(model_dir: str, out_dir: str) -> None:
     sequences = [torch.randint(6, 500, (n,)).tolist() for n in (7 + rank, 3, 12 - rank)]  # differ across ranks
 
     reference = policy.load_model(model_dir)
-    model = policy.shard_model(policy.load_model(model_dir), activation_checkpointing=True)
+    model = policy.shard_model(policy.load_model(model_dir), activation_checkpointing="full")
     assert isinstance(model.model.layers[0].self_attn.q_proj.weight, DTensor)
     names = [n for n, _ in model.named_parameters()]
     assert names == [n for n, _ in reference.named_parameters()], "sharding must keep Hugging Face names"

@@ -30,7 +30,7 @@ def last_value(argv: list[str], flag: str) -> str:
 @pytest.mark.parametrize("script", sorted(TUNED))
 def test_dry_run_prints_the_torchrun_command(script):
     # PYTHON=true: the Args half of the dry run is a no-op here; only the torchrun line is checked
-    out = dry_run(script, "--lr", "3e-6", "--wandb-project", "my project", "--no-activation-checkpointing",
+    out = dry_run(script, "--lr", "3e-6", "--wandb-project", "my project", "--activation-checkpointing", "selective",
                   PYTHON="true", NNODES="2", NODE_RANK="1", MASTER_ADDR="10.1.2.3", MASTER_PORT="29999",
                   GPUS_PER_NODE="4", SCRIPT="train_ppo.py")
     assert out.returncode == 0, out.stderr
@@ -39,7 +39,7 @@ def test_dry_run_prints_the_torchrun_command(script):
                          "--master-addr", "10.1.2.3", "--master-port", "29999", "train_ppo.py"]
     # overrides come after the defaults, so they win (tyro keeps the last value)
     assert argv.count("--lr") == 2 and last_value(argv, "--lr") == "3e-6"
-    assert argv.index("--no-activation-checkpointing") > argv.index("--activation-checkpointing")
+    assert argv.count("--activation-checkpointing") == 2 and last_value(argv, "--activation-checkpointing") == "selective"
     assert last_value(argv, "--wandb-project") == "my project"
     memory, micro_batch = TUNED[script]
     assert last_value(argv, "--vllm-gpu-memory-utilization") == memory
@@ -57,14 +57,14 @@ def test_single_node_defaults():
 @pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(TUNED))
 def test_dry_run_resolves_every_default_into_train_grpo_args(script, tmp_path):
-    out = dry_run(script, "--lr", "3e-6", "--no-activation-checkpointing", "--output-dir", str(tmp_path / "run"),
+    out = dry_run(script, "--lr", "3e-6", "--activation-checkpointing", "selective", "--output-dir", str(tmp_path / "run"),
                   PYTHON=sys.executable)
     assert out.returncode == 0, out.stderr  # tyro refuses any default that is not an Args field
     command, _, printed = out.stdout.partition("\n")
     assert command.startswith("torchrun ")
     args = json.loads(printed)
     memory, micro_batch = TUNED[script]
-    assert args["lr"] == 3e-6 and args["activation_checkpointing"] is False
+    assert args["lr"] == 3e-6 and args["activation_checkpointing"] == "selective"
     assert args["vllm_gpu_memory_utilization"] == float(memory) and args["micro_batch_tokens"] == int(micro_batch)
     assert (args["model"], args["engine"], args["mixed_precision"]) == ("Qwen/Qwen2.5-Coder-7B-Instruct", "vllm", True)
     assert (args["attn_implementation"], args["compile_layers"]) == ("flex_attention", True)

@@ -1,6 +1,7 @@
 """policy.py: tiny model + tokenizer, chat template, packed chunked logprobs, checkpoints; the FSDP2 checks run in
 one torchrun launch (tests/dist_policy.py)."""
 
+import collections
 import copy
 import filecmp
 import inspect
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import policy
 import rollout
@@ -386,7 +388,8 @@ def test_world_one_without_torchrun(model_dir, model):
     created = not dist.is_initialized()  # another test file may have made the one-process group already
     try:
         assert policy.init_distributed() == (0, 1, torch.device("cpu"))
-        sharded = policy.shard_model(policy.load_model(model_dir), mixed_precision=False, activation_checkpointing=True)
+        sharded = policy.shard_model(policy.load_model(model_dir), mixed_precision=False,
+                                     activation_checkpointing="full")
         lp, _ = policy.packed_logprobs(sharded, SEQUENCES)
         with torch.no_grad():
             ref, _ = policy.packed_logprobs(model, SEQUENCES)
@@ -397,6 +400,51 @@ def test_world_one_without_torchrun(model_dir, model):
         assert calls == [1], "activation checkpointing must recompute the layer in backward"
         assert policy.clip_grad_norm(sharded, 1.0) > 0
         assert dict(policy.iter_full_weights(sharded)).keys() == dict(model.named_parameters()).keys()
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops that run while it is active, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_activation_checkpointing_modes_recompute_what_they_say(model_dir):
+    """Every mode gives the same logprobs and gradients; in backward "none" recomputes nothing, "full" reruns each
+    layer's matmuls, attention and elementwise ops, "selective" only the elementwise ones."""
+    created = not dist.is_initialized()
+    try:
+        policy.init_distributed()
+        results = {}
+        for mode in ("none", "full", "selective"):
+            sharded = policy.shard_model(policy.load_model(model_dir, dtype=torch.float64),
+                                         activation_checkpointing=mode)
+            lp, _ = policy.packed_logprobs(sharded, SEQUENCES)
+            with OpCounter() as backward_ops:
+                (lp * torch.linspace(-1, 1, len(lp), dtype=lp.dtype)).sum().backward()
+            results[mode] = lp.detach(), {n: p.grad.full_tensor() for n, p in sharded.named_parameters()}
+            results[mode + " ops"] = backward_ops.counts
+        for mode in ("full", "selective"):
+            torch.testing.assert_close(results[mode][0], results["none"][0], atol=1e-12, rtol=0)
+            for name, grad in results["none"][1].items():
+                torch.testing.assert_close(results[mode][1][name], grad, atol=1e-12, rtol=0, msg=name)
+        none, full, selective = results["none ops"], results["full ops"], results["selective ops"]
+        layers, projections = 2, 7  # q, k, v, o, gate, up, down per layer
+        assert none["silu"] == 0 and selective["silu"] == full["silu"] == layers  # the MLP's activation, redone
+        assert selective["rsqrt"] == full["rsqrt"] > none["rsqrt"]  # RMSNorm, redone
+        assert selective["mm"] + selective["addmm"] == none["mm"] + none["addmm"]  # no matmul redone
+        # full: every projection but the last (down_proj), the recompute stopping once backward has what it needs
+        assert full["mm"] + full["addmm"] == none["mm"] + none["addmm"] + layers * (projections - 1)
+        with pytest.raises(ValueError, match="none, full or selective"):
+            policy.shard_model(policy.load_model(model_dir), activation_checkpointing="every_other")
     finally:
         if created:
             dist.destroy_process_group()
@@ -423,16 +471,25 @@ def test_hf_engine_decodes_a_packed_attention_policy_with_sdpa(model_dir, model,
             dist.destroy_process_group()
 
 
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("attn", ["sdpa", "packed_sdpa"])
-def test_compiled_layers_match_eager_and_keep_names(model_dir, model, attn):
-    """compile_layers: same logprobs and gradients as eager, and the parameter names engines and checkpoints use."""
+@pytest.mark.parametrize("attn,checkpointing,device", [
+    ("sdpa", "full", "cpu"), ("packed_sdpa", "full", "cpu"), ("sdpa", "selective", "cpu"),
+    pytest.param("flex_attention", "selective", "cuda", marks=ON_GPU),
+    pytest.param("flex_attention", "full", "cuda", marks=ON_GPU)])
+def test_compiled_layers_match_eager_and_keep_names(model_dir, model, attn, checkpointing, device):
+    """compile_layers: same logprobs and gradients as eager, and the parameter names engines and checkpoints use.
+    With sdpa and flex_attention the compiled code holds the whole checkpointed layer (selective: its save policy
+    too); packed_sdpa is left out of compilation, so the layer runs in pieces."""
     created = not dist.is_initialized()
     try:
         policy.init_distributed()
-        eager = policy.shard_model(policy.load_model(model_dir, attn_implementation=attn), activation_checkpointing=True)
-        compiled = policy.shard_model(policy.load_model(model_dir, attn_implementation=attn),
-                                      activation_checkpointing=True, compile_layers=True)
+        eager = policy.shard_model(policy.load_model(model_dir, attn_implementation=attn).to(device),
+                                   activation_checkpointing=checkpointing)
+        compiled = policy.shard_model(policy.load_model(model_dir, attn_implementation=attn).to(device),
+                                      activation_checkpointing=checkpointing, compile_layers=True)
         for sequences in (SEQUENCES, SEQUENCES[1:]):  # a second length: the compiled layers must not be stuck on one
             results = []
             for m in (eager, compiled):
