@@ -387,6 +387,16 @@ def branch_block_mask(positions: torch.Tensor):
     return _compiled(create_block_mask)(sees, None, None, len(positions), len(positions), device=positions.device)
 
 
+def minibatch(groups: list[int], count: int, which: int) -> list[int]:
+    """Indices of minibatch `which` of `count` over samples whose group ids are `groups` (a group's samples adjacent):
+    whole groups, in order, the groups spread as evenly as they divide. Whole groups keep each group's advantages
+    together (GRPO's are zero-mean within one) and let its samples share their prompt in one micro-batch; a rank with
+    fewer groups than minibatches has empty ones."""
+    starts = [i for i, g in enumerate(groups) if i == 0 or g != groups[i - 1]] + [len(groups)]
+    n = len(starts) - 1
+    return list(range(starts[n * which // count], starts[n * (which + 1) // count]))
+
+
 def pack(index: list[int], sequences: list[list[int]], score_from: list[int], max_tokens: int,
          model) -> list[list[int]]:
     """Micro-batches for packed forwards of `model`: the samples `index` (with `sequences`, scored from `score_from`)

@@ -88,7 +88,7 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping"""
     minibatches: int = 1
-    """optimizer steps per batch of rollouts (1 = on-policy)"""
+    """optimizer steps per batch of rollouts (1 = on-policy), each on whole groups"""
     epochs_per_step: int = 1
     """passes over each batch of rollouts"""
     micro_batch_tokens: int = 8192
@@ -200,6 +200,9 @@ def setup(args: Args, score_fn: ScoreFn) -> Trainer:
     rank, world, device = policy.init_distributed()
     if args.prompts_per_step % world:
         raise SystemExit(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world}")
+    if args.prompts_per_step // world < args.minibatches:  # a minibatch takes whole groups
+        raise SystemExit(f"--minibatches {args.minibatches} needs as many prompts per rank; --prompts-per-step "
+                         f"{args.prompts_per_step} over {world} ranks gives {args.prompts_per_step // world}")
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     tokenizer = policy.load_tokenizer(args.model)
@@ -311,11 +314,13 @@ def train_step(t: Trainer) -> dict:
 def update(t: Trainer, batch: list, minibatch: int, old_logprobs, ref_logprobs) -> dict:
     """One optimizer step on this rank's share of one minibatch, packed into micro-batches of bounded tokens."""
     args = t.args
-    index = list(range(minibatch, len(batch), t.args.minibatches))
+    index = policy.minibatch([s.group for s, _ in batch], args.minibatches, minibatch)
     # Global normalisers make the sum of micro-batch losses on every rank equal the global-batch loss; FSDP
     # averages gradients over ranks, hence the factor `world`.
     tokens = sum_over_ranks(sum(sum(batch[i][0].loss_mask) for i in index), t.world)
     seqs = sum_over_ranks(len(index), t.world)
+    if seqs == 0:  # no rank has a sample in this minibatch (dynamic sampling dropped them): no step
+        return {}
     micro_batches = micro_batches_of(t, index, [batch[i][0] for i in index])
     stats = defaultdict(float)
     t.optimizer.zero_grad(set_to_none=True)

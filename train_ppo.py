@@ -230,6 +230,9 @@ def setup(args: Args, score_fn: ScoreFn) -> Trainer:
     rank, world, device = policy.init_distributed()
     if args.prompts_per_step % world:
         raise SystemExit(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world}")
+    if args.prompts_per_step // world < args.minibatches:  # a minibatch takes whole groups
+        raise SystemExit(f"--minibatches {args.minibatches} needs as many prompts per rank; --prompts-per-step "
+                         f"{args.prompts_per_step} over {world} ranks gives {args.prompts_per_step // world}")
     if args.kl_target is not None and args.kl_coef <= 0:
         raise SystemExit("--kl-target needs a starting --kl-coef > 0")
     torch.manual_seed(args.seed + rank)
@@ -439,7 +442,7 @@ def update_critic(t: Trainer, exp: Experience, minibatch: int) -> dict:
 def minibatch_plan(t: Trainer, exp: Experience, minibatch: int) -> tuple[list[list[int]], float]:
     """The micro-batches of this rank's share of one minibatch (same count on every rank: FSDP collectives must stay
     in step) and the global count of policy tokens, so that micro-batch token means add up to the batch's."""
-    index = list(range(minibatch, len(exp.samples), t.args.minibatches))
+    index = policy.minibatch([s.group for s in exp.samples], t.args.minibatches, minibatch)
     tokens = max(1.0, sum_over_ranks(exp.mask[index].sum().item()))
     return micro_batches_of(t, index, [exp.samples[i] for i in index]), tokens
 

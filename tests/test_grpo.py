@@ -131,3 +131,43 @@ def test_tiny_model_learns_a_simple_reward(task, tmp_path):
     first, last = sum(rewards[:2]) / 2, sum(rewards[-5:]) / 5  # the first two steps are (almost) untrained
     assert last > 2 * first and last - first > 0.15, rewards
 
+
+
+def test_minibatches_take_whole_groups_and_an_empty_one_takes_no_step(tmp_path):
+    """update() with --minibatches 2 on what dynamic sampling left of a batch, one group: one minibatch trains on the
+    whole group, and the other is empty on every rank and must not step (AdamW's momentum would still move weights)."""
+    from types import SimpleNamespace
+
+    import rollout
+    import train_grpo
+
+    model_dir = policy.make_tiny_model(tmp_path / "model", ["def f(x):\n    return x + 1\n"] * 20)
+    created = not torch.distributed.is_initialized()
+    try:
+        policy.init_distributed()
+        model = policy.shard_model(policy.load_model(model_dir))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        args = train_grpo.Args(model=str(model_dir), minibatches=2)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        t = train_grpo.Trainer(args, 0, 1, model, None, optimizer, scheduler, engine=None,
+                               tokenizer=SimpleNamespace(pad_token_id=0), sampling=None, rows=[], eval_rows=[],
+                               score_fn=None)
+        batch = [(rollout.Sample(prompt_ids=[1, 2, 3], completion_ids=completion, loss_mask=[1, 1],
+                                 engine_logprobs=[0.0, 0.0], row={}, group=5), advantage)
+                 for completion, advantage in (([40, 41], 1.0), ([42, 43], -1.0))]
+
+        def weights():
+            return [p.full_tensor().clone() for p in model.parameters()]
+
+        before = weights()
+        assert policy.minibatch([5, 5], 2, 0) == []
+        assert train_grpo.update(t, batch, 0, None, None) == {}
+        assert all(torch.equal(a, b) for a, b in zip(weights(), before))
+        stats = train_grpo.update(t, batch, 1, None, None)
+        assert stats["grad_norm"] > 0 and math.isfinite(stats["loss"])
+        assert not any(torch.equal(a, b) for a, b in zip(weights(), before))
+        with pytest.raises(SystemExit, match="--minibatches 9 needs as many prompts per rank"):
+            train_grpo.setup(train_grpo.Args(model=str(model_dir), minibatches=9, prompts_per_step=8), None)
+    finally:
+        if created:
+            torch.distributed.destroy_process_group()

@@ -367,6 +367,15 @@ def test_flex_attention_shares_prefixes_through_a_block_mask(model_dir, device):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
+def test_minibatches_take_whole_groups():
+    groups = [7, 7, 7, 3, 3, 3, 9, 9, 9, 4, 4, 4]  # group ids need not be ordered, only adjacent
+    assert [policy.minibatch(groups, 2, k) for k in range(2)] == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
+    assert [policy.minibatch(groups[:9], 2, k) for k in range(2)] == [[0, 1, 2], [3, 4, 5, 6, 7, 8]]
+    assert [policy.minibatch(groups[:5], 3, k) for k in range(3)] == [[], [0, 1, 2], [3, 4]]
+    assert policy.minibatch(groups, 1, 0) == list(range(12))
+    assert policy.minibatch([], 2, 1) == []
+
+
 def test_packed_sdpa_refuses_a_branch_past_its_prefix(model_dir):
     """A run of positions starting at 4 after a sequence of 3 tokens would attend to a prefix that is not there."""
     model = policy.load_model(model_dir, attn_implementation="packed_sdpa")
