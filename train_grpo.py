@@ -93,6 +93,8 @@ class Args:
     """passes over each batch of rollouts"""
     micro_batch_tokens: int = 8192
     """tokens packed into one forward/backward (gradient accumulation beyond that)"""
+    logprob_chunk_size: int = 512
+    """rows of the output layer computed at once for logprobs (each holds rows x vocab fp32 values)"""
 
     mixed_precision: bool = False
     """bf16 parameters with fp32 reductions (use on GPUs)"""
@@ -489,8 +491,8 @@ def completion_logprobs(t: Trainer, model, samples: list[rollout.Sample], with_e
     """`policy.packed_logprobs` of the samples, scored from each completion's first token (the prompts are not); a
     group's common prompt runs once where the model can share it."""
     return policy.packed_logprobs(model, [s.ids for s in samples], temperature=t.args.temperature,
-                                  with_entropy=with_entropy, score_from=[len(s.prompt_ids) for s in samples],
-                                  share_prefixes=True)
+                                  chunk_size=t.args.logprob_chunk_size, with_entropy=with_entropy,
+                                  score_from=[len(s.prompt_ids) for s in samples], share_prefixes=True)
 
 
 def dummy_sample(t: Trainer) -> rollout.Sample:

@@ -62,6 +62,8 @@ class Args:
     """completion lengths are drawn uniformly from this range"""
     micro_batch_tokens: int = 65536
     """kiln's packed micro-batch size"""
+    logprob_chunk_size: int = 512
+    """rows of the output layer per chunk of the chosen-token logprobs"""
     activation_checkpointing: Literal["none", "full", "selective"] = "full"
     """recompute in backward: full (each decoder layer) or selective (only elementwise work; keeps matmul outputs)"""
     attn_implementation: str = "flex_attention"
@@ -157,8 +159,9 @@ def main(args: Args) -> dict:
     n_matmul = matmul_params(model)
     model = policy.shard_model(model, mixed_precision=cuda, activation_checkpointing=args.activation_checkpointing,
                                 compile_layers=args.compile_layers)
-    grpo_args = train_grpo.Args(model="", micro_batch_tokens=args.micro_batch_tokens, max_new_tokens=max(
-        args.completion_tokens), mixed_precision=cuda, activation_checkpointing=args.activation_checkpointing)
+    grpo_args = train_grpo.Args(model="", micro_batch_tokens=args.micro_batch_tokens,
+                                logprob_chunk_size=args.logprob_chunk_size, max_new_tokens=max(args.completion_tokens),
+                                mixed_precision=cuda, activation_checkpointing=args.activation_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     # No engine, data or reward: update() only needs the pad id, for the dummy micro-batch of a rank with fewer.
@@ -195,6 +198,7 @@ def main(args: Args) -> dict:
         "torch": torch.__version__, "attn_implementation": args.attn_implementation,
         "compile_layers": args.compile_layers,
         "activation_checkpointing": args.activation_checkpointing, "micro_batch_tokens": args.micro_batch_tokens,
+        "logprob_chunk_size": args.logprob_chunk_size,
         "group_size": args.group_size, "tokens_per_update_per_rank": statistics.mean(tokens),
         "tokens_run_per_update_per_rank": statistics.mean(tokens_run),
         "seconds_per_update": float(f"{statistics.mean(seconds):.4g}"),
