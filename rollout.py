@@ -496,7 +496,7 @@ class VLLMEngine:
         wanted = ((n, t) for n, t in weights if not (self.tied_lm_head and n.endswith("lm_head.weight")))
         for bucket in bucket_weights(wanted, self.sync_bucket_bytes, self.dtype):
             # The model runner's model.load_weights (vLLM's own name mapping and TP sharding), in this process.
-            loaded |= self.llm.apply_model(lambda m: m.load_weights(bucket))[0]
+            loaded |= self.llm.apply_model(lambda m, bucket=bucket: m.load_weights(bucket))[0]
             nbytes += sum(t.nbytes for _, t in bucket)
             buckets += 1
             del bucket  # freed before the next one is gathered
