@@ -459,6 +459,29 @@ def test_activation_checkpointing_modes_recompute_what_they_say(model_dir):
             dist.destroy_process_group()
 
 
+@pytest.mark.slow  # three compilations
+def test_compiled_checkpointing_recomputes_what_eager_does(model_dir):
+    """Under compile_layers (the GPU setup) the checkpointed layer is traced whole, and what backward recomputes is
+    decided by torch.compile's partitioner from the save policy: the compiled backward graph of a decoder layer holds
+    its 2 x 7 gradient matmuls, plus the 6 recomputed projections with "full", and none extra with "selective"."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    matmuls = {}
+    for mode in ("none", "full", "selective"):
+        model = policy.load_model(model_dir)
+        layer = model.model.layers[0]
+
+        def count_backward_matmuls(graph, example_inputs, mode=mode):
+            matmuls[mode] = sum(n.op == "call_function" and "mm" in str(n.target) for n in graph.graph.nodes)
+            return graph.forward
+
+        forward = layer.forward if mode == "none" else policy._checkpointed(layer.forward, mode)
+        layer.forward = torch.compile(forward, backend=aot_autograd(fw_compiler=lambda graph, _: graph.forward,
+                                                                    bw_compiler=count_backward_matmuls))
+        model(input_ids=torch.tensor([SEQUENCES[0]]), use_cache=False).logits.sum().backward()
+    assert matmuls == {"none": 14, "full": 20, "selective": 14}
+
+
 @pytest.mark.parametrize("attn", ["flex_attention", "packed_sdpa"])
 def test_hf_engine_decodes_a_packed_attention_policy_with_sdpa(model_dir, model, attn):
     """A policy trained with a packed-only attention: its HFEngine replica decodes with sdpa (packed_sdpa has no KV
