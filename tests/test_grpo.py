@@ -133,6 +133,29 @@ def test_tiny_model_learns_a_simple_reward(task, tmp_path):
 
 
 
+def test_wandb_offline_logs_every_metric_of_every_step(task, tmp_path, monkeypatch):
+    """--wandb-project with WANDB_MODE=offline (no network): the run lands under <output_dir>/wandb, and its log holds
+    every key and value that metrics.jsonl holds. (wandb keeps no Python reader of its offline format: the values
+    are looked up as the JSON text the client serialised.)"""
+    import train_grpo
+
+    root, model = task
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    args = train_grpo.Args(model=str(model), data=str(root / "train.parquet"), output_dir=str(tmp_path),
+                           total_steps=2, max_new_tokens=8, prompts_per_step=4, group_size=2, save_every=1000,
+                           sample_every=0, wandb_project="kiln-test")
+    train_grpo.main(args, score_fn=lambda rows, texts: [Score(t.count("x") / max(1, len(t)), {}) for t in texts])
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, runs
+    logged = runs[0].read_bytes()
+    steps = metrics_by_step(tmp_path)
+    assert sorted(steps) == [1, 2]
+    for metrics in steps.values():
+        missing = {k: v for k, v in metrics.items() if k.encode() not in logged or json.dumps(v).encode() not in logged}
+        assert not missing, missing
+
+
 def test_minibatches_take_whole_groups_and_an_empty_one_takes_no_step(tmp_path):
     """update() with --minibatches 2 on what dynamic sampling left of a batch, one group: one minibatch trains on the
     whole group, and the other is empty on every rank and must not step (AdamW's momentum would still move weights)."""
