@@ -385,3 +385,25 @@ def test_two_ranks_on_apps_then_kill_and_resume(apps, tmp_path):
     for step in range(start + 1, 5):
         assert deterministic(again[step]) == deterministic(steps[step]), step
     assert json.loads((killed / "eval_report.json").read_text()) == report
+
+
+@pytest.mark.slow
+def test_wandb_offline_logs_every_metric_of_every_step(apps, tmp_path, monkeypatch):
+    """--wandb-project with WANDB_MODE=offline: one run under <output_dir>/wandb whose log holds every key and value
+    of every metrics.jsonl record (the step as wandb's own), the step-0 evaluation included."""
+    import train_ppo
+    from wandb_offline import logged, offline_run
+
+    root, model, _ = apps
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    train_ppo.main(train_ppo.Args(
+        model=str(model), data=str(root / "apps.parquet"), eval_data=str(root / "apps.parquet"), output_dir=str(tmp_path),
+        engine="hf", prompts_per_step=5, group_size=1, max_prompt_tokens=4096, max_new_tokens=8, minibatches=1,
+        total_steps=1, wandb_project="kiln-test"))
+    run = offline_run(tmp_path)
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [0, 1] and "eval/all/pass@1" in records[0]
+    for record in records:
+        missing = {k: v for k, v in record.items() if k != "step" and not logged(run, k, v)}
+        assert not missing, missing

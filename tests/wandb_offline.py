@@ -1,0 +1,21 @@
+"""Reading back what a run logged to wandb offline: wandb ships no Python reader of its offline log, so a history item
+is looked up as its protobuf bytes (a HistoryItem: the key as field 2, its JSON value as field 16)."""
+
+import json
+from pathlib import Path
+
+
+def offline_run(output_dir: Path) -> bytes:
+    """The log of the one offline run under <output_dir>/wandb."""
+    runs = list((output_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, runs
+    return runs[0].read_bytes()
+
+
+def logged(run: bytes, key: str, value) -> bool:
+    """Whether the run's history holds `key` = `value` (wandb writes an integral float as an integer)."""
+    texts = {json.dumps(value)}
+    if isinstance(value, float) and value.is_integer():
+        texts.add(json.dumps(int(value)))
+    name = key.encode()
+    return any(bytes([0x12, len(name)]) + name + b"\x82\x01" + bytes([len(t)]) + t.encode() in run for t in texts)
