@@ -184,11 +184,11 @@ class HFEngine:
             stopped |= torch.isin(token, stop_tokens)
             if step == new - 1 or stopped.all():
                 break
-            positions = positions[:, -1:] + 1
             if lean:
                 logits = decode_step(self.model, cache, token, (cos[:, step : step + 1], sin[:, step : step + 1]),
                                      attend[..., : width + step + 1])
             else:
+                positions = positions[:, -1:] + 1
                 logits = self.model(input_ids=token[:, None], attention_mask=attention_mask[:, : width + step + 1],
                                     position_ids=positions, past_key_values=cache, use_cache=True).logits[:, -1]
         self.model.train(was_training)
