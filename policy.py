@@ -242,11 +242,7 @@ _RECOMPUTE = {  # a partial, not a closure: torch.compile traces a checkpoint's 
 def _checkpointed(forward, mode: str):
     """`forward` under activation checkpointing: backward recomputes what the forward did not keep (nothing but the
     inputs with "full"; all but matmul and attention outputs with "selective"). Grad-free forwards run as usual."""
-    run_checkpointed = _RECOMPUTE[mode]
-
-    def checkpointed_forward(*args, **kwargs):
-        return run_checkpointed(forward, *args, **kwargs)
-    return checkpointed_forward
+    return functools.partial(_RECOMPUTE[mode], forward)
 
 
 def shard_model(model, mixed_precision: bool = False, activation_checkpointing: str = "none",
