@@ -393,17 +393,18 @@ def minibatch(groups: list[int], count: int, which: int) -> list[int]:
     return list(range(starts[n * which // count], starts[n * (which + 1) // count]))
 
 
-def pack(index: list[int], sequences: list[list[int]], score_from: list[int], max_tokens: int,
-         model) -> list[list[int]]:
-    """Micro-batches for packed forwards of `model`: the samples `index` (with `sequences`, scored from `score_from`)
-    greedily packed into at most `max_tokens` tokens each (a longer sample goes alone), padded with empty
-    micro-batches to the largest count over ranks so that every rank runs the same number of forwards. Where the model
-    shares prefixes, a sample that starts with the same first score_from tokens as the one before it costs only the
-    rest when both land in one micro-batch."""
-    share = shares_prefixes(model)
+def pack(index: list[int], sequences: list[list[int]], max_tokens: int, score_from: list[int] | None = None,
+         model=None) -> list[list[int]]:
+    """Micro-batches for packed forwards: the samples `index` (with `sequences`) greedily packed into at most
+    `max_tokens` tokens each (a longer sample goes alone), padded with empty micro-batches to the largest count over
+    ranks so that every rank runs the same number of forwards. Given `score_from` and a `model` that shares prefixes
+    (the forwards pass share_prefixes=True), a sample that starts with the same first score_from tokens as the one
+    before it costs only the rest when both land in one micro-batch."""
+    share = model is not None and score_from is not None and shares_prefixes(model)
     micro, current, used = [], [], 0
-    for k, (i, s, first) in enumerate(zip(index, sequences, score_from)):
+    for k, (i, s) in enumerate(zip(index, sequences)):
         n = len(s)
+        first = score_from[k] if share else 0
         if share and current and score_from[k - 1] == first and sequences[k - 1][:first] == s[:first]:
             n -= first
         if current and used + n > max_tokens:

@@ -589,8 +589,8 @@ def load_rows_within(source: str, tokenizer, max_prompt_tokens: int, rank: int) 
 def micro_batches_of(t: Trainer, index: list[int], samples: list[rollout.Sample]) -> list[list[int]]:
     """`policy.pack` of the samples `index` into micro-batches of `micro_batch_tokens`, prompts counted once per
     micro-batch where they are shared (the actor and the critic use the same attention)."""
-    return policy.pack(index, [s.ids for s in samples], [len(s.prompt_ids) for s in samples],
-                       t.args.micro_batch_tokens, t.model)
+    return policy.pack(index, [s.ids for s in samples], t.args.micro_batch_tokens,
+                       [len(s.prompt_ids) for s in samples], t.model)
 
 
 def completion_logprobs(t: Trainer, model, samples: list[rollout.Sample], with_entropy: bool = False):

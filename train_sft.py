@@ -116,7 +116,8 @@ def main(args: Args) -> dict:
             epoch, offset = divmod(pos, len(encoded))
             picked.append(encoded[epoch_order(len(encoded), args.seed + epoch)[offset]])
         tokens = sum_over_ranks(sum(sum(mask) for _, mask in picked), world)
-        micro_batches = pack(picked, args.micro_batch_tokens, world)
+        micro_batches = [[picked[i] for i in micro] for micro in policy.pack(
+            list(range(len(picked))), [ids for ids, _ in picked], args.micro_batch_tokens)]
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for micro in micro_batches:
@@ -155,23 +156,6 @@ def sft_loss(model, micro: list[tuple[list[int], list[int]]], total_tokens: floa
 @functools.lru_cache(maxsize=2)
 def epoch_order(n: int, seed: int) -> list[int]:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def pack(items: list[tuple[list[int], list[int]]], max_tokens: int, world: int) -> list[list]:
-    """Greedy packing into micro-batches of at most `max_tokens`, padded with empty ones to the max over ranks."""
-    micro, current, used = [], [], 0
-    for item in items:
-        if current and used + len(item[0]) > max_tokens:
-            micro.append(current)
-            current, used = [], 0
-        current.append(item)
-        used += len(item[0])
-    if current:
-        micro.append(current)
-    count = torch.tensor(len(micro))
-    if world > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return micro + [[] for _ in range(int(count) - len(micro))]
 
 
 def sum_over_ranks(value: float, world: int) -> float:

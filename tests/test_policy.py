@@ -322,10 +322,10 @@ def test_pack_counts_a_shared_prompt_once_per_micro_batch(model_dir):
     prompt = [1, 2, 3, 4, 5, 6]
     sequences = [prompt + [7, 8, 9, 10], prompt + [11, 12, 13, 14], prompt + [15, 16, 17, 18], [9] * 6 + [1, 2]]
     index, first = [10, 11, 12, 13], [6, 6, 6, 6]
-    assert policy.pack(index, sequences, first, 20, whole) == [[10, 11], [12, 13]]
-    assert policy.pack(index, sequences, first, 20, shares) == [[10, 11, 12], [13]]
-    assert policy.pack(index, sequences, first, 13, shares) == [[10], [11], [12], [13]]
-    assert policy.pack(index, sequences, first, 14, shares) == [[10, 11], [12], [13]]
+    assert policy.pack(index, sequences, 20, first, whole) == [[10, 11], [12, 13]]
+    assert policy.pack(index, sequences, 20, first, shares) == [[10, 11, 12], [13]]
+    assert policy.pack(index, sequences, 13, first, shares) == [[10], [11], [12], [13]]
+    assert policy.pack(index, sequences, 14, first, shares) == [[10, 11], [12], [13]]
 
 
 def test_branch_block_mask_says_what_packed_sdpa_attends():
