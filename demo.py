@@ -20,6 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tyro
+from matplotlib.figure import Figure
+
+import data_prep
+import tiny
 
 
 @dataclass
@@ -66,9 +70,6 @@ def torchrun(nproc: int, script: str, *args: str) -> list[str]:
 
 
 def main(args: Args) -> dict:
-    import data_prep
-    import policy
-
     start = time.perf_counter()
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -81,7 +82,7 @@ def main(args: Args) -> dict:
     print(f"toy tasks: {len(train)} train, {len(test)} held-out (unseen combinations) in {out}; the careless "
           f"teacher's solutions for SFT in {out / 'sft.jsonl'}")
     corpus = [r["prompt"][-1]["content"] + "\n" + r["extra_info"]["solution"] for r in train]
-    model_dir = policy.make_tiny_model(out / "tiny-model", corpus, seed=args.seed, hidden_size=args.hidden_size,
+    model_dir = tiny.make_tiny_model(out / "tiny-model", corpus, seed=args.seed, hidden_size=args.hidden_size,
                                        num_layers=args.num_layers)
     print(f"tiny model and tokenizer: {model_dir}")
 
@@ -96,8 +97,8 @@ def main(args: Args) -> dict:
                  "--warmup-steps", "5",  # Adam's first, sign-like steps knock a tiny model off its warm start
                  "--save-every", str(args.grpo_steps), "--sample-every", "5", "--seed", str(args.seed)), "GRPO")
 
-    evals = [m for m in map(json.loads, open(out / "grpo" / "metrics.jsonl")) if "eval/all/pass_rate" in m]
-    before, after = evals[0]["eval/all/pass_rate"], evals[-1]["eval/all/pass_rate"]
+    evals = [m for m in map(json.loads, open(out / "grpo" / "metrics.jsonl")) if "eval/all/pass@1" in m]
+    before, after = evals[0]["eval/all/pass@1"], evals[-1]["eval/all/pass@1"]
     png = plot(out / "grpo" / "metrics.jsonl", out / "curves.png")
     minutes = (time.perf_counter() - start) / 60
     print(f"\nheld-out pass rate: {before:.1%} before GRPO -> {after:.1%} after ({(after - before) * 100:+.1f} points)")
@@ -107,18 +108,14 @@ def main(args: Args) -> dict:
 
 
 def plot(metrics_path: Path, png: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     records = [json.loads(line) for line in open(metrics_path)]
     train = [m for m in records if "reward/mean" in m]
-    evals = [m for m in records if "eval/all/pass_rate" in m]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    evals = [m for m in records if "eval/all/pass@1" in m]
+    fig = Figure(figsize=(7, 4))  # no pyplot: nothing to display, no backend to pick
+    ax = fig.subplots()
     ax.plot([m["step"] for m in train], [m["reward/mean"] for m in train], label="train reward (mean)")
     ax.plot([m["step"] for m in train], [m["reward/pass_rate"] for m in train], label="train pass rate", alpha=0.6)
-    ax.plot([m["step"] for m in evals], [m["eval/all/pass_rate"] for m in evals], "o-", label="held-out pass rate")
+    ax.plot([m["step"] for m in evals], [m["eval/all/pass@1"] for m in evals], "o-", label="held-out pass rate")
     ax.set_xlabel("GRPO step")
     ax.set_ylim(0, 1)
     ax.legend()

@@ -1,4 +1,4 @@
-"""RL math for kiln: advantages, GAE, policy/value losses, KL estimators, entropy, loss aggregation, masked statistics.
+"""RL math for kiln: advantages, GAE, policy/value losses, KL estimators, loss aggregation, masked sums and means.
 
 Pure torch functions, no model code. Shapes: `rewards`/`group` are per sample [N]; token tensors are [B, T] with a
 loss `mask` [B, T] (1 = token produced by the policy, 0 = prompt, tool output, padding). Functions that take a mask
@@ -8,8 +8,6 @@ return 0 where mask = 0 and let nothing from there (padding may hold -inf) reach
 import math
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 # ---------------------------------------------------------------------------------------------------- masked statistics
 
@@ -24,22 +22,6 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     """Mean of x where mask is 1; 0 where nothing is masked in (an empty mean is 0, not NaN)."""
     count = mask.sum() if dim is None else mask.sum(dim)
     return masked_sum(x, mask, dim) / count.clamp(min=1)
-
-
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of the masked-in values; unbiased divides by n - 1 (clamped to 1, so one value has variance 0)."""
-    mean = masked_mean(x, mask)
-    n = mask.sum()
-    return masked_sum((x - mean) ** 2, mask) / ((n - 1).clamp(min=1) if unbiased else n.clamp(min=1))
-
-
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / sqrt(var + eps) over the masked-in values (unbiased var); shift_mean=False adds the mean back.
-
-    0 where mask = 0 (PPO whitens GAE advantages with this)."""
-    mean = masked_mean(x, mask)
-    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps)
-    return torch.where(mask.bool(), whitened if shift_mean else whitened + mean, 0)
 
 
 # ---------------------------------------------------------------------------------------------- per-sample advantages
@@ -80,19 +62,15 @@ def rloo_advantages(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     return torch.where(size > 1, (rewards - mean) * size / (size - 1).clamp(min=1), 0)
 
 
-def reinforce_pp_advantages(rewards: torch.Tensor, group: torch.Tensor | None = None,
-                            eps: float = 1e-6) -> torch.Tensor:
+def reinforce_pp_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """REINFORCE++ (arXiv 2501.03262): rewards whitened over the whole batch, (x - mean) / (std + eps), unbiased std.
-
-    With `group`, x = r - mean_g first ("REINFORCE++-baseline"). Normalised per sample, not per token. [N] -> [N]."""
+    Normalised per sample, not per token. [N] -> [N]."""
     x = rewards.double()  # float64 for the same reason as in _group_stats
-    if group is not None:
-        x = x - _group_stats(x, group)[0]
     std = x.std() if len(x) > 1 else x.new_zeros(())
     return ((x - x.mean()) / (std + eps)).to(rewards.dtype)
 
 
-ADVANTAGES = ("grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline")
+ADVANTAGES = ("grpo", "drgrpo", "rloo", "reinforce++")
 
 
 def scalar_advantages(name: str, rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
@@ -105,8 +83,6 @@ def scalar_advantages(name: str, rewards: torch.Tensor, group: torch.Tensor) -> 
         return rloo_advantages(rewards, group)
     if name == "reinforce++":
         return reinforce_pp_advantages(rewards)
-    if name == "reinforce++-baseline":
-        return reinforce_pp_advantages(rewards, group)
     raise ValueError(f"unknown advantage estimator {name!r}; expected one of {ADVANTAGES}")
 
 
@@ -117,11 +93,6 @@ def nonconstant_groups(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tens
     high = rewards.new_full((n,), -math.inf).scatter_reduce_(0, index, rewards, "amax")
     low = rewards.new_full((n,), math.inf).scatter_reduce_(0, index, rewards, "amin")
     return (high > low)[index]
-
-
-def token_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Broadcast per-sample advantages [B] to tokens [B, T]; 0 where mask = 0."""
-    return torch.where(mask.bool(), advantages[:, None], 0)
 
 
 # ------------------------------------------------------------------------------------------------------- PPO: GAE
@@ -249,7 +220,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return 0.5 * loss, clipped_frac.item()
 
 
-# ----------------------------------------------------------------------------------------------- KL and entropy
+# ------------------------------------------------------------------------------------------------------------------- KL
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3",
@@ -268,24 +239,6 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
         d = d.clamp(-20, 20)
         return (d.exp() - 1 - d).clamp(max=clamp)
     raise ValueError(f"unknown KL estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
-
-
-def _entropy(logits: torch.Tensor) -> torch.Tensor:
-    logits = logits.float()
-    p = F.softmax(logits, -1)
-    return torch.logsumexp(logits, -1) - torch.where(p > 0, p * logits, 0).sum(-1)  # p = 0 at -inf logits: 0, not NaN
-
-
-def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 4096) -> torch.Tensor:
-    """H = logsumexp(z) - sum softmax(z) z over the vocab, [..., V] -> [...], in fp32, `chunk_size` rows at a time.
-
-    Under autograd each chunk is recomputed in backward, so memory stays at one chunk's fp32 softmax. Entropies already
-    computed elsewhere (policy.packed_logprobs) need nothing from here: masked_mean / aggregate them directly."""
-    rows = logits.reshape(-1, logits.shape[-1])
-    grad = torch.is_grad_enabled() and logits.requires_grad
-    parts = [checkpoint(_entropy, chunk, use_reentrant=False) if grad else _entropy(chunk)
-             for chunk in rows.split(chunk_size)]
-    return torch.cat(parts).reshape(logits.shape[:-1])
 
 
 # ------------------------------------------------------------------------------------------------- aggregation

@@ -1,6 +1,7 @@
-"""The model being trained: build or load a Hugging Face causal LM, shard it with FSDP2, attend within packed
-sequences (`packed_sdpa`), compute per-token logprobs of packed sequences in chunks, save/restore atomic DCP
-checkpoints, and stream full weights to an inference engine.
+"""The model being trained: load a Hugging Face causal LM (or a value model for PPO's critic), shard it with FSDP2,
+attend within packed sequences (`packed_sdpa`), compute per-token logprobs and values of packed sequences (in chunks,
+a group's shared prompt run once), plan micro-batches, save/restore atomic DCP checkpoints, and stream full weights to
+an inference engine. Also the run's distributed reductions, its optimizer and learning-rate schedule.
 
 Every function works on a plain model and on a `shard_model`-ed one, with or without torchrun.
 """
@@ -9,12 +10,15 @@ import functools
 import itertools
 import json
 import logging
+import math
 import os
 import random
 import re
 import shutil
 import sys
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator, NoReturn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # kiln never downloads a model; read by huggingface_hub at import
@@ -24,7 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from huggingface_hub import save_torch_state_dict, snapshot_download
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -32,79 +35,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import create_block_mask
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-from transformers import (AttentionInterface, AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
+from torch.nn.utils.rnn import pad_sequence
+from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification,
+                          AutoTokenizer, GenerationConfig)
 from transformers.masking_utils import AttentionMaskInterface
-from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_SPLIT_REGEX
-
-# Ids 0..5 in every tiny tokenizer; the agent tokens are ordinary (non-special) added tokens, as in Qwen2.5.
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
-AGENT_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
-
-# Qwen2.5's chat format: tool calls as <tool_call> JSON blocks, consecutive tool results grouped in one user turn,
-# image parts as vision placeholders. No default system prompt is injected.
-CHAT_TEMPLATE = (
-    "{%- macro render(content) %}{% if content is string %}{{ content }}{% elif content %}{% for part in content %}"
-    "{% if part.type == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% elif part.type == 'text' %}{{ part.text }}{% endif %}{% endfor %}{% endif %}{% endmacro %}"
-    "{%- set skip_first = tools and messages and messages[0].role == 'system' %}"
-    "{%- if tools %}{{ '<|im_start|>system\\n' }}"
-    "{%- if skip_first %}{{ render(messages[0].content) + '\\n\\n' }}{% endif %}"
-    "{{ '# Tools\\n\\nYou may call these functions (JSON signatures):\\n<tools>' }}"
-    "{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
-    "{{ '\\n</tools>\\n\\nTo call one, reply with <tool_call>\\n{\"name\": <name>, \"arguments\": <JSON object>}"
-    "\\n</tool_call><|im_end|>\\n' }}{% endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'tool' %}"
-    "{%- if loop.first or loop.previtem.role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
-    "{{ '\\n<tool_response>\\n' + render(message.content) + '\\n</tool_response>' }}"
-    "{%- if loop.last or loop.nextitem.role != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
-    "{%- elif not (loop.first and skip_first) %}{{ '<|im_start|>' + message.role }}"
-    "{%- if message.content or not message.tool_calls %}{{ '\\n' + render(message.content) }}{% endif %}"
-    "{%- for call in message.tool_calls or [] %}{% set fn = call.function if call.function is defined else call %}"
-    "{{ '\\n<tool_call>\\n{\"name\": ' + (fn.name | tojson) + ', \"arguments\": ' }}"
-    "{{ fn.arguments if fn.arguments is string else (fn.arguments | tojson) }}{{ '}\\n</tool_call>' }}"
-    "{%- endfor %}{{ '<|im_end|>\\n' }}{% endif %}{% endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-
-def make_tiny_model(out_dir, corpus: list[str], vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 2,
-                    num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
-                    max_position_embeddings: int = 4096, seed: int = 0) -> Path:
-    """A Qwen2-shaped model from a config plus a byte-level BPE tokenizer trained on `corpus`, saved as a Hugging
-    Face folder. Deterministic for a given corpus and seed; nothing is downloaded."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    # Qwen2.5's pipeline (NFC, its split regex, byte level): what transformers' Qwen2Tokenizer rebuilds on load.
-    # Byte-level BPE round-trips any NFC text exactly; code is NFC.
-    bpe = Tokenizer(models.BPE())
-    bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t in AGENT_TOKENS])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left",
-        clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE, model_max_length=max_position_embeddings)
-    tokenizer.save_pretrained(out)
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=True, bos_token_id=pad,
-        eos_token_id=eos, pad_token_id=pad)
-    with torch.random.fork_rng():  # seeded init without disturbing the caller's RNG stream
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
-    # eos as in Qwen2.5-Instruct: <|im_end|> and <|endoftext|> both end a generation.
-    model.generation_config = GenerationConfig(bos_token_id=pad, eos_token_id=[eos, pad], pad_token_id=pad)
-    model.save_pretrained(out)
-    return out
 
 
 @torch.compiler.disable  # data-dependent boundaries: under compile_layers each new packing would recompile
@@ -115,8 +49,7 @@ def packed_sdpa(module, query, key, value, attention_mask, scaling=None, dropout
     whose positions start at p > 0 and do not continue the tokens before it: it continues the first p tokens of its
     sequence (a prompt shared by a GRPO group, `packed_logprobs(share_prefixes=True)`) and attends to them and to
     itself. sdpa given the pack would build and apply a [tokens, tokens] mask, work quadratic in the micro-batch;
-    this is quadratic only in each sequence (on a 2-core CPU, 32 sequences of ~70 tokens: 34 ms forward + backward
-    instead of 145). No KV cache and no padding: engines decode with sdpa."""
+    this is quadratic only in each sequence. No KV cache and no padding: engines decode with sdpa."""
     if query.shape[0] != 1 or position_ids is None or position_ids.dim() != 2 or query.shape[2] != key.shape[2]:
         raise ValueError("attn_implementation='packed_sdpa' serves packed forwards only (one row of sequences, 2-d "
                          "position ids, no KV cache); decode with sdpa")
@@ -185,6 +118,30 @@ def stop_token_ids(tokenizer, path) -> list[int]:
     return list(dict.fromkeys(i for i in [*eos, tokenizer.eos_token_id] if i is not None))
 
 
+def load_value_model(path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
+    """The model at `path` as transformers' *ForTokenClassification with one label and no dropout (values must not be
+    noisy): a scalar per position. From a causal LM checkpoint the new head starts at zero, so every value starts at 0
+    and every rank holds the same head (FSDP2 shards assume identical replicas); a saved value model keeps its head."""
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config.num_labels = 1
+    config.classifier_dropout = 0.0
+    try:
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            path, config=config, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
+            output_loading_info=True)
+    except ValueError as e:  # the architecture has no token-classification class in transformers
+        raise ValueError(f"{path}: cannot build a value model from {type(config).__name__} ({e})") from e
+    missing = set(info["missing_keys"])
+    if missing - {"score.weight", "score.bias"}:
+        raise ValueError(f"{path}: the value model is missing base weights, e.g. {sorted(missing)[:5]}")
+    if "score.weight" in missing:
+        with torch.no_grad():
+            model.score.weight.zero_()
+            if model.score.bias is not None:
+                model.score.bias.zero_()
+    return model
+
+
 def init_distributed() -> tuple[int, int, torch.device]:
     """(rank, world_size, device). Under torchrun joins the job's group (gloo on CPU, nccl + gloo on CUDA); a plain
     `python` run gets a one-process group, so FSDP2, DCP and collectives run the same code either way."""
@@ -215,6 +172,53 @@ def exit_distributed(code: int = 0) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def sum_over_ranks(value: float) -> float:
+    """`value` summed over every rank (in float64)."""
+    if dist.get_world_size() == 1:
+        return float(value)
+    x = torch.tensor(float(value), dtype=torch.float64)
+    dist.all_reduce(x)
+    return x.item()
+
+
+def mean_over_ranks(value: float) -> float:
+    return sum_over_ranks(value) / dist.get_world_size()
+
+
+def mean_dicts_over_ranks(stats: dict) -> dict:
+    """Key-wise mean over ranks (every rank holds the same keys); one collective."""
+    return {k: v / dist.get_world_size() for k, v in sum_dicts_over_ranks(stats).items()}
+
+
+def sum_dicts_over_ranks(stats: dict) -> dict:
+    """Key-wise sum over ranks; one collective whatever keys each rank has."""
+    if dist.get_world_size() == 1:
+        return dict(stats)
+    total = {}
+    for part in gather_objects([dict(stats)]):
+        for k, v in part.items():
+            total[k] = total.get(k, 0.0) + v
+    return total
+
+
+def gather(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's `x` (same shape on each), concatenated in rank order along dim 0."""
+    if dist.get_world_size() == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
+    return torch.cat(parts)
+
+
+def gather_objects(items: list) -> list:
+    """Every rank's list of picklable items, concatenated in rank order."""
+    if dist.get_world_size() == 1:
+        return list(items)
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, items)
+    return [item for part in parts for item in part]
 
 
 # Outputs that selective activation checkpointing keeps: every matmul's and attention's. With them saved, the
@@ -273,6 +277,29 @@ def shard_model(model, mixed_precision: bool = False, activation_checkpointing: 
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)  # the root stays unsharded after forward: backward needs it first
     return model
+
+
+def adamw(model, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    # foreach: torch's default for GPU tensors; on CPU it would step one tensor at a time in Python
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=True)
+
+
+def lr_schedule(optimizer, warmup_steps: int, total_steps: int, decay: str = "constant", floor: float = 0.0):
+    """Linear warm-up to the optimizer's learning rate over `warmup_steps`, then constant ("constant") or a cosine down
+    to `floor` times it at `total_steps` ("cosine"). Call its step() once per optimizer step."""
+    if decay not in ("constant", "cosine"):
+        raise ValueError(f"learning-rate decay must be constant or cosine; got {decay!r}")
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, warmup_steps, total_steps, decay, floor))
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, decay: str, floor: float) -> float:
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if decay == "cosine":
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return 1.0
 
 
 def _chunk_forward(logits, targets, temperature: float, with_entropy: bool):
@@ -502,6 +529,102 @@ def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0,
     return zeros.index_copy(0, dest, out[:, 0]), zeros.index_copy(0, dest, out[:, 1]) if with_entropy else None
 
 
+def packed_values(value_model, sequences: list[list[int]], score_from: list[int] | None = None,
+                  share_prefixes: bool = False) -> torch.Tensor:
+    """Per-token values of `sequences` in one packed forward (as packed_logprobs: concatenated ids, positions restarting
+    per sequence), flat fp32 aligned like packed_logprobs: entry j is the value of the state before token j, i.e. the
+    head on the hidden state that predicts token j, and 0 at each sequence's first token. score_from and
+    share_prefixes as in packed_logprobs: positions before score_from[i] are 0, equal prefixes run once."""
+    score_from = _checked(sequences, score_from, "packed_values")
+    ids, positions, source, dest, mask = _packed_row(value_model, sequences, score_from, share_prefixes)
+    with warnings.catch_warnings():  # FSDP2 warns that the head's output is a view; it is only read out of place here
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        out = value_model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
+                          use_cache=False).logits[0, :, 0].float()
+    return out.new_zeros(sum(map(len, sequences))).index_copy(0, dest, out[source])
+
+
+# Completions: the trainers' view of the packed forwards. A sample is anything with `prompt_ids` and `completion_ids`
+# (rollout.Sample); per-token results are [B, T] rows over its completion tokens, zero-padded.
+
+# What an idle micro-batch runs (a rank with fewer than another): FSDP's collectives must stay in step across ranks.
+_IDLE = [SimpleNamespace(prompt_ids=[0], completion_ids=[0])]
+
+
+def completion_micro_batches(model, samples: list, index: list[int], max_tokens: int) -> list[list[int]]:
+    """`pack` of the samples `index`, each group's shared prompt counted once per micro-batch where `model` shares
+    prefixes; the same number of micro-batches on every rank."""
+    chosen = [samples[i] for i in index]
+    return pack(index, [s.prompt_ids + s.completion_ids for s in chosen], max_tokens,
+                [len(s.prompt_ids) for s in chosen], model)
+
+
+def completion_logprobs(model, samples: list, temperature: float = 1.0, chunk_size: int = 512,
+                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, T] logprobs (and entropies) of each sample's completion tokens given its prompt: one packed forward from
+    the completions' first tokens on, a group's common prompt run once where the model can share it. No samples (an
+    idle micro-batch): one masked-out token is run and [1, 1] returned."""
+    samples = samples or _IDLE
+    logprobs, entropy = packed_logprobs(model, [s.prompt_ids + s.completion_ids for s in samples],
+                                        temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+                                        score_from=[len(s.prompt_ids) for s in samples], share_prefixes=True)
+    return _completion_rows(logprobs, samples), _completion_rows(entropy, samples) if with_entropy else None
+
+
+def completion_values(value_model, samples: list) -> torch.Tensor:
+    """[B, T] values of each sample's completion tokens (V of the state before each), as completion_logprobs."""
+    samples = samples or _IDLE
+    values = packed_values(value_model, [s.prompt_ids + s.completion_ids for s in samples],
+                           score_from=[len(s.prompt_ids) for s in samples], share_prefixes=True)
+    return _completion_rows(values, samples)
+
+
+@torch.no_grad()
+def completion_logprobs_no_grad(model, samples: list, max_tokens: int, temperature: float = 1.0,
+                                chunk_size: int = 512) -> torch.Tensor:
+    """completion_logprobs of all `samples` without grad, in micro-batches of `max_tokens`: [B, T] fp32 on the CPU,
+    whole-batch rows for `rows_of`. Collective."""
+    rows = []
+    for micro in completion_micro_batches(model, samples, list(range(len(samples))), max_tokens):
+        logprobs, _ = completion_logprobs(model, [samples[i] for i in micro], temperature, chunk_size)
+        rows += list(logprobs.float().cpu()) if micro else []
+    return padded(rows)
+
+
+@torch.no_grad()
+def completion_values_no_grad(value_model, samples: list, max_tokens: int) -> torch.Tensor:
+    """completion_values of all `samples` without grad, as completion_logprobs_no_grad. Collective."""
+    rows = []
+    for micro in completion_micro_batches(value_model, samples, list(range(len(samples))), max_tokens):
+        values = completion_values(value_model, [samples[i] for i in micro])
+        rows += list(values.float().cpu()) if micro else []
+    return padded(rows)
+
+
+def padded(rows: list) -> torch.Tensor:
+    """Ragged per-token rows (lists or 1-d tensors) as one [B, T] fp32 tensor, zero-padded; [0, 0] for none."""
+    if not rows:
+        return torch.zeros(0, 0)
+    return pad_sequence([torch.as_tensor(r, dtype=torch.float32) for r in rows], batch_first=True)
+
+
+def rows_of(batch: torch.Tensor, micro: list[int], like: torch.Tensor) -> torch.Tensor:
+    """Rows `micro` of a whole-batch [B, T] tensor, cut to the width of `like` (the micro-batch's completion tensor)
+    and moved to its device; zeros (masked out) for an idle micro-batch."""
+    if not micro:
+        return torch.zeros(like.shape, device=like.device)
+    return batch[micro][:, : like.shape[1]].to(like.device)
+
+
+def _completion_rows(flat: torch.Tensor, samples: list) -> torch.Tensor:
+    """The completion positions of a flat packed output (aligned with the samples' concatenated ids), one row each."""
+    rows, start = [], 0
+    for s in samples:
+        rows.append(flat[start + len(s.prompt_ids) : start + len(s.prompt_ids) + len(s.completion_ids)])
+        start += len(s.prompt_ids) + len(s.completion_ids)
+    return pad_sequence(rows, batch_first=True)
+
+
 def clip_grad_norm(model, max_norm: float) -> float:
     """Clips gradients to a total norm of `max_norm`; returns the norm before clipping (global under FSDP2)."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -654,52 +777,3 @@ def save_hf(model, hf_source_dir, out_dir) -> Path:
         save_torch_state_dict({name: tensor.clone() for name, tensor in state.items()}, out)
     _barrier()
     return out
-
-
-# ======================================================================================================================
-# Value model (the PPO critic): the base model with a scalar head in place of the LM head. It is sharded with
-# shard_model and checkpointed with save_checkpoint/load_checkpoint like the policy (train_ppo.py keeps it in its own
-# <output_dir>/critic/checkpoints/), so everything above applies to it unchanged.
-# ======================================================================================================================
-import warnings  # noqa: E402  (this section's own imports)
-
-from transformers import AutoConfig, AutoModelForTokenClassification  # noqa: E402
-
-
-def load_value_model(path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
-    """The model at `path` as transformers' *ForTokenClassification with one label and no dropout (values must not be
-    noisy): a scalar per position. From a causal LM checkpoint the new head starts at zero, so every value starts at 0
-    and every rank holds the same head (FSDP2 shards assume identical replicas); a saved value model keeps its head."""
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    config.num_labels = 1
-    config.classifier_dropout = 0.0
-    try:
-        model, info = AutoModelForTokenClassification.from_pretrained(
-            path, config=config, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
-            output_loading_info=True)
-    except ValueError as e:  # the architecture has no token-classification class in transformers
-        raise ValueError(f"{path}: cannot build a value model from {type(config).__name__} ({e})") from e
-    missing = set(info["missing_keys"])
-    if missing - {"score.weight", "score.bias"}:
-        raise ValueError(f"{path}: the value model is missing base weights, e.g. {sorted(missing)[:5]}")
-    if "score.weight" in missing:
-        with torch.no_grad():
-            model.score.weight.zero_()
-            if model.score.bias is not None:
-                model.score.bias.zero_()
-    return model
-
-
-def packed_values(value_model, sequences: list[list[int]], score_from: list[int] | None = None,
-                  share_prefixes: bool = False) -> torch.Tensor:
-    """Per-token values of `sequences` in one packed forward (as packed_logprobs: concatenated ids, positions restarting
-    per sequence), flat fp32 aligned like packed_logprobs: entry j is the value of the state before token j, i.e. the
-    head on the hidden state that predicts token j, and 0 at each sequence's first token. score_from and
-    share_prefixes as in packed_logprobs: positions before score_from[i] are 0, equal prefixes run once."""
-    score_from = _checked(sequences, score_from, "packed_values")
-    ids, positions, source, dest, mask = _packed_row(value_model, sequences, score_from, share_prefixes)
-    with warnings.catch_warnings():  # FSDP2 warns that the head's output is a view; it is only read out of place here
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        out = value_model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
-                          use_cache=False).logits[0, :, 0].float()
-    return out.new_zeros(sum(map(len, sequences))).index_copy(0, dest, out[source])

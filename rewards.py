@@ -8,17 +8,20 @@ and prints pass@1 and unbiased pass@k by data source and difficulty, error categ
 from __future__ import annotations
 
 import json
+import re
+import statistics
 import sys
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from math import comb
-import re
-from typing import Callable
+from typing import Callable, Sequence
 
 import tyro
+from tqdm import tqdm
 
+import data_prep
 import sandbox
 
 # Big APPS answers have thousands of digits; int() refuses them by default.
@@ -29,6 +32,10 @@ sys.set_int_max_str_digits(0)
 class Reward:
     score: float
     info: dict = field(default_factory=dict)
+
+
+# What the trainers call to score a batch: (rows, completions) -> one Reward per completion.
+ScoreFn = Callable[[list[dict], list[str]], list[Reward]]
 
 
 FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*).*$", re.M)
@@ -168,8 +175,32 @@ def report(rows_by_id: dict[str, dict], task_ids: list[str], rewards: list[Rewar
     for name, tasks in groups.items():
         table[name] = {"tasks": len(tasks)} | {
             f"pass@{k}": sum(pass_at_k(len(p), sum(p), k) for p in tasks) / len(tasks) for k in ks}
-    return {"pass": table, "mean_reward": sum(r.score for r in rewards) / len(rewards),
+    return {"pass": table, "mean_reward": sum(r.score for r in rewards) / len(rewards), "samples": len(rewards),
             "errors": dict(Counter(r.info.get("error") for r in rewards if r.info.get("error")))}
+
+
+def report_metrics(summary: dict) -> dict:
+    """A `report` as flat metrics: eval/<group>/pass@k and /tasks, eval/reward, eval/error/<kind> (a fraction)."""
+    metrics = {f"eval/{group}/{k}": v for group, table in summary["pass"].items() for k, v in table.items()}
+    metrics["eval/reward"] = summary["mean_reward"]
+    return metrics | {f"eval/error/{kind}": n / summary["samples"] for kind, n in summary["errors"].items()}
+
+
+def batch_metrics(data_sources: Sequence[str], scores: Sequence[float], errors: Sequence[str | None],
+                  response_lengths: Sequence[int]) -> dict:
+    """A training batch's rewards (mean, std, pass rate, mean by data source, fraction of each error kind) and response
+    lengths, over every rank's samples."""
+    metrics = {"reward/mean": statistics.fmean(scores),
+               "reward/std": statistics.stdev(scores) if len(scores) > 1 else 0.0,
+               "reward/pass_rate": sum(s >= 1.0 for s in scores) / len(scores),
+               "response/length_mean": statistics.fmean(response_lengths),
+               "response/length_max": float(max(response_lengths))}
+    by_source = defaultdict(list)
+    for source, score in zip(data_sources, scores):
+        by_source[source].append(score)
+    metrics |= {f"reward/{source}/mean": sum(v) / len(v) for source, v in by_source.items()}
+    kinds = Counter(error for error in errors if error)
+    return metrics | {f"reward/error/{kind}": n / len(scores) for kind, n in kinds.items()}
 
 
 def read_samples(path: str, rows_by_id: dict[str, dict]) -> tuple[list[str], list[str]]:
@@ -210,9 +241,6 @@ class ScoreArgs:
 
 
 def main(args: ScoreArgs) -> dict:
-    import data_prep
-    from tqdm import tqdm
-
     rows_by_id = {data_prep.row_id(r): r for r in data_prep.load_rows(args.data)}
     task_ids, completions = read_samples(args.samples, rows_by_id)
     limits = sandbox.Limits(timeout=args.timeout)
@@ -221,8 +249,7 @@ def main(args: ScoreArgs) -> dict:
         results = list(tqdm(pool.map(lambda tc: score(rows_by_id[tc[0]], tc[1], limits), zip(task_ids, completions)),
                             total=len(task_ids), desc="grading", disable=len(task_ids) < 50))
     seconds = time.perf_counter() - start
-    summary = report(rows_by_id, task_ids, results) | {"samples": len(results), "seconds": seconds,
-                                                        "samples_per_s": len(results) / seconds}
+    summary = report(rows_by_id, task_ids, results) | {"seconds": seconds, "samples_per_s": len(results) / seconds}
     if args.out:
         with open(args.out, "w") as f:
             for task_id, r in zip(task_ids, results):

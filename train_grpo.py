@@ -1,31 +1,30 @@
 """GRPO for code LLMs: `torchrun --nproc-per-node 8 train_grpo.py --model ... --data ...`.
 
 Every rank holds an FSDP2 shard of the policy and its own rollout engine. One step, in `train_step()`:
-rollouts -> rewards -> advantages -> (old/ref logprobs) -> minibatch updates -> metrics and checkpoints.
-The same code runs on a 2-core CPU (gloo, HF engine, tiny model) and on 8 GPUs (nccl, vLLM).
+rollouts -> rewards -> advantages -> (old/ref logprobs) -> minibatch updates (`update_policy`: forward -> loss ->
+backward per micro-batch, then clip and step) -> metrics and checkpoints. The same code runs on a 2-core CPU (gloo,
+HF engine, tiny model) and on 8 GPUs (nccl, vLLM).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import random
-import time
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
-import torch.distributed as dist
 import tyro
 from tqdm import tqdm
 
 import data_prep
+import engines
 import losses
 import policy
 import rewards
 import rollout
+import runlog
 
 
 @dataclass
@@ -143,11 +142,8 @@ class Args:
     (tools/tito_drift_frac) and the first drift of each step (tools on)"""
 
 
-ScoreFn = Callable[[list[dict], list[str]], list["rewards.Reward"]]
-
-
 @dataclass
-class Trainer:
+class Run:
     """Everything a step touches, built once by `setup()`."""
 
     args: Args
@@ -157,48 +153,47 @@ class Trainer:
     ref_model: torch.nn.Module | None
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    engine: rollout.Engine
+    engine: engines.Engine
     tokenizer: object
-    sampling: rollout.Sampling
+    sampling: engines.Sampling
+    limits: rollout.AgentLimits  # of multi-turn rollouts (--tools)
     rows: list[dict]
     eval_rows: list[dict]
-    score_fn: ScoreFn
+    score_fn: rewards.ScoreFn
+    log: runlog.RunLog
     step: int = 0
     data_pos: int = 0
 
 
-def main(args: Args, score_fn: ScoreFn = rewards.score_batch) -> Trainer:
+def main(args: Args, score_fn: rewards.ScoreFn = rewards.score_batch) -> Run | None:
     if args.dry_run:
         print(json.dumps(dataclasses.asdict(args), indent=2))
         return None
-    t = setup(args, score_fn)
-    out = Path(args.output_dir)
-    if t.step == 0 and t.eval_rows:
-        log(t, evaluate(t) | {"step": 0})
-    bar = tqdm(total=args.total_steps, initial=t.step, desc="grpo", disable=t.rank != 0)
-    while t.step < args.total_steps:
-        metrics = train_step(t)
-        t.step += 1
-        if args.eval_every and t.step % args.eval_every == 0 and t.step < args.total_steps and t.eval_rows:
-            metrics |= evaluate(t)
-        log(t, metrics | {"step": t.step})
+    run = setup(args, score_fn)
+    if run.step == 0 and run.eval_rows:
+        run.log.metrics(evaluate(run) | {"step": 0})
+    bar = tqdm(total=args.total_steps, initial=run.step, desc="grpo", disable=run.rank != 0)
+    while run.step < args.total_steps:
+        metrics = train_step(run)
+        run.step += 1
+        if args.eval_every and run.step % args.eval_every == 0 and run.step < args.total_steps and run.eval_rows:
+            metrics |= evaluate(run)
+        run.log.metrics(metrics | {"step": run.step})
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
-        if t.step % (args.save_every or args.total_steps) == 0 or t.step == args.total_steps:
-            save(t)
+        if run.step % (args.save_every or args.total_steps) == 0 or run.step == args.total_steps:
+            save(run)
     bar.close()
-    if t.eval_rows:
-        log(t, evaluate(t) | {"step": t.step})
-    if t.rank == 0:
-        print(f"done: metrics in {out / 'metrics.jsonl'}, checkpoints in {out / 'checkpoints'}")
-    if t.rank == 0 and args.wandb_project:
-        import wandb
-
-        wandb.finish()  # here, not at interpreter exit: the script leaves through policy.exit_distributed
-    return t
+    if run.eval_rows:
+        run.log.metrics(evaluate(run) | {"step": run.step})
+    if run.rank == 0:
+        print(f"done: metrics in {run.log.output_dir / 'metrics.jsonl'}, checkpoints in "
+              f"{run.log.output_dir / 'checkpoints'}")
+    run.log.finish()
+    return run
 
 
-def setup(args: Args, score_fn: ScoreFn) -> Trainer:
+def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     rank, world, device = policy.init_distributed()
     if args.prompts_per_step % world:
         raise SystemExit(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world}")
@@ -208,12 +203,13 @@ def setup(args: Args, score_fn: ScoreFn) -> Trainer:
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     tokenizer = policy.load_tokenizer(args.model)
-    rows = load_rows_within(args.data, tokenizer, args.max_prompt_tokens, rank)
-    eval_rows = load_rows_within(args.eval_data, tokenizer, args.max_prompt_tokens, rank) if args.eval_data else []
+    rows = rollout.load_rows_within(args.data, tokenizer, args.max_prompt_tokens, verbose=rank == 0)
+    eval_rows = (rollout.load_rows_within(args.eval_data, tokenizer, args.max_prompt_tokens, verbose=rank == 0)
+                 if args.eval_data else [])
     # vLLM takes its memory before the FSDP model does (its allocator must see a clean device).
     engine = None
     if args.engine == "vllm":
-        engine = rollout.VLLMEngine(
+        engine = engines.VLLMEngine(
             args.model, seed=args.seed, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             max_model_len=args.vllm_max_model_len, tensor_parallel_size=args.vllm_tensor_parallel_size)
         engine.sleep()
@@ -227,388 +223,168 @@ def setup(args: Args, score_fn: ScoreFn) -> Trainer:
                                        .to(device), mixed_precision=args.mixed_precision)
         ref_model.requires_grad_(False)
     if engine is None:
-        engine = rollout.HFEngine(model, pad_token_id=tokenizer.pad_token_id)
-    # foreach: torch's default for GPU tensors; on CPU it would step one tensor at a time in Python
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(args, s))
-    sampling = rollout.Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        engine = engines.HFEngine(model, pad_token_id=tokenizer.pad_token_id)
+    optimizer = policy.adamw(model, args.lr, args.weight_decay)
+    scheduler = policy.lr_schedule(optimizer, args.warmup_steps, args.total_steps, args.lr_schedule)
+    sampling = engines.Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 stop_token_ids=policy.stop_token_ids(tokenizer, args.model))
-    t = Trainer(args, rank, world, model, ref_model, optimizer, scheduler, engine, tokenizer, sampling, rows, eval_rows,
-                score_fn)
+    limits = rollout.AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens)
     checkpoint = policy.latest_checkpoint(args.output_dir) if args.resume else None
+    step = data_pos = 0
     if checkpoint is not None:
         state = policy.load_checkpoint(checkpoint, model, optimizer)
         scheduler.load_state_dict(state["scheduler"])
-        t.step, t.data_pos = state["step"], state["data_pos"]
+        step, data_pos = state["step"], state["data_pos"]
         if rank == 0:
-            print(f"resumed from {checkpoint} at step {t.step}")
-    elif rank == 0:
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            (Path(args.output_dir) / name).unlink(missing_ok=True)
-    if rank == 0 and args.wandb_project:
-        import wandb
-
-        wandb.init(project=args.wandb_project, config=dataclasses.asdict(args), dir=args.output_dir,
-                   resume="allow" if args.resume else None)
-    return t
+            print(f"resumed from {checkpoint} at step {step}")
+    log = runlog.start(args.output_dir, rank, dataclasses.asdict(args), args.wandb_project,
+                       resume=checkpoint is not None)
+    return Run(args, rank, world, model, ref_model, optimizer, scheduler, engine, tokenizer, sampling, limits, rows,
+               eval_rows, score_fn, log, step, data_pos)
 
 
-def train_step(t: Trainer) -> dict:
-    args, metrics, timer = t.args, {}, Timer()
+def train_step(run: Run) -> dict:
+    args, metrics, seconds = run.args, {}, {}
 
     # 1. This rank's prompts for the step (a seeded shuffle per epoch, so resuming replays the same order).
-    rows = next_rows(t)
+    per_rank = args.prompts_per_step // run.world
+    rows = data_prep.in_epoch_order(run.rows, run.data_pos + run.rank * per_rank, per_rank, args.seed)
+    run.data_pos += args.prompts_per_step
 
     # 2-4. Rollouts: wake the engine, give it the current weights, generate, put it back to sleep.
-    with timer("wake_and_sync"):  # a level-2 sleep drops the engine's weights: every wake-up needs a sync
-        t.engine.wake_up()
-        t.engine.load_weights(policy.iter_full_weights(t.model))
-    with timer("rollout"):
-        samples, rollout_metrics = rollout_samples(t, rows, args.group_size, t.sampling)
-        t.engine.sleep()
-    metrics |= rollout_metrics | getattr(t.engine, "last_metrics", {})
+    with runlog.timed(seconds, "wake_and_sync"):  # a level-2 sleep drops the engine's weights: every wake needs them
+        run.engine.wake_up()
+        run.engine.load_weights(policy.iter_full_weights(run.model))
+    with runlog.timed(seconds, "rollout"):
+        samples, rollout_metrics = rollout.collect(
+            run.engine, run.tokenizer, rows, args.group_size, run.sampling, args.tools, run.limits,
+            first_group=run.rank * len(rows), check=args.check_tito)
+        run.engine.sleep()
+    tool_metrics = {k: v for k, v in rollout_metrics.items() if k.startswith("tools/")}  # per rank: averaged
+    metrics |= rollout_metrics | policy.mean_dicts_over_ranks(tool_metrics) | getattr(run.engine, "last_metrics", {})
 
     # 5. Rewards, in parallel in the sandbox.
-    with timer("reward"):
-        results = t.score_fn([s.row for s in samples], [s.text for s in samples])
-        for s, r in zip(samples, results):
+    with runlog.timed(seconds, "reward"):
+        for s, r in zip(samples, run.score_fn([s.row for s in samples], [s.text for s in samples])):
             s.reward, s.info = r.score, r.info
-    metrics |= reward_metrics(t, samples)
+    sources, scores, errors, lengths = zip(*policy.gather_objects(
+        [(s.row["data_source"], s.reward, s.info.get("error"), len(s.completion_ids)) for s in samples]))
+    metrics |= rewards.batch_metrics(sources, scores, errors, lengths)
 
     # 6. Advantages over the global batch (groups never straddle ranks; REINFORCE++ normalises globally).
     reward = torch.tensor([s.reward for s in samples])
     group = torch.tensor([s.group for s in samples])
-    all_reward, all_group = gather(reward, t.world), gather(group, t.world)
-    advantage = losses.scalar_advantages(args.advantage, all_reward, all_group)[t.rank * len(samples):][:len(samples)]
-    keep = torch.ones(len(samples), dtype=torch.bool)
+    advantage = losses.scalar_advantages(args.advantage, policy.gather(reward), policy.gather(group))
+    for s, a in zip(samples, advantage[run.rank * len(samples):]):
+        s.advantage = a.item()
+    batch = samples
     if args.dynamic_sampling:
         keep = losses.nonconstant_groups(reward, group)
-        metrics["batch/kept_frac"] = mean_over_ranks(keep.float().mean().item(), t.world)
-    batch = [(s, a.item()) for s, a, k in zip(samples, advantage, keep) if k]
+        metrics["batch/kept_frac"] = policy.mean_over_ranks(keep.float().mean().item())
+        batch = [s for s, k in zip(samples, keep) if k]
 
-    # 7. Old and reference logprobs (no grad) where the loss needs them.
-    with timer("old_ref_logprobs"):
-        old_logprobs = logprobs_no_grad(t, t.model, batch) if args.minibatches * args.epochs_per_step > 1 else None
-        ref_logprobs = logprobs_no_grad(t, t.ref_model, batch) if t.ref_model is not None else None
+    # 7. Old and reference logprobs (no grad) where the loss needs them: [B, T] over the batch's completions.
+    with runlog.timed(seconds, "old_ref_logprobs"):
+        old_logprobs = ref_logprobs = None
+        if args.minibatches * args.epochs_per_step > 1:
+            old_logprobs = policy.completion_logprobs_no_grad(run.model, batch, args.micro_batch_tokens,
+                                                              args.temperature, args.logprob_chunk_size)
+        if run.ref_model is not None:
+            ref_logprobs = policy.completion_logprobs_no_grad(run.ref_model, batch, args.micro_batch_tokens,
+                                                              args.temperature, args.logprob_chunk_size)
 
-    # 8. Minibatch updates: packed forward -> loss -> backward -> clip -> step.
-    with timer("update"):
+    # 8. Minibatch updates: per micro-batch packed forward -> policy loss (+ KL) -> backward; then clip -> step.
+    with runlog.timed(seconds, "update"):
         update_metrics = defaultdict(list)
         for _ in range(args.epochs_per_step):
-            for mb in range(args.minibatches):
-                for k, v in update(t, batch, mb, old_logprobs, ref_logprobs).items():
+            for minibatch in range(args.minibatches):
+                for k, v in update_policy(run, batch, minibatch, old_logprobs, ref_logprobs).items():
                     update_metrics[k].append(v)
-        t.scheduler.step()
+        run.scheduler.step()
     metrics |= {k: sum(v) / len(v) for k, v in update_metrics.items()}
 
     # 9. Metrics and sample completions.
-    seconds = timer.seconds
     metrics |= {f"time/{k}": v for k, v in seconds.items()}
-    tokens = mean_over_ranks(sum(len(s.ids) for s in samples), t.world) * t.world
-    metrics["perf/tokens_per_s"] = tokens / sum(seconds.values())
-    metrics["lr"] = t.scheduler.get_last_lr()[0]
-    if args.sample_every and (t.step + 1) % args.sample_every == 0:
-        write_samples(t, samples)
+    metrics["perf/tokens_per_s"] = policy.sum_over_ranks(sum(len(s.ids) for s in samples)) / sum(seconds.values())
+    metrics["lr"] = run.scheduler.get_last_lr()[0]
+    if args.sample_every and (run.step + 1) % args.sample_every == 0:
+        run.log.samples(policy.gather_objects([runlog.sample_record(run.step + 1, s) for s in samples]))
     return metrics
 
 
-def update(t: Trainer, batch: list, minibatch: int, old_logprobs, ref_logprobs) -> dict:
-    """One optimizer step on this rank's share of one minibatch, packed into micro-batches of bounded tokens."""
-    args = t.args
-    index = policy.minibatch([s.group for s, _ in batch], args.minibatches, minibatch)
+def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_logprobs: torch.Tensor | None,
+                  ref_logprobs: torch.Tensor | None) -> dict:
+    """One optimizer step on this rank's share of one minibatch (whole groups): for each micro-batch of bounded
+    tokens, packed forward -> policy loss (+ KL to the reference) -> backward; then clip and step. Without
+    `old_logprobs` the update is on-policy (the ratio's denominator is the forward's own, detached)."""
+    args = run.args
+    index = policy.minibatch([s.group for s in batch], args.minibatches, minibatch)
     # Global normalisers make the sum of micro-batch losses on every rank equal the global-batch loss; FSDP
     # averages gradients over ranks, hence the factor `world`.
-    tokens = sum_over_ranks(sum(sum(batch[i][0].loss_mask) for i in index), t.world)
-    seqs = sum_over_ranks(len(index), t.world)
-    if seqs == 0:  # no rank has a sample in this minibatch (dynamic sampling dropped them): no step
+    global_tokens = policy.sum_over_ranks(sum(sum(batch[i].loss_mask) for i in index))
+    global_seqs = policy.sum_over_ranks(len(index))
+    if global_seqs == 0:  # no rank has a sample in this minibatch (dynamic sampling dropped them): no step
         return {}
-    micro_batches = micro_batches_of(t, index, [batch[i][0] for i in index])
+    mask = policy.padded([s.loss_mask for s in batch])
+    engine_logprobs = policy.padded([s.engine_logprobs for s in batch])
+    advantages = policy.padded([[s.advantage] * len(s.loss_mask) for s in batch])
     stats = defaultdict(float)
-    t.optimizer.zero_grad(set_to_none=True)
-    for micro in micro_batches:
-        # An empty micro-batch (this rank has fewer) runs a masked-out dummy: FSDP collectives must stay in step.
-        samples = [batch[i][0] for i in micro] or [dummy_sample(t)]
-        logprobs, entropy = completion_logprobs(t, t.model, samples, with_entropy=True)
-        logprobs, entropy = completion_part(logprobs, samples), completion_part(entropy, samples)
-        device = logprobs.device
-        mask = padded([s.loss_mask for s in samples], device)
-        engine = padded([s.engine_logprobs for s in samples], device)
-        adv = torch.tensor([batch[i][1] for i in micro] or [0.0], device=device)[:, None].expand_as(mask)
-        on_policy = old_logprobs is None or not micro
-        old = logprobs.detach() if on_policy else padded([old_logprobs[i] for i in micro], device)
+    run.optimizer.zero_grad(set_to_none=True)
+    for micro in policy.completion_micro_batches(run.model, batch, index, args.micro_batch_tokens):
+        # An idle micro-batch (this rank has fewer than another) is all zeros below: it only keeps FSDP in step.
+        logprobs, entropy = policy.completion_logprobs(run.model, [batch[i] for i in micro], args.temperature,
+                                                       args.logprob_chunk_size, with_entropy=True)
+        micro_mask, micro_engine, micro_advantages = (policy.rows_of(x, micro, logprobs)
+                                                      for x in (mask, engine_logprobs, advantages))
+        old = logprobs.detach() if old_logprobs is None else policy.rows_of(old_logprobs, micro, logprobs)
         if args.policy_loss == "gspo":
-            token_loss, pstats = losses.gspo_loss(logprobs, old, adv, mask, clip_low=args.clip_low,
-                                                  clip_high=args.clip_high)
+            token_loss, loss_stats = losses.gspo_loss(logprobs, old, micro_advantages, micro_mask,
+                                                      clip_low=args.clip_low, clip_high=args.clip_high)
         else:
-            token_loss, pstats = losses.clipped_policy_loss(
-                logprobs, old, adv, mask, clip_low=args.clip_low, clip_high=args.clip_high, dual_clip=args.dual_clip,
-                engine_logprobs=engine if args.tis_cap else None, tis_cap=args.tis_cap)
-        if ref_logprobs is not None and micro:
-            kl = losses.kl_penalty(logprobs, padded([ref_logprobs[i] for i in micro], device),
-                                   args.kl_estimator)
+            token_loss, loss_stats = losses.clipped_policy_loss(
+                logprobs, old, micro_advantages, micro_mask, clip_low=args.clip_low, clip_high=args.clip_high,
+                dual_clip=args.dual_clip, engine_logprobs=micro_engine if args.tis_cap else None, tis_cap=args.tis_cap)
+        if ref_logprobs is not None:
+            kl = losses.kl_penalty(logprobs, policy.rows_of(ref_logprobs, micro, logprobs), args.kl_estimator)
             token_loss = token_loss + args.kl_coef * kl
-            stats["kl"] += losses.masked_sum(kl.detach(), mask).item() / tokens
-        loss = losses.aggregate(token_loss, mask, args.loss_agg, num_tokens=tokens, num_seqs=seqs,
-                                max_len=args.max_new_tokens) * t.world
+            stats["kl"] += losses.masked_sum(kl.detach(), micro_mask).item() / global_tokens
+        loss = losses.aggregate(token_loss, micro_mask, args.loss_agg, num_tokens=global_tokens,
+                                num_seqs=global_seqs, max_len=args.max_new_tokens) * run.world
         loss.backward()
-        share = mask.sum().item() / tokens  # this micro-batch's share of the global tokens
-        stats["loss"] += loss.item() / t.world
-        stats["entropy"] += losses.masked_sum(entropy.detach(), mask).item() / tokens
-        stats["mismatch/engine_abs"] += losses.masked_sum((old - engine).abs(), mask).item() / tokens
-        for k, v in pstats.items():
+        share = micro_mask.sum().item() / global_tokens  # this micro-batch's share of the global tokens
+        stats["loss"] += loss.item() / run.world
+        stats["entropy"] += losses.masked_sum(entropy.detach(), micro_mask).item() / global_tokens
+        stats["mismatch/engine_abs"] += losses.masked_sum((old - micro_engine).abs(), micro_mask).item() / global_tokens
+        for k, v in loss_stats.items():
             stats[k] += v * share
-    stats["grad_norm"] = policy.clip_grad_norm(t.model, args.max_grad_norm)
-    t.optimizer.step()
-    grad_norm = stats.pop("grad_norm")
-    return sum_dicts_over_ranks(stats, t.world) | {"grad_norm": grad_norm}
+    grad_norm = policy.clip_grad_norm(run.model, args.max_grad_norm)
+    run.optimizer.step()
+    return policy.sum_dicts_over_ranks(stats) | {"grad_norm": grad_norm}
 
 
-def logprobs_no_grad(t: Trainer, model, batch: list) -> list[torch.Tensor]:
-    """Completion-token logprobs of every sample in `batch` under `model`, micro-batched, no grad."""
-    out = []
-    index = list(range(len(batch)))
-    with torch.no_grad():
-        for micro in micro_batches_of(t, index, [s for s, _ in batch]):
-            samples = [batch[i][0] for i in micro] or [dummy_sample(t)]
-            flat, _ = completion_logprobs(t, model, samples)
-            if micro:
-                out += split_completions(flat, samples)
-    return out
+def evaluate(run: Run) -> dict:
+    """Greedy pass@1 and mean reward on the held-out rows, overall, by data source and by difficulty. Collective."""
+    rows = run.eval_rows[run.rank :: run.world]
+    greedy = dataclasses.replace(run.sampling, temperature=0.0)
+    run.engine.wake_up()
+    run.engine.load_weights(policy.iter_full_weights(run.model))
+    samples, _ = rollout.collect(run.engine, run.tokenizer, rows, 1, greedy, run.args.tools, run.limits,
+                                 first_group=run.rank * len(rows), check=run.args.check_tito)
+    run.engine.sleep()
+    results = run.score_fn([s.row for s in samples], [s.text for s in samples])
+    graded = policy.gather_objects([(data_prep.row_id(s.row), r.score, r.info.get("error"))
+                                    for s, r in zip(samples, results)])
+    summary = rewards.report({data_prep.row_id(row): row for row in run.eval_rows}, [task for task, _, _ in graded],
+                             [rewards.Reward(score, {"error": error}) for _, score, error in graded])
+    return rewards.report_metrics(summary)
 
 
-def evaluate(t: Trainer) -> dict:
-    """Greedy pass@1 and mean reward on the held-out rows, by data source and difficulty."""
-    rows = t.eval_rows[t.rank :: t.world]
-    greedy = dataclasses.replace(t.sampling, temperature=0.0)
-    t.engine.wake_up()
-    t.engine.load_weights(policy.iter_full_weights(t.model))
-    samples, _ = rollout_samples(t, rows, 1, greedy)
-    t.engine.sleep()
-    results = t.score_fn([s.row for s in samples], [s.text for s in samples])
-    totals = defaultdict(lambda: [0.0, 0.0, 0.0])  # key -> [count, reward sum, passes]
-    for s, r in zip(samples, results):
-        keys = ["all", s.row["data_source"]]
-        if s.row.get("extra_info", {}).get("difficulty") is not None:
-            keys.append(f"{s.row['data_source']}/{s.row['extra_info']['difficulty']}")
-        for key in keys:
-            totals[key][0] += 1
-            totals[key][1] += r.score
-            totals[key][2] += float(r.score >= 1.0)
-    merged = [None] * t.world if t.world > 1 else [dict(totals)]
-    if t.world > 1:
-        dist.all_gather_object(merged, dict(totals))
-    summed = defaultdict(lambda: [0.0, 0.0, 0.0])
-    for part in merged:
-        for key, (n, reward_sum, passes) in part.items():
-            summed[key] = [a + b for a, b in zip(summed[key], (n, reward_sum, passes))]
-    metrics = {}
-    for key, (n, reward_sum, passes) in summed.items():
-        metrics[f"eval/{key}/pass_rate"] = passes / n
-        metrics[f"eval/{key}/reward"] = reward_sum / n
-    return metrics
-
-
-def rollout_samples(t: Trainer, rows: list[dict], group_size: int, sampling: rollout.Sampling) -> tuple[list, dict]:
-    """Single-turn rollouts, or multi-turn agent rollouts when tools are on (tool metrics averaged over ranks)."""
-    args = t.args
-    if args.tools == "none":
-        return rollout.run(t.engine, t.tokenizer, rows, group_size, sampling, first_group=t.rank * len(rows))
-    limits = rollout.AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens)
-    samples, metrics = rollout.run_agent(t.engine, t.tokenizer, rows, group_size, sampling, rollout.python_toolbox,
-                                         limits, first_group=t.rank * len(rows))
-    if args.check_tito:  # a sampled tokenization the template would not produce is drift too: logged, not fatal
-        drifts = [(s, rollout.check_tito(t.tokenizer, s, s.info["messages"], s.info["tools"])) for s in samples]
-        metrics["tools/tito_drift_frac"] = sum(bool(d) for _, d in drifts) / len(drifts)
-        first = next(((s, d) for s, d in drifts if d), None)
-        if first is not None:
-            tqdm.write(f"rank {t.rank}, task {data_prep.row_id(first[0].row)}: {first[1][0]}")
-    for k in [k for k in metrics if k.startswith("tools/")]:
-        metrics[k] = mean_over_ranks(metrics[k], t.world)
-    return samples, metrics
-
-
-def reward_metrics(t: Trainer, samples: list[rollout.Sample]) -> dict:
-    """Reward mean/std (overall and by data source), pass rate, response lengths; global over ranks."""
-    local = [(s.row["data_source"], s.reward, len(s.completion_ids), s.info.get("error")) for s in samples]
-    everything = [None] * t.world if t.world > 1 else [local]
-    if t.world > 1:
-        dist.all_gather_object(everything, local)
-    records = [r for part in everything for r in part]
-    rewards_all = torch.tensor([r[1] for r in records])
-    lengths = torch.tensor([float(r[2]) for r in records])
-    metrics = {
-        "reward/mean": rewards_all.mean().item(),
-        "reward/std": rewards_all.std().item() if len(records) > 1 else 0.0,
-        "reward/pass_rate": (rewards_all >= 1.0).float().mean().item(),
-        "response/length_mean": lengths.mean().item(),
-        "response/length_max": lengths.max().item(),
-    }
-    by_source = defaultdict(list)
-    for source, reward, _, _ in records:
-        by_source[source].append(reward)
-    for source, values in by_source.items():
-        metrics[f"reward/{source}/mean"] = sum(values) / len(values)
-    errors = defaultdict(int)
-    for *_, error in records:
-        if error:
-            errors[error] += 1
-    metrics |= {f"reward/error/{k}": v / len(records) for k, v in errors.items()}
-    return metrics
-
-
-def next_rows(t: Trainer) -> list[dict]:
-    """This rank's prompts for the next step; a fresh seeded permutation each epoch."""
-    per_rank = t.args.prompts_per_step // t.world
-    start = t.data_pos
-    t.data_pos += t.args.prompts_per_step
-    picked = []
-    for pos in range(start + t.rank * per_rank, start + (t.rank + 1) * per_rank):
-        epoch, offset = divmod(pos, len(t.rows))
-        order = torch.randperm(len(t.rows), generator=torch.Generator().manual_seed(t.args.seed + epoch))
-        picked.append(t.rows[order[offset]])
-    return picked
-
-
-def load_rows_within(source: str, tokenizer, max_prompt_tokens: int, rank: int) -> list[dict]:
-    rows = data_prep.load_rows(source)
-    kept = [r for r in rows if len(rollout.encode_prompt(tokenizer, r["prompt"])) <= max_prompt_tokens]
-    if not kept:
-        raise SystemExit(f"{source}: no row has a prompt within --max-prompt-tokens {max_prompt_tokens}")
-    if len(kept) < len(rows) and rank == 0:
-        print(f"{source}: skipped {len(rows) - len(kept)} of {len(rows)} rows longer than {max_prompt_tokens} tokens")
-    return kept
-
-
-def micro_batches_of(t: Trainer, index: list[int], samples: list[rollout.Sample]) -> list[list[int]]:
-    """`policy.pack` of the samples `index` into micro-batches of `micro_batch_tokens`, prompts counted once per
-    micro-batch where they are shared."""
-    return policy.pack(index, [s.ids for s in samples], t.args.micro_batch_tokens,
-                       [len(s.prompt_ids) for s in samples], t.model)
-
-
-def completion_logprobs(t: Trainer, model, samples: list[rollout.Sample], with_entropy: bool = False):
-    """`policy.packed_logprobs` of the samples, scored from each completion's first token (the prompts are not); a
-    group's common prompt runs once where the model can share it."""
-    return policy.packed_logprobs(model, [s.ids for s in samples], temperature=t.args.temperature,
-                                  chunk_size=t.args.logprob_chunk_size, with_entropy=with_entropy,
-                                  score_from=[len(s.prompt_ids) for s in samples], share_prefixes=True)
-
-
-def dummy_sample(t: Trainer) -> rollout.Sample:
-    pad = t.tokenizer.pad_token_id
-    return rollout.Sample(prompt_ids=[pad], completion_ids=[pad], loss_mask=[0], engine_logprobs=[0.0], row={},
-                          group=-1)
-
-
-def split_completions(flat: torch.Tensor, samples: list[rollout.Sample]) -> list[torch.Tensor]:
-    """Per-sample completion slices of a flat packed tensor aligned with the concatenated ids."""
-    out, start = [], 0
-    for s in samples:
-        out.append(flat[start + len(s.prompt_ids) : start + len(s.ids)])
-        start += len(s.ids)
-    return out
-
-
-def completion_part(flat: torch.Tensor, samples: list[rollout.Sample]) -> torch.Tensor:
-    return torch.nn.utils.rnn.pad_sequence(split_completions(flat, samples), batch_first=True)
-
-
-def padded(values: list, device: torch.device) -> torch.Tensor:
-    return torch.nn.utils.rnn.pad_sequence([torch.as_tensor(v, dtype=torch.float32, device=device) for v in values],
-                                           batch_first=True)
-
-
-def lr_factor(args: Args, step: int) -> float:
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    if args.lr_schedule == "cosine":
-        progress = (step - args.warmup_steps) / max(1, args.total_steps - args.warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return 1.0
-
-
-def gather(x: torch.Tensor, world: int) -> torch.Tensor:
-    if world == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x)
-    return torch.cat(parts)
-
-
-def sum_over_ranks(value: float, world: int) -> float:
-    if world == 1:
-        return value
-    x = torch.tensor(float(value), dtype=torch.float64)
-    dist.all_reduce(x)
-    return x.item()
-
-
-def sum_dicts_over_ranks(stats: dict, world: int) -> dict:
-    """Key-wise sum over ranks; one collective whatever keys each rank has."""
-    if world == 1:
-        return dict(stats)
-    parts = [None] * world
-    dist.all_gather_object(parts, dict(stats))
-    total = defaultdict(float)
-    for part in parts:
-        for k, v in part.items():
-            total[k] += v
-    return dict(total)
-
-
-def mean_over_ranks(value: float, world: int) -> float:
-    return sum_over_ranks(value, world) / world
-
-
-class Timer:
-    """`with timer("phase"):` accumulates wall seconds per phase."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self._name = None
-
-    def __call__(self, name: str):
-        self._name = name
-        return self
-
-    def __enter__(self):
-        self._start = time.perf_counter()
-
-    def __exit__(self, *exc):
-        self.seconds[self._name] = self.seconds.get(self._name, 0.0) + time.perf_counter() - self._start
-
-
-def log(t: Trainer, metrics: dict) -> None:
-    if t.rank != 0:
-        return
-    with open(Path(t.args.output_dir) / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(metrics) + "\n")
-    if t.args.wandb_project:
-        import wandb
-
-        wandb.log(metrics, step=metrics["step"])
-
-
-def write_samples(t: Trainer, samples: list[rollout.Sample]) -> None:
-    records = [{"step": t.step + 1, "task_id": data_prep.row_id(s.row), "reward": s.reward, "completion": s.text,
-                "error": s.info.get("error")} for s in samples]
-    everything = [None] * t.world if t.world > 1 else [records]
-    if t.world > 1:
-        dist.all_gather_object(everything, records)
-    if t.rank == 0:
-        with open(Path(t.args.output_dir) / "samples.jsonl", "a") as f:
-            for part in everything:
-                for record in part:
-                    f.write(json.dumps(record) + "\n")
-
-
-def save(t: Trainer) -> None:
-    state = {"step": t.step, "data_pos": t.data_pos, "scheduler": t.scheduler.state_dict()}
-    path = policy.save_checkpoint(t.args.output_dir, t.step, t.model, t.optimizer, state, hf_source_dir=t.args.model,
-                                  keep_last=t.args.keep_checkpoints)
-    if t.rank == 0:
-        tqdm.write(f"step {t.step}: checkpoint {path}")
+def save(run: Run) -> None:
+    state = {"step": run.step, "data_pos": run.data_pos, "scheduler": run.scheduler.state_dict()}
+    path = policy.save_checkpoint(run.args.output_dir, run.step, run.model, run.optimizer, state,
+                                  hf_source_dir=run.args.model, keep_last=run.args.keep_checkpoints)
+    if run.rank == 0:
+        tqdm.write(f"step {run.step}: checkpoint {path}")
 
 
 if __name__ == "__main__":

@@ -6,15 +6,12 @@ tokens only), packing, FSDP2 and checkpoints as the RL scripts. A data row is ei
 """
 from __future__ import annotations
 
-import functools
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 import tyro
 from tqdm import tqdm
 
@@ -22,6 +19,7 @@ import data_prep
 import losses
 import policy
 import rollout
+import runlog
 
 
 @dataclass
@@ -93,9 +91,8 @@ def main(args: Args) -> dict:
                                mixed_precision=args.mixed_precision,
                                activation_checkpointing=args.activation_checkpointing,
                                compile_layers=args.compile_layers)
-    # foreach: torch's default for GPU tensors; on CPU it would step one tensor at a time in Python
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(args, s))
+    optimizer = policy.adamw(model, args.lr, args.weight_decay)
+    scheduler = policy.lr_schedule(optimizer, args.warmup_steps, args.steps, "cosine", floor=0.1)
     step = 0
     checkpoint = policy.latest_checkpoint(args.output_dir) if args.resume else None
     if checkpoint is not None:
@@ -105,17 +102,14 @@ def main(args: Args) -> dict:
     out = Path(args.output_dir)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+    log = runlog.RunLog(out, rank)
     per_rank = args.batch_size // world
     metrics = {}
     bar = tqdm(total=args.steps, initial=step, desc="sft", disable=rank != 0)
     while step < args.steps:
         # A seeded permutation per epoch: resuming at `step` replays exactly the same batches.
-        start = step * args.batch_size + rank * per_rank
-        picked = []
-        for pos in range(start, start + per_rank):
-            epoch, offset = divmod(pos, len(encoded))
-            picked.append(encoded[epoch_order(len(encoded), args.seed + epoch)[offset]])
-        tokens = sum_over_ranks(sum(sum(mask) for _, mask in picked), world)
+        picked = data_prep.in_epoch_order(encoded, step * args.batch_size + rank * per_rank, per_rank, args.seed)
+        tokens = policy.sum_over_ranks(sum(sum(mask) for _, mask in picked))
         micro_batches = [[picked[i] for i in micro] for micro in policy.pack(
             list(range(len(picked))), [ids for ids, _ in picked], args.micro_batch_tokens)]
         optimizer.zero_grad(set_to_none=True)
@@ -129,11 +123,9 @@ def main(args: Args) -> dict:
         optimizer.step()
         scheduler.step()
         step += 1
-        metrics = {"step": step, "loss": sum_over_ranks(loss_sum, world), "grad_norm": grad_norm,
+        metrics = {"step": step, "loss": policy.sum_over_ranks(loss_sum), "grad_norm": grad_norm,
                    "lr": scheduler.get_last_lr()[0], "tokens": tokens}
-        if rank == 0:
-            with open(out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(metrics) + "\n")
+        log.metrics(metrics)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.4f}")
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
@@ -151,26 +143,6 @@ def sft_loss(model, micro: list[tuple[list[int], list[int]]], total_tokens: floa
     logprobs, _ = policy.packed_logprobs(model, [ids for ids, _ in micro])
     mask = torch.tensor([m for _, mask in micro for m in mask], dtype=torch.float32)
     return -losses.masked_sum(logprobs, mask) / total_tokens
-
-
-@functools.lru_cache(maxsize=2)
-def epoch_order(n: int, seed: int) -> list[int]:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def sum_over_ranks(value: float, world: int) -> float:
-    if world == 1:
-        return value
-    x = torch.tensor(float(value), dtype=torch.float64)
-    dist.all_reduce(x)
-    return x.item()
-
-
-def lr_factor(args: Args, step: int) -> float:
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 if __name__ == "__main__":

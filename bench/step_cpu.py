@@ -1,6 +1,6 @@
 """Seconds per GRPO step on CPU: kiln's train_grpo versus TRL's GRPOTrainer on the same tiny workload.
 
-Workload: the tiny Qwen2 (2 layers, hidden 64) from `policy.make_tiny_model`, 8 toy prompts x 4 samples x exactly 32
+Workload: the tiny Qwen2 (2 layers, hidden 64) from `tiny.make_tiny_model`, 8 toy prompts x 4 samples x exactly 32
 new tokens (no stop token in kiln, `min_new_tokens=32` in TRL), beta 0, lr 1e-4, one optimizer step per GRPO step,
 world size 1, HF generation. The reward is a cheap in-process function of the text (distinct characters / length),
 the same in both, so time is spent on generation and the update, not on grading. Warm-up steps are excluded; the
@@ -31,9 +31,11 @@ import torch
 import tyro
 
 import data_prep
+import engines
 import policy
 import rewards
 import rollout
+import tiny
 import train_grpo
 
 PROMPTS_PER_STEP, GROUP_SIZE, NEW_TOKENS, LR = 8, 4, 32, 1e-4
@@ -72,17 +74,17 @@ def run_kiln(bench: BenchArgs, model_dir: Path, data: Path, out: Path) -> dict:
         prompts_per_step=PROMPTS_PER_STEP, group_size=GROUP_SIZE, max_new_tokens=NEW_TOKENS, lr=LR,
         micro_batch_tokens=bench.micro_batch_tokens, total_steps=bench.warmup + bench.steps, sample_every=0)
     # train_grpo's own pieces instead of main(): main() stops at EOS, and the workload needs exactly 32 new tokens.
-    t = train_grpo.setup(args, kiln_score)
-    t.sampling = dataclasses.replace(t.sampling, stop_token_ids=[])
+    run = train_grpo.setup(args, kiln_score)
+    run.sampling = dataclasses.replace(run.sampling, stop_token_ids=[])
     walls, metrics = [], []
     for _ in range(args.total_steps):
         start = time.perf_counter()
-        m = train_grpo.train_step(t)
+        m = train_grpo.train_step(run)
         walls.append(time.perf_counter() - start)
-        t.step += 1
-        train_grpo.log(t, m | {"step": t.step})
+        run.step += 1
+        run.log.metrics(m | {"step": run.step})
         metrics.append(m)
-    generation = generation_engine_vs_generate(t, model_dir, bench.seed)
+    generation = generation_engine_vs_generate(run, model_dir, bench.seed)
     measured = metrics[bench.warmup:]
     # No stop token: every completion ends by length, i.e. has exactly 32 new tokens, when this is 1.0.
     lengths = {m["rollout/truncated_frac"] for m in measured}
@@ -91,30 +93,30 @@ def run_kiln(bench: BenchArgs, model_dir: Path, data: Path, out: Path) -> dict:
             "lengths": lengths, "generation": generation}
 
 
-def generation_engine_vs_generate(t, model_dir: Path, seed: int, repeats: int = 3) -> dict:
+def generation_engine_vs_generate(run, model_dir: Path, seed: int, repeats: int = 3) -> dict:
     """Median seconds of one step's generation (32 x 32 tokens): through kiln's HFEngine for the trainer's
     FSDP2-wrapped policy (decoded on the engine's unsharded replica), and through transformers' `generate()` on the
     same weights in a plain model (what TRL calls)."""
-    prompts = [rollout.encode_prompt(t.tokenizer, r["prompt"]) for r in t.rows[:PROMPTS_PER_STEP]]
+    prompts = [rollout.encode_prompt(run.tokenizer, r["prompt"]) for r in run.rows[:PROMPTS_PER_STEP]]
     prompts = [p for p in prompts for _ in range(GROUP_SIZE)]
     width = max(len(p) for p in prompts)
-    pad = t.tokenizer.pad_token_id
+    pad = run.tokenizer.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     plain = policy.load_model(model_dir).eval()
-    plain.load_state_dict(dict(policy.iter_full_weights(t.model)), strict=False)  # a tied lm_head is not yielded
-    engine = rollout.HFEngine(t.model, pad_token_id=pad)
-    engine.load_weights(policy.iter_full_weights(t.model))
-    runs = {"hf_engine": lambda: engine.generate(prompts, t.sampling),
+    plain.load_state_dict(dict(policy.iter_full_weights(run.model)), strict=False)  # a tied lm_head is not yielded
+    engine = engines.HFEngine(run.model, pad_token_id=pad)
+    engine.load_weights(policy.iter_full_weights(run.model))
+    generators = {"hf_engine": lambda: engine.generate(prompts, run.sampling),
             "generate": lambda: plain.generate(input_ids=input_ids, attention_mask=(input_ids != pad).long(),
                                                max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=True,
                                                pad_token_id=pad)}
     seconds = {}
-    for name, run in runs.items():
+    for name, generate in generators.items():
         times = []
         for _ in range(repeats):
             torch.manual_seed(seed)
             start = time.perf_counter()
-            run()
+            generate()
             times.append(time.perf_counter() - start)
         seconds[name] = statistics.median(times)
     return seconds
@@ -160,7 +162,7 @@ def main(bench: BenchArgs) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         corpus = [r["prompt"][-1]["content"] + "\n" + r["extra_info"]["solution"] for r in train]
-        model_dir = policy.make_tiny_model(tmp / "tiny", corpus, seed=bench.seed)
+        model_dir = tiny.make_tiny_model(tmp / "tiny", corpus, seed=bench.seed)
         data_prep.write_rows(train, tmp / "train.parquet")
         # Rounds alternate which trainer goes first, so a burst of load from other jobs hits both alike.
         results = {"kiln": [], "trl": []}

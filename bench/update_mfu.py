@@ -1,4 +1,4 @@
-"""Tokens/s and MFU of kiln's GRPO update (train_grpo.update: packing, chunked logprobs, loss, backward, clip, AdamW)
+"""Tokens/s and MFU of kiln's GRPO update (train_grpo.update_policy: packing, chunked logprobs, loss, backward, clip, AdamW)
 on a Qwen2.5-1.5B-shaped model with random weights, in bf16 under FSDP2.
 
     python bench/update_mfu.py                               # one GPU (H100/H200/A100 peak is known)
@@ -23,7 +23,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -94,32 +93,32 @@ def flops_per_update(config: Qwen2Config, n_matmul: int, runs: list[tuple[int, i
     return 6 * n_matmul * sum(run for run, _ in runs) + attention
 
 
-def forward_runs(t: train_grpo.Trainer, batch: list) -> list[tuple[int, int]]:
-    """(tokens run, sequence length) of each sample as `train_grpo.update` packs them: a sample whose prompt an earlier
-    sample of its micro-batch has run, under an attention that shares prefixes, runs only its completion."""
-    samples = [s for s, _ in batch]
-    share = policy.shares_prefixes(t.model)
+def forward_runs(grpo: train_grpo.Run, batch: list[rollout.Sample]) -> list[tuple[int, int]]:
+    """(tokens run, sequence length) of each sample as `train_grpo.update_policy` packs them: a sample whose prompt an
+    earlier sample of its micro-batch has run, under an attention that shares prefixes, runs only its completion."""
+    share = policy.shares_prefixes(grpo.model)
     runs = []
-    for micro in train_grpo.micro_batches_of(t, list(range(len(samples))), samples):
+    for micro in policy.completion_micro_batches(grpo.model, batch, list(range(len(batch))),
+                                                 grpo.args.micro_batch_tokens):
         seen = set()
         for i in micro:
-            s = samples[i]
+            s = batch[i]
             runs.append((len(s.completion_ids) if share and tuple(s.prompt_ids) in seen else len(s.ids), len(s.ids)))
             seen.add(tuple(s.prompt_ids))
     return runs
 
 
-def synthetic_batch(args: Args, vocab: int, rng: random.Random) -> list[tuple[rollout.Sample, float]]:
+def synthetic_batch(args: Args, vocab: int, rng: random.Random) -> list[rollout.Sample]:
     """Random token sequences standing in for one rank's rollouts, `group_size` to a prompt, with advantages of +-1."""
     batch = []
     for i in range(args.samples):
         completion = rng.randint(*args.completion_tokens)
         if i % args.group_size == 0:  # (drawn in this order, group size 1 gives the earlier sessions' batches)
             prompt = [rng.randrange(vocab) for _ in range(args.prompt_tokens)]
-        sample = rollout.Sample(prompt_ids=prompt, completion_ids=[rng.randrange(vocab) for _ in range(completion)],
-                                loss_mask=[1] * completion, engine_logprobs=[0.0] * completion, row={},
-                                group=i // args.group_size)
-        batch.append((sample, rng.choice([-1.0, 1.0])))
+        batch.append(rollout.Sample(
+            prompt_ids=prompt, completion_ids=[rng.randrange(vocab) for _ in range(completion)],
+            loss_mask=[1] * completion, engine_logprobs=[0.0] * completion, row={}, group=i // args.group_size,
+            advantage=rng.choice([-1.0, 1.0])))
     return batch
 
 
@@ -135,12 +134,12 @@ def peak_flops(args: Args, device: torch.device) -> float | None:
     return known[0]
 
 
-def profile_update(args: Args, t: train_grpo.Trainer, batch: list, rank: int) -> None:
+def profile_update(args: Args, grpo: train_grpo.Run, batch: list[rollout.Sample], rank: int) -> None:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
-        train_grpo.update(t, batch, 0, None, None)
+        train_grpo.update_policy(grpo, batch, 0, None, None)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
@@ -164,10 +163,9 @@ def main(args: Args) -> dict:
                                 mixed_precision=cuda, activation_checkpointing=args.activation_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    # No engine, data or reward: update() only needs the pad id, for the dummy micro-batch of a rank with fewer.
-    t = train_grpo.Trainer(grpo_args, rank, world, model, None, optimizer, scheduler, engine=None,
-                           tokenizer=SimpleNamespace(pad_token_id=0), sampling=None, rows=[], eval_rows=[],
-                           score_fn=None)
+    # No engine, data, reward or log: update_policy() needs only the model, its optimizer and the Args.
+    grpo = train_grpo.Run(grpo_args, rank, world, model, None, optimizer, scheduler, engine=None, tokenizer=None,
+                          sampling=None, limits=None, rows=[], eval_rows=[], score_fn=None, log=None)
     rng = random.Random(args.seed + rank)
     seconds, flops, tokens, tokens_run = [], [], [], []
     for step in range(args.warmup + args.steps):
@@ -175,7 +173,7 @@ def main(args: Args) -> dict:
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        stats = train_grpo.update(t, batch, 0, None, None)
+        stats = train_grpo.update_policy(grpo, batch, 0, None, None)
         if cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
@@ -184,13 +182,13 @@ def main(args: Args) -> dict:
         if rank == 0:
             print(f"update {step}: {elapsed:.3f} s", file=sys.stderr, flush=True)
         if step >= args.warmup:
-            runs = forward_runs(t, batch)
+            runs = forward_runs(grpo, batch)
             seconds.append(elapsed)
             flops.append(flops_per_update(config, n_matmul, runs))
             tokens.append(sum(n for _, n in runs))
             tokens_run.append(sum(run for run, _ in runs))
     if args.profile:
-        profile_update(args, t, synthetic_batch(args, config.vocab_size, rng), rank)
+        profile_update(args, grpo, synthetic_batch(args, config.vocab_size, rng), rank)
     per_rank_flops = sum(flops) / sum(seconds)  # throughput over all measured updates
     peak = peak_flops(args, device)
     result = {

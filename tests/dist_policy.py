@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+import engines
 import policy
-import rollout
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -81,8 +81,8 @@ def main(model_dir: str, out_dir: str) -> None:
     # HFEngine on the sharded model: an unsharded replica filled by load_weights, so ranks decode on their own (here
     # for different numbers of tokens, which per-token all-gathers could not survive); greedy tokens and logprobs
     # are the unsharded model's, and the policy stays sharded.
-    sampling = rollout.Sampling(max_new_tokens=4 + 5 * rank, temperature=0.0)
-    engine = rollout.HFEngine(model, pad_token_id=0)
+    sampling = engines.Sampling(max_new_tokens=4 + 5 * rank, temperature=0.0)
+    engine = engines.HFEngine(model, pad_token_id=0)
     try:
         engine.generate(sequences, sampling)
         raise AssertionError("generate before load_weights must fail")
@@ -90,7 +90,7 @@ def main(model_dir: str, out_dir: str) -> None:
         assert "load_weights" in str(e)
     engine.load_weights(policy.iter_full_weights(model))
     got = engine.generate(sequences[: 3 - 2 * rank], sampling)
-    want = rollout.HFEngine(reference, pad_token_id=0).generate(sequences[: 3 - 2 * rank], sampling)
+    want = engines.HFEngine(reference, pad_token_id=0).generate(sequences[: 3 - 2 * rank], sampling)
     assert [c.token_ids for c in got] == [c.token_ids for c in want] and len(got[0].token_ids) == 4 + 5 * rank
     for a, b in zip(got, want):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)

@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 import data_prep  # noqa: E402
 import policy  # noqa: E402
+import tiny  # noqa: E402
 import train_sft  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -30,7 +31,7 @@ def task(tmp_path_factory):
     data_prep.write_rows(train, root / "train.parquet")
     data_prep.write_rows(test, root / "test.parquet")
     corpus = [r["prompt"][-1]["content"] + "\n" + r["extra_info"]["solution"] for r in train]
-    model = policy.make_tiny_model(root / "model", corpus, seed=0)
+    model = tiny.make_tiny_model(root / "model", corpus, seed=0)
     # A short SFT warm start, so that some samples earn partial credit and GRPO has a signal to follow.
     train_sft.main(train_sft.Args(model=str(model), data=str(root / "train.parquet"), output_dir=str(root / "sft"),
                                   steps=150, lr=3e-3, batch_size=32, micro_batch_tokens=1024))
@@ -75,7 +76,7 @@ def test_two_ranks_with_code_reward_then_kill_and_resume(task, tmp_path):
     assert max(m["mismatch/engine_abs"] for m in steps.values()) <= 1e-3
     assert any(m["grad_norm"] > 0 for m in steps.values())  # a step whose groups all tie has no gradient
     evals = [json.loads(line) for line in open(straight / "metrics.jsonl")]
-    assert [m["step"] for m in evals if "eval/all/pass_rate" in m] == [0, 3, 6]
+    assert [m["step"] for m in evals if "eval/all/pass@1" in m] == [0, 3, 6]
     samples = [json.loads(line) for line in open(straight / "samples.jsonl")]
     assert {s["step"] for s in samples} == {2, 4, 6} and all(s["task_id"].startswith("toy/") for s in samples)
 
@@ -155,14 +156,13 @@ def test_wandb_offline_logs_every_metric_of_every_step(task, tmp_path, monkeypat
 
 
 def test_minibatches_take_whole_groups_and_an_empty_one_takes_no_step(tmp_path):
-    """update() with --minibatches 2 on what dynamic sampling left of a batch, one group: one minibatch trains on the
-    whole group, and the other is empty on every rank and must not step (AdamW's momentum would still move weights)."""
-    from types import SimpleNamespace
-
+    """update_policy() with --minibatches 2 on what dynamic sampling left of a batch, one group: one minibatch trains on
+    the whole group, and the other is empty on every rank and must not step (AdamW's momentum would still move
+    weights)."""
     import rollout
     import train_grpo
 
-    model_dir = policy.make_tiny_model(tmp_path / "model", ["def f(x):\n    return x + 1\n"] * 20)
+    model_dir = tiny.make_tiny_model(tmp_path / "model", ["def f(x):\n    return x + 1\n"] * 20)
     created = not torch.distributed.is_initialized()
     try:
         policy.init_distributed()
@@ -170,11 +170,10 @@ def test_minibatches_take_whole_groups_and_an_empty_one_takes_no_step(tmp_path):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         args = train_grpo.Args(model=str(model_dir), minibatches=2)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        t = train_grpo.Trainer(args, 0, 1, model, None, optimizer, scheduler, engine=None,
-                               tokenizer=SimpleNamespace(pad_token_id=0), sampling=None, rows=[], eval_rows=[],
-                               score_fn=None)
-        batch = [(rollout.Sample(prompt_ids=[1, 2, 3], completion_ids=completion, loss_mask=[1, 1],
-                                 engine_logprobs=[0.0, 0.0], row={}, group=5), advantage)
+        run = train_grpo.Run(args, 0, 1, model, None, optimizer, scheduler, engine=None, tokenizer=None, sampling=None,
+                             limits=None, rows=[], eval_rows=[], score_fn=None, log=None)
+        batch = [rollout.Sample(prompt_ids=[1, 2, 3], completion_ids=completion, loss_mask=[1, 1],
+                                engine_logprobs=[0.0, 0.0], row={}, group=5, advantage=advantage)
                  for completion, advantage in (([40, 41], 1.0), ([42, 43], -1.0))]
 
         def weights():
@@ -182,9 +181,9 @@ def test_minibatches_take_whole_groups_and_an_empty_one_takes_no_step(tmp_path):
 
         before = weights()
         assert policy.minibatch([5, 5], 2, 0) == []
-        assert train_grpo.update(t, batch, 0, None, None) == {}
+        assert train_grpo.update_policy(run, batch, 0, None, None) == {}
         assert all(torch.equal(a, b) for a, b in zip(weights(), before))
-        stats = train_grpo.update(t, batch, 1, None, None)
+        stats = train_grpo.update_policy(run, batch, 1, None, None)
         assert stats["grad_norm"] > 0 and math.isfinite(stats["loss"])
         assert not any(torch.equal(a, b) for a, b in zip(weights(), before))
         with pytest.raises(SystemExit, match="--minibatches 9 needs as many prompts per rank"):

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import policy
+import tiny
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i * i)\n",
@@ -43,7 +43,7 @@ TRAIN_AND_SAVE = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("merge")
-    model_dir = policy.make_tiny_model(tmp / "tiny", CORPUS)
+    model_dir = tiny.make_tiny_model(tmp / "tiny", CORPUS)
     (tmp / "train_and_save.py").write_text(TRAIN_AND_SAVE)
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           str(tmp / "train_and_save.py"), str(model_dir), str(tmp / "run")],

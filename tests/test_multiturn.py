@@ -1,4 +1,4 @@
-"""The multi-turn agent loop (rollout.run_agent): token-in-token-out ids, loss masks, tool-call parsing, limits,
+"""The multi-turn agent loop (rollout.multi_turn): token-in-token-out ids, loss masks, tool-call parsing, limits,
 metrics, and check_tito. The engine is scripted (it emits given replies as token ids with known logprobs): the thing
 under test is the loop, not a model."""
 import sys
@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import engines  # noqa: E402
 import policy  # noqa: E402
 import rollout  # noqa: E402
+import tiny  # noqa: E402
 
 CORPUS = ["def add(a, b):\n    return a + b\nprint(add(1, 2))\n", "The answer is 3. Let me check with python.",
           '{"name": "python", "arguments": {"code": "print(1)"}}', "<think>\nfirst crop the image\n</think>"] * 20
@@ -23,7 +25,7 @@ PYTHON_SCHEMA = {"type": "function", "function": {"name": "python", "description
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    return policy.load_tokenizer(policy.make_tiny_model(tmp_path_factory.mktemp("tiny"), CORPUS))
+    return policy.load_tokenizer(tiny.make_tiny_model(tmp_path_factory.mktemp("tiny"), CORPUS))
 
 
 class ScriptedEngine:
@@ -49,7 +51,7 @@ class ScriptedEngine:
             finish = "stop" if len(ids) <= sampling.max_new_tokens else "length"
             ids = ids[: sampling.max_new_tokens]
             self.emitted.setdefault(marker, []).extend(ids)
-            out.append(rollout.Completion(ids, [-(self.calls + k / 1000) for k in range(len(ids))], finish))
+            out.append(engines.Completion(ids, [-(self.calls + k / 1000) for k in range(len(ids))], finish))
         return out
 
     def load_weights(self, weights):
@@ -128,8 +130,8 @@ def run_fixture(tokenizer, messages, **engine_kwargs):
     marker = next(w for m in prompt for w in str(m["content"]).replace("'", " ").replace(":", " ").split()
                   if w.startswith("task-"))
     engine = ScriptedEngine(tokenizer, {marker: assistant_texts(tokenizer, messages)}, **engine_kwargs)
-    samples, metrics = rollout.run_agent(
-        engine, tokenizer, [{"prompt": prompt}], 1, rollout.Sampling(max_new_tokens=1000),
+    samples, metrics = rollout.multi_turn(
+        engine, tokenizer, [{"prompt": prompt}], 1, engines.Sampling(max_new_tokens=1000),
         replay_toolbox([m for m in messages if m["role"] == "tool"]), rollout.AgentLimits(max_turns=8))
     return samples[0], metrics, engine.emitted[marker]
 
@@ -218,8 +220,8 @@ def agent(tokenizer, script, tools, limits=rollout.AgentLimits(), max_new_tokens
     closed = []
     box = lambda row: rollout.ToolBox(tools, list(schemas), close=lambda: closed.append(1))  # noqa: E731
     engine = ScriptedEngine(tokenizer, {"task-Z": script})
-    samples, metrics = rollout.run_agent(engine, tokenizer, [{"prompt": [{"role": "user", "content": "task-Z"}]}], 2,
-                                         rollout.Sampling(max_new_tokens=max_new_tokens), box, limits)
+    samples, metrics = rollout.multi_turn(engine, tokenizer, [{"prompt": [{"role": "user", "content": "task-Z"}]}], 2,
+                                         engines.Sampling(max_new_tokens=max_new_tokens), box, limits)
     assert len(closed) == 2  # every trajectory's toolbox is closed
     return samples, metrics
 
@@ -283,8 +285,8 @@ def test_python_tool_turns_reach_the_samples_outside_the_loss_mask(tokenizer):
     engine = ScriptedEngine(tokenizer, {"task-P": [
         '<tool_call>\n{"name": "python", "arguments": {"code": "x = 6 * 7\\nprint(x)"}}\n</tool_call>',
         '<tool_call>\n{"name": "python", "arguments": {"code": "print(x + 1)"}}\n</tool_call>', "The answer is 43."]})
-    samples, metrics = rollout.run_agent(engine, tokenizer, [{"prompt": [{"role": "user", "content": "task-P"}]}], 1,
-                                         rollout.Sampling(max_new_tokens=200), rollout.python_toolbox)
+    samples, metrics = rollout.multi_turn(engine, tokenizer, [{"prompt": [{"role": "user", "content": "task-P"}]}], 1,
+                                         engines.Sampling(max_new_tokens=200), rollout.python_toolbox)
     sample = samples[0]
     assert [m["content"] for m in sample.info["messages"] if m["role"] == "tool"] == ["42\n", "43\n"]
     assert metrics["tools/calls_mean"] == 2 and metrics["tools/errors_mean"] == 0 and metrics["tools/seconds"] > 0
@@ -304,7 +306,7 @@ def test_two_rank_grpo_with_the_python_tool(tmp_path):
     train, _ = data_prep.toy_rows(40, 4, seed=0)
     data_prep.write_rows(train, tmp_path / "train.parquet")
     corpus = [r["prompt"][-1]["content"] + "\n" + r["extra_info"]["solution"] for r in train] + CORPUS
-    model = policy.make_tiny_model(tmp_path / "model", corpus, seed=0)
+    model = tiny.make_tiny_model(tmp_path / "model", corpus, seed=0)
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                     str(root / "train_grpo.py"), "--model", str(model), "--data", str(tmp_path / "train.parquet"),

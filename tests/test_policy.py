@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import engines
 import policy
-import rollout
+import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = [inspect.getsource(m) for m in (json.decoder, json.encoder, textwrap, inspect)]
@@ -26,7 +27,7 @@ CORPUS = [inspect.getsource(m) for m in (json.decoder, json.encoder, textwrap, i
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return policy.make_tiny_model(tmp_path_factory.mktemp("tiny"), CORPUS, seed=3)
+    return tiny.make_tiny_model(tmp_path_factory.mktemp("tiny"), CORPUS, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def model(model_dir):
 
 
 def test_tiny_model_is_deterministic_and_qwen_shaped(model_dir, tmp_path):
-    again = policy.make_tiny_model(tmp_path, CORPUS, seed=3)
+    again = tiny.make_tiny_model(tmp_path, CORPUS, seed=3)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json", "model.safetensors"):
         assert filecmp.cmp(model_dir / name, again / name, shallow=False), name
     config = json.loads((model_dir / "config.json").read_text())
@@ -490,13 +491,13 @@ def test_hf_engine_decodes_a_packed_attention_policy_with_sdpa(model_dir, model,
     try:
         policy.init_distributed()
         sharded = policy.shard_model(policy.load_model(model_dir, attn_implementation=attn))
-        engine = rollout.HFEngine(sharded, pad_token_id=0)
+        engine = engines.HFEngine(sharded, pad_token_id=0)
         engine.load_weights(policy.iter_full_weights(sharded))
         assert engine.model.config._attn_implementation == "sdpa"
         assert sharded.config._attn_implementation == attn
-        sampling = rollout.Sampling(max_new_tokens=6, temperature=0.0)
+        sampling = engines.Sampling(max_new_tokens=6, temperature=0.0)
         got = engine.generate(SEQUENCES[:3], sampling)
-        want = rollout.HFEngine(model, pad_token_id=0).generate(SEQUENCES[:3], sampling)
+        want = engines.HFEngine(model, pad_token_id=0).generate(SEQUENCES[:3], sampling)
         assert [c.token_ids for c in got] == [c.token_ids for c in want]
     finally:
         if created:

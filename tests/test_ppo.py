@@ -18,10 +18,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import data_prep  # noqa: E402
+import engines  # noqa: E402
 import losses  # noqa: E402
 import policy  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
+import tiny  # noqa: E402
 
 APPS_DIR = ROOT.parent / "shared" / "data" / "apps"  # 5 real problems: 2 introductory, 2 interview, 1 competition
 
@@ -70,11 +72,11 @@ def apps(tmp_path_factory):
                                                                    "introductory", "introductory"]
     data_prep.write_rows(rows, root / "apps.parquet")
     corpus = [r["prompt"][-1]["content"] for r in rows] + [s for r in rows for s in r["extra_info"]["solutions"][:3]]
-    return root, policy.make_tiny_model(root / "model", corpus, seed=0), rows
+    return root, tiny.make_tiny_model(root / "model", corpus, seed=0), rows
 
 
 class ScriptedEngine:
-    """A rollout.Engine answering each task with a fixed text, so real code meets the real sandbox."""
+    """A engines.Engine answering each task with a fixed text, so real code meets the real sandbox."""
 
     def __init__(self, tokenizer, rows: list[dict], answers: dict[str, str]):
         self.tokenizer = tokenizer
@@ -86,7 +88,7 @@ class ScriptedEngine:
         for prompt in prompts:
             ids = self.tokenizer.encode(self.answers[self.task_of[tuple(prompt)]], add_special_tokens=False)
             ids.append(self.tokenizer.eos_token_id)
-            out.append(rollout.Completion(ids, [0.0] * len(ids), "stop"))
+            out.append(engines.Completion(ids, [0.0] * len(ids), "stop"))
         return out
 
     def load_weights(self, weights):
@@ -238,7 +240,7 @@ def test_step_and_eval_by_difficulty_with_real_apps_rewards(apps, tmp_path):
 
 
 class ToolThenAnswerEngine:
-    """A rollout.Engine that calls the python tool once, then answers: two policy turns around a tool response."""
+    """A engines.Engine that calls the python tool once, then answers: two policy turns around a tool response."""
 
     CALL = '<tool_call>\n{"name": "python", "arguments": {"code": "print(6 * 7)"}}\n</tool_call>'
 
@@ -251,7 +253,7 @@ class ToolThenAnswerEngine:
             seen_tool = "<tool_response>" in self.tokenizer.decode(prompt)
             text = fenced('print("No")') if seen_tool else self.CALL
             ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
-            out.append(rollout.Completion(ids, [0.0] * len(ids), "stop"))
+            out.append(engines.Completion(ids, [0.0] * len(ids), "stop"))
         return out
 
     load_weights, sleep, wake_up = ScriptedEngine.load_weights, ScriptedEngine.sleep, ScriptedEngine.wake_up
@@ -261,7 +263,7 @@ class ToolThenAnswerEngine:
 def test_multi_turn_tool_rollouts_train_on_policy_tokens_only(apps, tmp_path):
     train_ppo, t = make_trainer(apps, tmp_path, tools="python", max_new_tokens=64)
     t.engine = ToolThenAnswerEngine(t.tokenizer)
-    samples, metrics = train_ppo.rollout_samples(t, apps[2][:2], 1, t.sampling)
+    samples, metrics = rollout.collect(t.engine, t.tokenizer, apps[2][:2], 1, t.sampling, t.args.tools, t.limits)
     assert metrics["tools/calls_mean"] == 1 and metrics["tools/errors_mean"] == 0
     for s in samples:  # policy turn, tool response (mask 0), policy turn
         assert [m["content"] for m in s.info["messages"] if m["role"] == "tool"] == ["42\n"]

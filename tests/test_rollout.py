@@ -1,4 +1,4 @@
-"""rollout.HFEngine: its decoding loop samples from exactly the distribution the trainer scores (transformers' warpers
+"""engines.HFEngine: its decoding loop samples from exactly the distribution the trainer scores (transformers' warpers
 on the model's logits), whatever the model's saved generation_config says; greedy decoding is generate()'s."""
 
 import inspect
@@ -11,8 +11,10 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           Qwen3Config, Qwen3ForCausalLM)
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+import engines
 import policy
 import rollout
+import tiny
 
 CORPUS = [inspect.getsource(m) for m in (json.decoder, json.encoder)]
 PROMPTS = [[1, 9, 40, 41, 42, 7], [1, 9, 50], [1, 60, 61, 62, 63, 64, 65, 66, 67], [1, 70, 71]]
@@ -21,7 +23,7 @@ STOP_IDS = [2, 0, *range(400, 416)]  # more than EOS, so that some rows stop ear
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return policy.make_tiny_model(tmp_path_factory.mktemp("tiny"), CORPUS, seed=5)
+    return tiny.make_tiny_model(tmp_path_factory.mktemp("tiny"), CORPUS, seed=5)
 
 
 @pytest.fixture()
@@ -43,7 +45,7 @@ def generate_reference(model, prompts, sampling, pad_token_id=0):
                          return_dict_in_generate=True, output_scores=True)
     new = out.sequences[:, width:].cpu()
     logprobs = torch.stack(out.scores, 1).log_softmax(-1).cpu().gather(-1, new[..., None]).squeeze(-1)
-    return [rollout.truncate_at_stop(new[i].tolist(), logprobs[i].tolist(), set(sampling.stop_token_ids))
+    return [engines.truncate_at_stop(new[i].tolist(), logprobs[i].tolist(), set(sampling.stop_token_ids))
             for i in range(len(prompts))]
 
 
@@ -77,9 +79,9 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu,
 def test_greedy_hf_engine_equals_generate(model, device):
     """Repeated prompts too (the engine prefills each distinct prompt once and copies its cache rows)."""
     model.to(device)
-    sampling = rollout.Sampling(max_new_tokens=24, temperature=0.0, stop_token_ids=STOP_IDS)
+    sampling = engines.Sampling(max_new_tokens=24, temperature=0.0, stop_token_ids=STOP_IDS)
     prompts = PROMPTS + PROMPTS[2:0:-1] + PROMPTS[1:2]
-    got = rollout.HFEngine(model, pad_token_id=0).generate(prompts, sampling)
+    got = engines.HFEngine(model, pad_token_id=0).generate(prompts, sampling)
     want = generate_reference(model, prompts, sampling)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
@@ -94,16 +96,16 @@ def test_hf_engine_logprobs_are_the_warped_distribution(model, settings, device)
     """Each sampled token's logprob is its log-probability under the warped scores of a plain forward (no KV cache,
     no decode_step), and no token outside top-k / top-p is ever drawn (its logprob would be -inf)."""
     model.to(device)
-    sampling = rollout.Sampling(max_new_tokens=24, stop_token_ids=STOP_IDS, **settings)
+    sampling = engines.Sampling(max_new_tokens=24, stop_token_ids=STOP_IDS, **settings)
     prompts = [p for p in PROMPTS for _ in range(3)]
     torch.manual_seed(11)
-    got = rollout.HFEngine(model, pad_token_id=0).generate(prompts, sampling)
+    got = engines.HFEngine(model, pad_token_id=0).generate(prompts, sampling)
     for completion, want in zip(got, warped_logprobs(model, prompts, got, sampling)):
         assert torch.isfinite(want).all()
         torch.testing.assert_close(torch.tensor(completion.logprobs), want.cpu(), atol=1e-5, rtol=0)
     assert {c.finish_reason for c in got} == {"stop", "length"}  # rows differ in length: the early stop is tested
     torch.manual_seed(11)
-    assert [c.token_ids for c in rollout.HFEngine(model, pad_token_id=0).generate(prompts, sampling)] == \
+    assert [c.token_ids for c in engines.HFEngine(model, pad_token_id=0).generate(prompts, sampling)] == \
         [c.token_ids for c in got]  # same seed, same draws
 
 
@@ -113,12 +115,12 @@ def test_sample_from_draws_the_given_distribution():
     probs = torch.tensor([0.0, 0.5, 0.25, 0.0, 0.125, 0.0625, 0.0625, 0.0])
     draws = 400_000
     torch.manual_seed(0)
-    counts = torch.bincount(rollout.sample_from(probs.expand(draws, -1)), minlength=len(probs)).double()
+    counts = torch.bincount(engines.sample_from(probs.expand(draws, -1)), minlength=len(probs)).double()
     assert counts[probs == 0].sum() == 0
     standard_error = (probs * (1 - probs) / draws).double().sqrt()
     assert ((counts / draws - probs).abs() <= 5 * standard_error).all(), counts / draws
     peaked = torch.zeros(3, 152064).index_fill_(1, torch.tensor([7]), 1.0)  # a one-hot row at vocab 152k
-    assert rollout.sample_from(peaked).tolist() == [7, 7, 7]
+    assert engines.sample_from(peaked).tolist() == [7, 7, 7]
 
 
 def tiny_decoder(kind: str):
@@ -141,20 +143,20 @@ def test_lean_decoding_equals_the_models_forward(kind):
     tokens and logprobs as generate(), and with sampling the same draws from the same seed as the engine decoding
     through the model's forward."""
     model = tiny_decoder(kind)
-    assert rollout.lean_decoding_supported(model)
-    greedy = rollout.Sampling(max_new_tokens=20, temperature=0.0)
-    got = rollout.HFEngine(model, pad_token_id=0).generate(PROMPTS, greedy)
+    assert engines.lean_decoding_supported(model)
+    greedy = engines.Sampling(max_new_tokens=20, temperature=0.0)
+    got = engines.HFEngine(model, pad_token_id=0).generate(PROMPTS, greedy)
     want = generate_reference(model, PROMPTS, greedy)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     for g, w in zip(got, want):
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
-    sampling = rollout.Sampling(max_new_tokens=20, temperature=1.0)
+    sampling = engines.Sampling(max_new_tokens=20, temperature=1.0)
     runs = []
     for lean in (True, False):
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(rollout, "lean_decoding_supported", lambda m: lean)
+            patch.setattr(engines, "lean_decoding_supported", lambda m: lean)
             torch.manual_seed(4)
-            runs.append(rollout.HFEngine(model, pad_token_id=0).generate(PROMPTS, sampling))
+            runs.append(engines.HFEngine(model, pad_token_id=0).generate(PROMPTS, sampling))
     assert [c.token_ids for c in runs[0]] == [c.token_ids for c in runs[1]]
     for a, b in zip(*runs):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
@@ -165,29 +167,29 @@ def test_models_lean_decoding_cannot_serve_decode_with_their_forward(model_dir):
     config = policy.load_model(model_dir).config
     config.update(dict(use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"]))
     windowed = Qwen2ForCausalLM(config).eval()
-    assert not rollout.lean_decoding_supported(windowed)
-    assert not rollout.lean_decoding_supported(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
+    assert not engines.lean_decoding_supported(windowed)
+    assert not engines.lean_decoding_supported(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
     dynamic = LlamaForCausalLM(LlamaConfig(vocab_size=420, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                                            num_attention_heads=4, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
-    assert not rollout.lean_decoding_supported(dynamic)  # its frequencies change as the generation grows
+    assert not engines.lean_decoding_supported(dynamic)  # its frequencies change as the generation grows
     hooked = tiny_decoder("qwen2")
-    assert rollout.lean_decoding_supported(hooked)
+    assert engines.lean_decoding_supported(hooked)
     hooked.model.layers[1].mlp.up_proj.register_forward_hook(lambda module, args, out: out * 2)
-    assert not rollout.lean_decoding_supported(hooked)  # decode_step would skip the hook
-    greedy = rollout.Sampling(max_new_tokens=12, temperature=0.0)
-    got = rollout.HFEngine(windowed, pad_token_id=0).generate(PROMPTS, greedy)
+    assert not engines.lean_decoding_supported(hooked)  # decode_step would skip the hook
+    greedy = engines.Sampling(max_new_tokens=12, temperature=0.0)
+    got = engines.HFEngine(windowed, pad_token_id=0).generate(PROMPTS, greedy)
     assert [c.token_ids for c in got] == [c.token_ids for c in generate_reference(windowed, PROMPTS, greedy)]
 
 
 def test_hf_engine_ignores_the_models_generation_config(model):
     """A checkpoint's generation_config (Qwen2.5 ships repetition_penalty 1.1, top_k 20) must not reach the engine:
     the trainer scores completions under softmax(logits / temperature) and nothing else."""
-    sampling = rollout.Sampling(max_new_tokens=16, temperature=1.0)
+    sampling = engines.Sampling(max_new_tokens=16, temperature=1.0)
     torch.manual_seed(3)
-    plain = rollout.HFEngine(model, pad_token_id=0).generate(PROMPTS, sampling)
+    plain = engines.HFEngine(model, pad_token_id=0).generate(PROMPTS, sampling)
     model.generation_config.update(repetition_penalty=1.5, top_k=3, top_p=0.5, temperature=0.3, no_repeat_ngram_size=2)
     torch.manual_seed(3)
-    got = rollout.HFEngine(model, pad_token_id=0).generate(PROMPTS, sampling)
+    got = engines.HFEngine(model, pad_token_id=0).generate(PROMPTS, sampling)
     assert [c.token_ids for c in got] == [c.token_ids for c in plain]
     trained, _ = policy.packed_logprobs(model, [p + c.token_ids for p, c in zip(PROMPTS, got)])
     start = 0

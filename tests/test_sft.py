@@ -11,6 +11,7 @@ sys.path.insert(0, str(ROOT))
 
 import policy  # noqa: E402
 import rollout  # noqa: E402
+import tiny  # noqa: E402
 import train_sft  # noqa: E402
 
 CONVERSATIONS = [
@@ -31,7 +32,7 @@ CONVERSATIONS = [
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     corpus = [json.dumps(c) for c in CONVERSATIONS] * 4
-    return policy.make_tiny_model(tmp_path_factory.mktemp("sft") / "model", corpus, seed=0)
+    return tiny.make_tiny_model(tmp_path_factory.mktemp("sft") / "model", corpus, seed=0)
 
 
 def test_loss_falls_on_a_fixed_set(model_dir, tmp_path):

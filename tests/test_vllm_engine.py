@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import rollout
+import engines
 
 
 def named(sizes: list[int]) -> list[tuple[str, torch.Tensor]]:
@@ -18,10 +18,10 @@ def named(sizes: list[int]) -> list[tuple[str, torch.Tensor]]:
 
 def test_bucket_weights_hand_computed():
     # float32: 10 elements = 40 bytes, 50 = 200 bytes; cap 100 bytes
-    buckets = list(rollout.bucket_weights(named([10, 10, 50, 10, 10, 10]), cap_bytes=100))
+    buckets = list(engines.bucket_weights(named([10, 10, 50, 10, 10, 10]), cap_bytes=100))
     assert [[name for name, _ in b] for b in buckets] == [["w0", "w1"], ["w2"], ["w3", "w4"], ["w5"]]
     # cast to bf16 halves every tensor: 20 + 20 + 100 > 100, so the big one still travels alone
-    buckets = list(rollout.bucket_weights(named([10, 10, 50, 10, 10, 10]), cap_bytes=100, dtype=torch.bfloat16))
+    buckets = list(engines.bucket_weights(named([10, 10, 50, 10, 10, 10]), cap_bytes=100, dtype=torch.bfloat16))
     assert [[name for name, _ in b] for b in buckets] == [["w0", "w1"], ["w2"], ["w3", "w4", "w5"]]
     assert all(t.dtype == torch.bfloat16 for b in buckets for _, t in b)
 
@@ -30,7 +30,7 @@ def test_bucket_weights_hand_computed():
 @given(sizes=st.lists(st.integers(1, 64), max_size=30), cap_elems=st.integers(1, 100))
 def test_bucket_weights_properties(sizes, cap_elems):
     cap = cap_elems * 4
-    buckets = list(rollout.bucket_weights(named(sizes), cap_bytes=cap))
+    buckets = list(engines.bucket_weights(named(sizes), cap_bytes=cap))
     flat = [(name, t) for b in buckets for name, t in b]
     assert [name for name, _ in flat] == [f"w{i}" for i in range(len(sizes))]  # order kept, nothing dropped
     assert all(torch.equal(t, torch.full((n,), float(i))) for (_, t), (i, n) in zip(flat, enumerate(sizes)))
@@ -64,35 +64,35 @@ def request_output(token_ids, logprobs, finish_reason="stop", request_id="0"):
 
 def test_completion_from_vllm_dict_and_flat_logprobs():
     per_position = [{5: Logprob(-0.5)}, {9: Logprob(-0.1), 7: Logprob(-2.0)}, {2: Logprob(-0.25)}]
-    c = rollout.completion_from_vllm(request_output([5, 7, 2], per_position))
+    c = engines.completion_from_vllm(request_output([5, 7, 2], per_position))
     assert (c.token_ids, c.logprobs, c.finish_reason) == ([5, 7, 2], [-0.5, -2.0, -0.25], "stop")
     # flat: position 1 holds the top-1 token (9) before the sampled one (7)
     flat = FlatLogprobs([0, 1, 3], [1, 3, 4], [5, 9, 7, 2], [-0.5, -0.1, -2.0, -0.25])
-    c = rollout.completion_from_vllm(request_output((5, 7, 2), flat, "length"))
+    c = engines.completion_from_vllm(request_output((5, 7, 2), flat, "length"))
     assert (c.token_ids, c.logprobs, c.finish_reason) == ([5, 7, 2], [-0.5, -2.0, -0.25], "length")
 
 
 def test_completion_from_vllm_refuses_what_it_cannot_trust():
     with pytest.raises(RuntimeError, match="request 3: 2 tokens but 1 logprob"):
-        rollout.completion_from_vllm(request_output([5, 7], [{5: Logprob(-0.5)}], request_id="3"))
+        engines.completion_from_vllm(request_output([5, 7], [{5: Logprob(-0.5)}], request_id="3"))
     with pytest.raises(RuntimeError, match="no logprob"):
-        rollout.completion_from_vllm(request_output([5], None))
+        engines.completion_from_vllm(request_output([5], None))
     with pytest.raises(RuntimeError, match="'abort'"):
-        rollout.completion_from_vllm(request_output([5], [{5: Logprob(-0.5)}], "abort"))
+        engines.completion_from_vllm(request_output([5], [{5: Logprob(-0.5)}], "abort"))
 
 
 def test_kwargs_builders():
-    kw = rollout.vllm_llm_kwargs("m", rank=5, seed=10, tensor_parallel_size=2, gpu_memory_utilization=0.4,
+    kw = engines.vllm_llm_kwargs("m", rank=5, seed=10, tensor_parallel_size=2, gpu_memory_utilization=0.4,
                                  max_model_len=2048, max_num_seqs=64, enforce_eager=True, dtype="bfloat16")
     assert kw["seed"] == 12  # rank 5 is in the third TP pair
     assert kw["distributed_executor_backend"] == "external_launcher" and kw["enable_sleep_mode"] is True
     assert kw["logprobs_mode"] == "processed_logprobs"
-    sp = rollout.vllm_sampling_kwargs(rollout.Sampling(max_new_tokens=7, temperature=0.6, top_p=0.9, top_k=20,
+    sp = engines.vllm_sampling_kwargs(engines.Sampling(max_new_tokens=7, temperature=0.6, top_p=0.9, top_k=20,
                                                        stop_token_ids=[2, 0]))
     assert sp == dict(n=1, max_tokens=7, temperature=0.6, top_p=0.9, top_k=20, stop_token_ids=[2, 0], logprobs=0,
                       flat_logprobs=True, detokenize=False)
-    assert rollout.vllm_prompt((1, 2)) == {"prompt_token_ids": [1, 2]}
-    assert rollout.vllm_prompt([1], ["img"]) == {"prompt_token_ids": [1], "multi_modal_data": {"image": ["img"]}}
+    assert engines.vllm_prompt((1, 2)) == {"prompt_token_ids": [1, 2]}
+    assert engines.vllm_prompt([1], ["img"]) == {"prompt_token_ids": [1], "multi_modal_data": {"image": ["img"]}}
 
 
 class TinyVLLMModel(torch.nn.Module):
@@ -145,7 +145,7 @@ def engine(monkeypatch):
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM, SamplingParams=dict))
-    return rollout.VLLMEngine("some/model", seed=3, sync_bucket_bytes=40)
+    return engines.VLLMEngine("some/model", seed=3, sync_bucket_bytes=40)
 
 
 def test_vllm_engine_step_sequence(engine):
@@ -159,7 +159,7 @@ def test_vllm_engine_step_sequence(engine):
         engine.load_weights([])
     engine.wake_up()
     with pytest.raises(RuntimeError, match="level-2 sleep discards the weights"):
-        engine.generate([[1]], rollout.Sampling())
+        engine.generate([[1]], engines.Sampling())
     new = {"embed.weight": torch.randn(8, 4), "proj.weight": torch.randn(4, 4), "proj.bias": torch.randn(4),
            "lm_head.weight": torch.randn(8, 4)}  # tied to embed: never sent
     llm.calls.clear()
@@ -170,7 +170,7 @@ def test_vllm_engine_step_sequence(engine):
     for name, tensor in llm.model.named_parameters():
         assert torch.equal(tensor, new[name].to(torch.bfloat16)), name
     assert engine.last_metrics["vllm/sync_bytes"] == 64 + 32 + 8 and engine.last_metrics["vllm/sync_buckets"] == 2
-    out = engine.generate([[4, 5], [6]], rollout.Sampling(max_new_tokens=2))
+    out = engine.generate([[4, 5], [6]], engines.Sampling(max_new_tokens=2))
     assert [(c.token_ids, c.logprobs) for c in out] == [([5, 5], [-1.0, -1.0]), ([6, 6], [-1.0, -1.0])]
     assert engine.last_metrics["vllm/generate_tokens_per_s"] > 0
     llm.calls.clear()

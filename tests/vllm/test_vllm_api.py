@@ -25,8 +25,9 @@ from vllm.sampling_params import SamplingType
 from vllm.v1.engine.llm_engine import LLMEngine
 from vllm.v1.executor.abstract import SLEEP_TAGS
 
+import engines
 import policy
-import rollout
+import tiny
 
 pytestmark = pytest.mark.vllm
 
@@ -34,14 +35,14 @@ pytestmark = pytest.mark.vllm
 def llm_kwargs(model_dir, **overrides):
     settings = dict(rank=0, seed=0, tensor_parallel_size=1, gpu_memory_utilization=0.5, max_model_len=256,
                     max_num_seqs=8, enforce_eager=True, dtype="float32") | overrides
-    return rollout.vllm_llm_kwargs(str(model_dir), **settings)
+    return engines.vllm_llm_kwargs(str(model_dir), **settings)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """kiln's own tiny model (Qwen2-shaped, tied embeddings), so policy's parameter names meet vLLM's loader."""
     corpus = ["def add(a, b):\n    return a + b\n", "for i in range(3):\n    print(i)\n"] * 20
-    return policy.make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), corpus)
+    return tiny.make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), corpus)
 
 
 class StandInAttention(torch.nn.Module):
@@ -102,8 +103,8 @@ def test_external_launcher_keeps_the_engine_in_process(monkeypatch):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
 def test_sampling_params(temperature):
-    sampling = rollout.Sampling(max_new_tokens=9, temperature=temperature, top_p=0.95, top_k=0, stop_token_ids=[2])
-    params = SamplingParams(**rollout.vllm_sampling_kwargs(sampling))
+    sampling = engines.Sampling(max_new_tokens=9, temperature=temperature, top_p=0.95, top_k=0, stop_token_ids=[2])
+    params = SamplingParams(**engines.vllm_sampling_kwargs(sampling))
     assert (params.n, params.max_tokens, params.logprobs, params.flat_logprobs, params.detokenize) == (1, 9, 0, True,
                                                                                                        False)
     assert params.stop_token_ids == [2] and params.top_k == 0
@@ -112,7 +113,7 @@ def test_sampling_params(temperature):
 
 def test_tokens_prompt_keys():
     hints = typing.get_type_hints(TokensPrompt)
-    for prompt in (rollout.vllm_prompt([1, 2, 3]), rollout.vllm_prompt([1, 2], images=["an image"])):
+    for prompt in (engines.vllm_prompt([1, 2, 3]), engines.vllm_prompt([1, 2], images=["an image"])):
         assert TokensPrompt.__required_keys__ <= set(prompt) <= set(hints)
         assert TokensPrompt(**prompt) == prompt
 
@@ -121,7 +122,7 @@ def test_bucketed_load_through_the_real_vllm_qwen2(vllm_qwen2):
     model, _, source = vllm_qwen2
     loaded = set()
     state = {n: t for n, t in source.state_dict().items() if n != "lm_head.weight"}
-    buckets = list(rollout.bucket_weights(state.items(), cap_bytes=20_000))
+    buckets = list(engines.bucket_weights(state.items(), cap_bytes=20_000))
     assert len(buckets) > 5
     for bucket in buckets:  # q/k/v and gate/up arrive in separate calls: vLLM stacks each shard as it comes
         loaded |= model.load_weights(bucket)
@@ -208,7 +209,7 @@ def test_vllm_engine_against_the_real_api(vllm_qwen2, model_dir, monkeypatch):
     monkeypatch.setattr(RecordingLLM, "model", model)
     monkeypatch.setattr(RecordingLLM, "model_config", model_config)
     monkeypatch.setattr(vllm, "LLM", RecordingLLM)
-    engine = rollout.VLLMEngine(str(model_dir), seed=7, dtype="float32", max_model_len=256,
+    engine = engines.VLLMEngine(str(model_dir), seed=7, dtype="float32", max_model_len=256,
                                 sync_bucket_bytes=30_000, max_num_batched_tokens=4096)
     llm = engine.llm
     assert llm.kwargs == llm_kwargs(model_dir, seed=7, max_num_seqs=256, enforce_eager=False,
@@ -223,7 +224,7 @@ def test_vllm_engine_against_the_real_api(vllm_qwen2, model_dir, monkeypatch):
     embed = source.model.embed_tokens.weight
     assert torch.equal(model.model.embed_tokens.weight[: embed.shape[0]], embed)
     assert all(p.abs().sum() > 0 for p in model.parameters())
-    sampling = rollout.Sampling(max_new_tokens=4, temperature=0.7, stop_token_ids=[0])
+    sampling = engines.Sampling(max_new_tokens=4, temperature=0.7, stop_token_ids=[0])
     completions = engine.generate([[1, 2, 3], [6]], sampling, images=[None, ["an image"]])
     assert [(c.token_ids, c.finish_reason) for c in completions] == [([4, 5, 6, 7], "length"), ([7, 0], "stop")]
     assert completions[1].logprobs == [-0.5, -1.5]

@@ -1,0 +1,456 @@
+"""Generating tokens: the engine protocol and its two implementations.
+
+`HFEngine` generates with the policy's own Hugging Face model (CPU tests, debugging, machines without vLLM);
+`VLLMEngine` is a colocated vLLM engine per rank that sleeps while the policy trains. Both take prompts as token
+ids and return completions as token ids plus the logprob of each sampled token under the distribution actually
+sampled (after temperature, top-k, top-p). Nothing is decoded here.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from transformers import DynamicCache
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]  # log p(token) under the sampled distribution (logits / temperature)
+    finish_reason: str  # "stop" (hit a stop token, which is kept) or "length"
+
+
+class Engine(Protocol):
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]: ...
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    def sleep(self) -> None: ...
+    def wake_up(self) -> None: ...
+
+
+def truncate_at_stop(token_ids: list[int], logprobs: list[float], stop_ids: set[int]) -> Completion:
+    """Cut a generation right after its first stop token (kept: the policy must learn to end its turn)."""
+    for i, tok in enumerate(token_ids):
+        if tok in stop_ids:
+            return Completion(token_ids[: i + 1], logprobs[: i + 1], "stop")
+    return Completion(token_ids, logprobs, "length")
+
+
+class HFEngine:
+    """Generation with the policy's own Hugging Face model (a KV-cached decoding loop): CPU tests, debugging,
+    machines without vLLM.
+
+    On a plain model it generates with that very model, always in sync (load_weights has nothing to do). On an
+    FSDP2-sharded policy it generates with an unsharded replica that load_weights fills, as the trainer does before
+    every rollout (`policy.iter_full_weights`, the stream vLLM gets): decoding then needs no collectives, so each rank
+    decodes on its own instead of all-gathering every layer for every token.
+    """
+
+    def __init__(self, model, pad_token_id: int, batch_size: int = 64):
+        self.policy = model
+        self.sharded = any(isinstance(m, FSDPModule) for m in model.modules())
+        self.model = None if self.sharded else model
+        self.pad_token_id = pad_token_id
+        self.batch_size = batch_size
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if not self.sharded:
+            return None
+        weights = dict(weights)
+        if self.model is None:  # the policy's own class, built from its config, then filled below
+            model_class = next(c for c in type(self.policy).__mro__ if not issubclass(c, FSDPModule))
+            first = next(iter(weights.values()))
+            # Packed-training attentions do not decode: packed_sdpa has no KV cache, flex_attention compiles a kernel
+            # per decoding shape.
+            config = copy.deepcopy(self.policy.config)  # _from_config sets the attention on the config it gets
+            attn = config._attn_implementation
+            attn = "sdpa" if attn in ("packed_sdpa", "flex_attention") else attn
+            # The replica's init draws must not shift the sampling stream (resume, seeds).
+            with torch.random.fork_rng(devices=[first.device] if first.is_cuda else []):
+                self.model = model_class._from_config(config, attn_implementation=attn)
+            self.model.to(device=first.device, dtype=first.dtype).eval()
+            self.model.generation_config = self.policy.generation_config
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        tied = {"lm_head.weight"} if getattr(self.policy.config, "tie_word_embeddings", False) else set()
+        if unexpected or set(missing) - tied:
+            raise ValueError(f"HFEngine.load_weights: unexpected {unexpected}, missing {sorted(set(missing) - tied)}")
+
+    def sleep(self) -> None:
+        return None
+
+    def wake_up(self) -> None:
+        return None
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+        if self.model is None:
+            raise RuntimeError("HFEngine on an FSDP-sharded policy: call load_weights(policy.iter_full_weights(model)) "
+                               "before generate")
+        if sampling.max_new_tokens < 1:
+            raise ValueError(f"Sampling.max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+        out = []
+        for start in range(0, len(prompts), self.batch_size):
+            out += self._generate_batch(prompts[start : start + self.batch_size], sampling)
+        return out
+
+    def _generate_batch(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+        """A prefill of the left-padded batch, then one token per step from a KV cache. Written out rather than
+        `generate()`, for two reasons: only `sampling` shapes the distribution (generate would also apply what the
+        model's generation_config holds, e.g. Qwen2.5's repetition_penalty, which the trainer's logprobs know nothing
+        of), and only the chosen tokens' logprobs are kept (generate's scores hold [rows, vocab] floats per step: 40 GB
+        for 64 rows of 1024 tokens at vocab 152k). Scores go through transformers' own warpers (temperature, top-k,
+        top-p); Llama-layout models decode with `decode_step`, the others with their own forward."""
+        device = next(self.model.parameters()).device
+        rows, width, new = len(prompts), max(len(p) for p in prompts), sampling.max_new_tokens
+        input_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.ones((rows, width + new), dtype=torch.long)  # generated tokens are always attended
+        for i, p in enumerate(prompts):  # left padding, so every row continues at the same position
+            input_ids[i, width - len(p) :] = torch.tensor(p)
+            attention_mask[i, : width - len(p)] = 0
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        positions = (attention_mask[:, :width].cumsum(-1) - 1).clamp_(min=0)
+        greedy = sampling.temperature <= 0
+        warpers = [] if greedy else (  # called directly: LogitsProcessorList inspects signatures at every call
+            [TemperatureLogitsWarper(sampling.temperature)]
+            + ([TopKLogitsWarper(sampling.top_k)] if sampling.top_k > 0 else [])
+            + ([TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1 else []))
+        stop_tokens = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=device)
+        tokens = torch.full((rows, new), self.pad_token_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros((rows, new), device=device)
+        stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+        was_training = self.model.training
+        self.model.eval()
+        # A group's samples share their prompt: each distinct prompt is prefilled once, then its cache row is copied.
+        distinct: dict[tuple, tuple[int, int]] = {}  # prompt -> (its number, its first row)
+        for i, p in enumerate(prompts):
+            distinct.setdefault(tuple(p), (len(distinct), i))
+        first = torch.tensor([row for _, row in distinct.values()], device=device)
+        which = torch.tensor([distinct[tuple(p)][0] for p in prompts], device=device)
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=input_ids[first], attention_mask=attention_mask[first, :width],
+                            position_ids=positions[first], past_key_values=cache, use_cache=True,
+                            logits_to_keep=1).logits[:, -1]
+        cache.reorder_cache(which)
+        logits = logits[which]
+        lean = lean_decoding_supported(self.model)
+        if lean:
+            cache = KVBuffer.from_prefill(cache, width + new - 1)
+            attend = attention_mask.bool()[:, None, None, :]  # [rows, 1, 1, keys]: what sdpa broadcasts over heads
+            # the rotary angles of every position the loop will decode, once (logits lend only dtype and device)
+            ahead = positions[:, -1:] + torch.arange(1, new, device=device)
+            cos, sin = self.model.model.rotary_emb(logits[:, None], ahead)
+        for step in range(new):
+            scores = logits.float()
+            for warp in warpers:
+                scores = warp(None, scores)  # these warpers never look at the ids
+            probs = scores.softmax(-1)
+            token = scores.argmax(-1) if greedy else sample_from(probs)
+            tokens[:, step] = token.masked_fill(stopped, self.pad_token_id)
+            logprobs[:, step] = probs.gather(1, token[:, None]).squeeze(1).log()  # no [rows, vocab] log_softmax
+            stopped |= torch.isin(token, stop_tokens)
+            if step == new - 1 or stopped.all():
+                break
+            if lean:
+                logits = decode_step(self.model, cache, token, (cos[:, step : step + 1], sin[:, step : step + 1]),
+                                     attend[..., : width + step + 1])
+            else:
+                positions = positions[:, -1:] + 1
+                logits = self.model(input_ids=token[:, None], attention_mask=attention_mask[:, : width + step + 1],
+                                    position_ids=positions, past_key_values=cache, use_cache=True).logits[:, -1]
+        self.model.train(was_training)
+        tokens, logprobs = tokens[:, : step + 1].cpu(), logprobs[:, : step + 1].cpu()
+        stop_ids = set(sampling.stop_token_ids)
+        return [truncate_at_stop(tokens[i].tolist(), logprobs[i].tolist(), stop_ids) for i in range(rows)]
+
+
+def sample_from(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` [rows, vocab] by inverting its CDF at a uniform draw: one random number per row,
+    where torch.multinomial draws one per vocabulary entry. The CDF is summed in fp64 so that at vocab 152k rounding
+    cannot shift tail tokens' mass; `right=True` never lands on a zero-probability token (its CDF step is empty)."""
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+
+LEAN_DECODING_TYPES = ("llama", "qwen2", "qwen3")  # Mistral: its window is in the config, not the layers
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
+
+
+def lean_decoding_supported(model) -> bool:
+    """Whether `decode_step` computes what the model's own forward computes: a Llama-layout decoder (pre-norm
+    attention and gated-MLP blocks, rotary positions) of a type listed in LEAN_DECODING_TYPES, with no sliding window,
+    rotary frequencies that do not depend on the length reached (the loop computes every step's angles up front;
+    dynamic NTK and longrope rescale them as a sequence grows), plain `nn.Linear` projections and no hooks
+    (decode_step uses the weights directly and skips `Module.__call__`: an adapter or a hook would be left out)."""
+    if getattr(model.config, "model_type", None) not in LEAN_DECODING_TYPES:
+        return False
+    rope_type = model.model.rotary_emb.rope_type
+    layers = model.model.layers
+    return ("dynamic" not in rope_type and rope_type != "longrope"
+            and all(getattr(layer.self_attn, "sliding_window", None) is None for layer in layers)
+            and all(type(layer.get_submodule(p)) is torch.nn.Linear for layer in layers for p in PROJECTIONS)
+            and not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()))
+
+
+@dataclass
+class KVBuffer:
+    """Keys and values of every layer in preallocated [rows, kv_heads, capacity, head_dim] buffers: a decoding step
+    writes one position instead of concatenating a longer cache."""
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int
+
+    @classmethod
+    def from_prefill(cls, cache: DynamicCache, capacity: int) -> KVBuffer:
+        def grown(t):
+            buffer = t.new_empty(*t.shape[:2], capacity, t.shape[3])
+            buffer[:, :, : t.shape[2]] = t
+            return buffer
+        return cls([grown(layer.keys) for layer in cache.layers], [grown(layer.values) for layer in cache.layers],
+                   cache.get_seq_length())
+
+
+def decode_step(model, cache: KVBuffer, token: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                attend: torch.Tensor) -> torch.Tensor:
+    """Next-token logits [rows, vocab] after `token` [rows] whose rotary angles are `rotary` (cos, sin of
+    `model.model.rotary_emb` at its positions), attending to the cached keys where `attend` [rows, 1, 1, keys] is True.
+    A Llama-layout decoder's computation in its order, with the model's own weights, norms, activation and rotation,
+    without the generic forward's per-step mask building, cache bookkeeping and output objects, which dominate a small
+    model's decoding step. Modules are entered through `forward` and projections through `F.linear`, skipping
+    `Module.__call__`'s dispatch (`lean_decoding_supported` checks that nothing hooks them)."""
+    inner = model.model
+    rope = sys.modules[type(inner.layers[0].self_attn).__module__].apply_rotary_pos_emb  # the model's own
+    cos, sin = rotary
+    hidden = inner.embed_tokens.forward(token[:, None])
+    at = cache.length
+    for keys, values, layer in zip(cache.keys, cache.values, inner.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        x = layer.input_layernorm.forward(hidden)
+        shape = (x.shape[0], 1, -1, attn.head_dim)
+        q, k, v = (linear(proj, x).view(shape) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
+            q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
+        q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        keys[:, :, at] = k[:, :, 0]
+        values[:, :, at] = v[:, 0]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, keys[:, :, : at + 1], values[:, :, : at + 1], attn_mask=attend, scale=attn.scaling, enable_gqa=True)
+        hidden = hidden + linear(attn.o_proj, out.transpose(1, 2).reshape(x.shape[0], 1, -1))
+        x = layer.post_attention_layernorm.forward(hidden)
+        hidden = hidden + linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x))
+    cache.length += 1
+    return linear(model.lm_head, inner.norm.forward(hidden))[:, -1]
+
+
+def linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, layer.weight, layer.bias)
+
+
+# VLLMEngine (vllm==0.32.0), per step: wake_up() (weights) -> load_weights(policy.iter_full_weights(model)) (bucketed;
+# then the KV cache and a fresh prefix cache) -> generate() -> sleep() (level 2: weights and KV cache are discarded, so
+# every wake needs a load). The keyword builders are plain functions so `make test-vllm` can check them against the
+# real vllm signatures.
+
+
+def vllm_llm_kwargs(model: str, *, rank: int, seed: int, tensor_parallel_size: int, gpu_memory_utilization: float,
+                    max_model_len: int, max_num_seqs: int, enforce_eager: bool, dtype: str, **extra) -> dict:
+    """Keyword arguments of `vllm.LLM` for one in-process engine per rank (or per tensor-parallel group)."""
+    return dict(
+        model=model,
+        distributed_executor_backend="external_launcher",  # join torchrun's process group, no worker processes
+        tensor_parallel_size=tensor_parallel_size,  # consecutive ranks form one engine
+        enable_sleep_mode=True,
+        seed=seed + rank // tensor_parallel_size,  # one seed per data-parallel engine; TP peers must share it
+        logprobs_mode="processed_logprobs",  # after temperature/top-k/top-p: the distribution actually sampled
+        gpu_memory_utilization=gpu_memory_utilization,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        enforce_eager=enforce_eager,
+        dtype=dtype,
+        **extra,
+    )
+
+
+def vllm_sampling_kwargs(sampling: Sampling) -> dict:
+    """Keyword arguments of `vllm.SamplingParams`: token ids out, plus the logprob of each sampled token."""
+    return dict(
+        n=1,
+        max_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,  # 0 = greedy in vLLM too
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,  # 0 = off in vLLM too
+        stop_token_ids=list(sampling.stop_token_ids),  # the stop token stays in the output, as in HFEngine
+        logprobs=0,  # only the sampled token's logprob
+        flat_logprobs=True,  # flat lists instead of one dict per token: far less garbage to collect
+        detokenize=False,  # text is decoded once, later, for the reward
+    )
+
+
+def vllm_prompt(token_ids: list[int], images: list | None = None) -> dict:
+    """A `vllm.inputs.TokensPrompt` (a TypedDict, so a plain dict). With images, the ids hold one unexpanded image
+    placeholder per image (as `apply_chat_template` writes it): vLLM's processor expands them itself."""
+    prompt = {"prompt_token_ids": list(token_ids)}
+    if images:
+        prompt["multi_modal_data"] = {"image": list(images)}
+    return prompt
+
+
+def bucket_weights(weights: Iterable[tuple[str, torch.Tensor]], cap_bytes: int,
+                   dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs, in order, into lists of at most `cap_bytes` (a bigger tensor travels alone),
+    cast to `dtype`. Tensors are held until their bucket is loaded, so the producer must not reuse their memory
+    meanwhile (`policy.iter_full_weights` yields fresh copies)."""
+    bucket, size = [], 0
+    for name, tensor in weights:
+        nbytes = tensor.numel() * (dtype or tensor.dtype).itemsize
+        if bucket and size + nbytes > cap_bytes:  # hand the full bucket over before taking (and casting) more
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor.detach().to(dtype or tensor.dtype)))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def completion_from_vllm(output) -> Completion:
+    """A vLLM `RequestOutput` (n=1, logprobs=0) -> Completion holding each sampled token's logprob."""
+    out = output.outputs[0]
+    token_ids, logprobs = list(out.token_ids), out.logprobs
+    if logprobs is None or len(logprobs) != len(token_ids):
+        raise RuntimeError(f"vLLM request {output.request_id}: {len(token_ids)} tokens but "
+                           f"{'no' if logprobs is None else len(logprobs)} logprob positions")
+    if hasattr(logprobs, "start_indices"):  # FlatLogprobs: position i's entries are [start_indices[i], end_indices[i])
+        values = [logprobs.logprobs[logprobs.token_ids.index(tok, start, end)]
+                  for tok, start, end in zip(token_ids, logprobs.start_indices, logprobs.end_indices)]
+    else:  # one {token_id: Logprob} dict per position
+        values = [position[tok].logprob for tok, position in zip(token_ids, logprobs)]
+    if out.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM request {output.request_id} ended with {out.finish_reason!r}, not stop/length")
+    return Completion(token_ids, values, out.finish_reason)
+
+
+class VLLMEngine:
+    """Colocated vLLM: one `vllm.LLM` per rank (or per `tensor_parallel_size` consecutive ranks) inside torchrun.
+
+    Build it on every rank at the same point (it is a collective) before the FSDP model takes GPU memory, then
+    sleep() it. Weights come only from the trainer (never reloaded from disk after a sync). `last_metrics` holds the
+    latest sync seconds/bytes/buckets and generation seconds and tokens/s, for the trainer to log.
+    """
+
+    def __init__(self, model: str, *, seed: int = 0, tensor_parallel_size: int = 1,
+                 gpu_memory_utilization: float = 0.5, max_model_len: int = 4096, max_num_seqs: int = 256,
+                 enforce_eager: bool = False, dtype: str = "bfloat16", sync_bucket_bytes: int = 1 << 30,
+                 **llm_kwargs):
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+        if world % tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must divide the world size {world}")
+        # external_launcher reads these (torchrun sets them; a plain `python` run gets a world of one).
+        for key, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": 29500}.items():
+            os.environ.setdefault(key, str(value))
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine must live in this process (vLLM sets it too)
+        self.tp, self.tp_group, self.tp_rank = tensor_parallel_size, None, 0
+        if tensor_parallel_size > 1:  # new_subgroups is collective: every rank builds all groups in the same order
+            self.tp_group, _ = dist.new_subgroups_by_enumeration(
+                [list(range(start, start + tensor_parallel_size)) for start in range(0, world, tensor_parallel_size)])
+            self.tp_rank = dist.get_rank(self.tp_group)
+        from vllm import LLM
+
+        self.llm = LLM(**vllm_llm_kwargs(
+            model, rank=rank, seed=seed, tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            enforce_eager=enforce_eager, dtype=dtype, **llm_kwargs))
+        self.dtype = getattr(torch, dtype)
+        self.sync_bucket_bytes = sync_bucket_bytes
+        # vLLM's loader rejects a tied lm_head arriving in a call without the embedding it aliases; it is the
+        # same tensor anyway, so it is never sent.
+        text_config = self.llm.llm_engine.model_config.hf_text_config
+        self.tied_lm_head = bool(getattr(text_config, "tie_word_embeddings", False))
+        self.param_names = self.llm.apply_model(lambda m: {name for name, _ in m.named_parameters()})[0]
+        self.state = "awake"  # "asleep" -> wake_up() -> "weights" -> load_weights() -> "awake" -> sleep()
+        self.last_metrics: dict[str, float] = {}
+
+    def wake_up(self) -> None:
+        if self.state != "asleep":
+            return
+        start = time.perf_counter()
+        torch.cuda.empty_cache()  # hand the trainer's cached free blocks back before vLLM maps its weights
+        self.llm.wake_up(["weights"])  # KV cache only after the load: weights and gathered buckets need room first
+        self.state = "weights"
+        self.last_metrics["vllm/wake_seconds"] = time.perf_counter() - start
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.state == "asleep":
+            raise RuntimeError("VLLMEngine.load_weights before wake_up(): the engine's weight memory is unmapped")
+        start, loaded, nbytes, buckets = time.perf_counter(), set(), 0, 0
+        wanted = ((n, t) for n, t in weights if not (self.tied_lm_head and n.endswith("lm_head.weight")))
+        for bucket in bucket_weights(wanted, self.sync_bucket_bytes, self.dtype):
+            # The model runner's model.load_weights (vLLM's own name mapping and TP sharding), in this process.
+            loaded |= self.llm.apply_model(lambda m, bucket=bucket: m.load_weights(bucket))[0]
+            nbytes += sum(t.nbytes for _, t in bucket)
+            buckets += 1
+            del bucket  # freed before the next one is gathered
+        missing = self.param_names - loaded
+        if missing:  # after a level-2 sleep an unloaded parameter is garbage
+            raise RuntimeError(f"VLLMEngine.load_weights: {len(missing)} vLLM parameters got no weights, e.g. "
+                               f"{sorted(missing)[:5]}; the policy's names must match the Hugging Face checkpoint")
+        torch.cuda.empty_cache()
+        if self.state == "weights":
+            self.llm.wake_up(["kv_cache"])
+        self.llm.reset_prefix_cache()  # cached prefixes were computed by the old weights
+        self.llm.llm_engine.reset_encoder_cache()  # so were cached image embeddings
+        self.state = "awake"
+        self.last_metrics |= {"vllm/sync_seconds": time.perf_counter() - start, "vllm/sync_bytes": nbytes,
+                              "vllm/sync_buckets": buckets}
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling,
+                 images: list[list | None] | None = None) -> list[Completion]:
+        """Completions for `prompts` (token ids); `images[i]` are prompt i's images (Qwen2.5-VL style), or None."""
+        if self.state != "awake":
+            raise RuntimeError("VLLMEngine.generate needs wake_up() then load_weights(): "
+                               "a level-2 sleep discards the weights")
+        from vllm import SamplingParams
+
+        images = images if images is not None else [None] * len(prompts)
+        first, count = 0, len(prompts)
+        if self.tp_group is not None:  # TP peers drive one engine together, so they must submit the same requests
+            parts = [None] * self.tp
+            dist.all_gather_object(parts, (prompts, images), group=self.tp_group)
+            first = sum(len(p) for p, _ in parts[: self.tp_rank])
+            prompts, images = [p for ps, _ in parts for p in ps], [i for _, imgs in parts for i in imgs]
+        start = time.perf_counter()
+        outputs = self.llm.generate([vllm_prompt(p, i) for p, i in zip(prompts, images)],
+                                    SamplingParams(**vllm_sampling_kwargs(sampling)), use_tqdm=False)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        self.last_metrics |= {"vllm/generate_seconds": seconds,
+                              "vllm/generate_tokens_per_s": tokens / max(seconds, 1e-9)}
+        return [completion_from_vllm(o) for o in outputs[first : first + count]]
+
+    def sleep(self) -> None:
+        if self.state == "asleep":
+            return
+        start = time.perf_counter()
+        if self.state == "weights":  # a load failed half way: wake fully first, vLLM sleeps only from awake
+            self.llm.wake_up(["kv_cache"])
+        self.llm.sleep(level=2)
+        self.state = "asleep"
+        self.last_metrics["vllm/sleep_seconds"] = time.perf_counter() - start

@@ -1,0 +1,81 @@
+"""Tiny models built locally, for tests, the demo and the benches: nothing is downloaded.
+
+`make_tiny_model` trains a byte-level BPE tokenizer on a corpus (Qwen2.5's pre-tokenization, its special tokens and a
+Qwen2.5-style chat template with tool calls and image placeholders) and builds a small Qwen2 model from a config,
+saved together as a Hugging Face folder that every kiln script loads like a real checkpoint.
+"""
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_SPLIT_REGEX
+
+# Ids 0..5 in every tiny tokenizer; the agent tokens are ordinary (non-special) added tokens, as in Qwen2.5.
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+AGENT_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+# Qwen2.5's chat format: tool calls as <tool_call> JSON blocks, consecutive tool results grouped in one user turn,
+# image parts as vision placeholders. No default system prompt is injected.
+CHAT_TEMPLATE = (
+    "{%- macro render(content) %}{% if content is string %}{{ content }}{% elif content %}{% for part in content %}"
+    "{% if part.type == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part.type == 'text' %}{{ part.text }}{% endif %}{% endfor %}{% endif %}{% endmacro %}"
+    "{%- set skip_first = tools and messages and messages[0].role == 'system' %}"
+    "{%- if tools %}{{ '<|im_start|>system\\n' }}"
+    "{%- if skip_first %}{{ render(messages[0].content) + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou may call these functions (JSON signatures):\\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nTo call one, reply with <tool_call>\\n{\"name\": <name>, \"arguments\": <JSON object>}"
+    "\\n</tool_call><|im_end|>\\n' }}{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}"
+    "{%- if loop.first or loop.previtem.role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + render(message.content) + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem.role != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{%- elif not (loop.first and skip_first) %}{{ '<|im_start|>' + message.role }}"
+    "{%- if message.content or not message.tool_calls %}{{ '\\n' + render(message.content) }}{% endif %}"
+    "{%- for call in message.tool_calls or [] %}{% set fn = call.function if call.function is defined else call %}"
+    "{{ '\\n<tool_call>\\n{\"name\": ' + (fn.name | tojson) + ', \"arguments\": ' }}"
+    "{{ fn.arguments if fn.arguments is string else (fn.arguments | tojson) }}{{ '}\\n</tool_call>' }}"
+    "{%- endfor %}{{ '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def make_tiny_model(out_dir, corpus: list[str], vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 2,
+                    num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+                    max_position_embeddings: int = 4096, seed: int = 0) -> Path:
+    """A Qwen2-shaped model from a config plus a byte-level BPE tokenizer trained on `corpus`, saved as a Hugging
+    Face folder. Deterministic for a given corpus and seed; nothing is downloaded."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # Qwen2.5's pipeline (NFC, its split regex, byte level): what transformers' Qwen2Tokenizer rebuilds on load.
+    # Byte-level BPE round-trips any NFC text exactly; code is NFC.
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t in AGENT_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left",
+        clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE, model_max_length=max_position_embeddings)
+    tokenizer.save_pretrained(out)
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=True, bos_token_id=pad,
+        eos_token_id=eos, pad_token_id=pad)
+    with torch.random.fork_rng():  # seeded init without disturbing the caller's RNG stream
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    # eos as in Qwen2.5-Instruct: <|im_end|> and <|endoftext|> both end a generation.
+    model.generation_config = GenerationConfig(bos_token_id=pad, eos_token_id=[eos, pad], pad_token_id=pad)
+    model.save_pretrained(out)
+    return out
