@@ -372,7 +372,7 @@ class VLLMEngine:
             self.tp_group, _ = dist.new_subgroups_by_enumeration(
                 [list(range(start, start + tensor_parallel_size)) for start in range(0, world, tensor_parallel_size)])
             self.tp_rank = dist.get_rank(self.tp_group)
-        from vllm import LLM
+        from vllm import LLM  # here, not at the top: vllm is installed on GPU machines only
 
         self.llm = LLM(**vllm_llm_kwargs(
             model, rank=rank, seed=seed, tensor_parallel_size=tensor_parallel_size,
