@@ -311,7 +311,8 @@ def test_shared_prefixes_in_the_value_model(model_dir):
     (want, want_grads), (got, grads) = results
     assert got[~scored].eq(0).all() and want[~scored].eq(0).all()
     torch.testing.assert_close(want[scored], separate[scored], atol=1e-5, rtol=0)
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    # Values reach several units (a random head): the shared prompt's attention sums in another order, so relative.
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     for g, w in zip(grads, want_grads):  # to each tensor's scale: a shared prompt's gradient sums in another order
         torch.testing.assert_close(g, w, atol=1e-5 * w.abs().max().item(), rtol=0)
 
