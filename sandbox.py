@@ -1,26 +1,38 @@
 """Running untrusted code: isolated program runs and test drivers that a program cannot fool.
 
 The first call starts a *zygote*: a fresh `python -I -S` with an empty environment that `unshare` makes PID 1 of
-new network (a downed loopback only), mount (fresh tmpfs on /tmp, /var/tmp, /dev/shm, /run/lock; /root and /home
-hidden) and PID namespaces. It never looks at jobs; from its own small, clean memory it forks
+new network (a downed loopback only), IPC, UTS, mount and PID namespaces. Its root is a *view* made for programs
+(`_enter_view`, pivot_root into a new tmpfs): read-only binds of /usr (site-/dist-packages hidden), the interpreter's
+prefix (its site-packages hidden), the allow-list of packages the Sandbox was made with (`packages`, under
+/kiln/packages; none for reward programs, PIL/numpy/matplotlib for the agent's Python tool), /dev's null, zero, full,
+random and urandom, and a /proc that shows a program only its own processes (`hidepid=2`). Task data, the caller's
+rows, the checkout, the venv and the host's processes are not there. The zygote never looks at jobs; from its own
+small, clean memory it forks
   - *supervisors* (root, trusted, reused): one job at a time from the caller; they run the tests, enforce the
     time limits and clean up;
-  - one *program* per run, on a supervisor's request: own session, a fresh unprivileged uid, rlimits (address
-    space, CPU, processes, file size, open files), a private temp dir as cwd and HOME, a minimal environment,
-    stdin always supplied. It receives its source and nothing else.
-Function and assert tests run in the supervisor (as a second fresh uid), which calls the program over a socket:
-arguments go in, return values come back as plain data (restricted unpickling: builtin numbers, str, bytes,
-containers, Counter/deque/OrderedDict/defaultdict, Decimal, Fraction) or as opaque handles. Verdicts are computed
-where the program cannot reach, and expected values never enter its memory (stdout is compared by the caller),
-so `exit(0)`, `os._exit(0)`, SkipTest, patched builtins or asserts, fake PASS lines, disarmed signals and a rigged
-`__eq__` all fail. After each run the supervisor kills every process of the run's uids (`kill(-1)` as that uid
-reaches double-forked daemons too; /proc confirms) and removes whatever they left in the temp dirs.
+  - one *program* per run, on a supervisor's request: its own mount, IPC and network namespaces (a private tmpfs
+    /tmp of `tmp_mb` as cwd and HOME, which dies with the run; SysV and POSIX IPC and abstract sockets of its own),
+    own session, a fresh unprivileged uid, rlimits (address space, CPU, processes, file size, open files), a
+    minimal environment, stdin always supplied. It receives its source and nothing else.
+Function and assert tests run in the supervisor (as a second fresh uid, under its own address-space and CPU limits),
+which calls the program over a socket: arguments go in, return values come back as plain data (restricted
+unpickling: builtin numbers, str, bytes, containers, Counter/deque/OrderedDict/defaultdict, Decimal, Fraction;
+bounded in bytes and in items) or as opaque handles. Verdicts are computed where the program cannot reach, and
+expected values never enter its memory (stdout is compared by the caller), so `exit(0)`, `os._exit(0)`, SkipTest,
+patched builtins or asserts, fake PASS lines, disarmed signals and a rigged `__eq__` all fail. Every test has its own
+time limit: a test that hangs is a timeout, the program is killed and a fresh one runs the tests after it. After
+each run the supervisor kills every process of the run's uids (`kill(-1)` as that uid reaches double-forked daemons
+too; /proc confirms). A supervisor that dies fails only its own job (SandboxError); the zygote and the other jobs
+go on.
 
 Speed: a fork copies the parent's page tables and an exit frees them, so the zygote stays small (modules only
 the caller needs are imported in the functions that use them), and a function/assert suite costs one fork.
 Fallbacks, logged: without root, a user namespace (one uid: runs are tracked by process group and environment
-marker); without namespaces, plain processes with network access. Programs see the rest of the filesystem
-read-only (by permissions), the stdlib and no site-packages.
+marker); without namespaces, plain processes with network access that see the whole filesystem read-only (by
+permissions) and the allow-listed packages' folders on sys.path.
+
+`PythonSession`, the agent's stateful Python tool, is a long-lived program of the same kind (same view, namespaces,
+uid and rlimits), with its working dir holding the input image; closing it kills every process it started.
 
 Test statuses: pass, wrong_answer, runtime_error, timeout, memory, syntax_error, output_limit, not_run (after a
 failure with stop_on_failure), harness_error (the ground truth itself failed: a data problem).
@@ -31,6 +43,7 @@ import _thread
 import bisect  # noqa: F401  (preloaded for programs, as are collections, heapq, itertools, random, re, string)
 import builtins
 import collections  # noqa: F401
+import ctypes
 import fcntl
 import functools
 import gc
@@ -42,6 +55,7 @@ import os
 import pickle
 import random
 import re  # noqa: F401
+import reprlib
 import resource
 import select
 import signal
@@ -58,7 +72,15 @@ STATUSES = ("pass", "wrong_answer", "runtime_error", "timeout", "memory", "synta
 # Run k of a zygote uses uid base + 2k (mod UID_RANGE) for the program and the next uid for its tests. Each zygote
 # draws its own base, so two zygotes never share a uid (nor its RLIMIT_NPROC count).
 UID_RANGE = 65536
-PRIVATE_TMPFS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # where plain-mode runs may leave files
+PACKAGES_DIR = "/kiln/packages"  # the allow-listed packages, inside the view
+# What the agent's Python tool may import besides the stdlib: images, arrays, plots (and matplotlib's dependencies).
+SESSION_PACKAGES = ("PIL", "numpy", "matplotlib", "contourpy", "cycler", "dateutil", "fontTools", "kiwisolver",
+                    "packaging", "pyparsing", "six")
+SESSION_CPU_SECONDS = 600  # CPU time of a whole PythonSession (its calls have wall-clock timeouts)
+MAX_REPLY_BYTES = 64 << 20  # one value from the program, pickled
+MAX_REPLY_ITEMS = 2_000_000  # containers and their items, counted as a tree (shared references count each time)
+MAX_FRACTION_DIGITS = 10_000  # rebuilding a Fraction costs a gcd (or a parse): more than linear time
 # Values that cross from the program to the tests as data (exact types); anything else becomes a handle.
 PLAIN = {"builtins": ("NoneType", "bool", "int", "float", "complex", "str", "bytes", "bytearray", "list", "tuple",
                       "dict", "set", "frozenset", "range"),
@@ -76,6 +98,7 @@ class Limits(NamedTuple):
     nproc: int = 64  # processes + threads of the run's uid
     nofile: int = 256
     fsize_mb: int = 64
+    tmp_mb: int = 128  # the run's private /tmp (its working dir), a tmpfs of its own
 
 
 class RunResult(NamedTuple):
@@ -215,21 +238,32 @@ def outputs_match(got: str, expected: str, lenient: bool = False) -> bool:
 
 
 def _tokens_match(got: list[str], want: list[str], lenient: bool) -> bool:
-    from decimal import Decimal, InvalidOperation
+    """Tokens equal as text or as exact decimal values. NaNs (signalling ones raise on comparison) and tokens that are
+    not numbers compare as text; the lenient tolerance is computed at 28 digits with every trap off, so an exponent
+    of a billion costs nothing and raises nothing."""
+    import decimal
 
     if len(got) != len(want):
         return False
     for a, b in zip(got, want):
         try:
-            x, y = Decimal(a), Decimal(b)
-        except InvalidOperation:
+            x, y = decimal.Decimal(a), decimal.Decimal(b)
+        except (ArithmeticError, ValueError):
+            x = y = None
+        if x is None or x.is_nan() or y.is_nan():
             if a != b:
                 return False
             continue
-        if x != y and not (lenient and x.is_finite() and y.is_finite()
-                           and abs(x - y) <= Decimal("1e-8") + Decimal("1e-5") * abs(y)):
+        if x != y and not (lenient and x.is_finite() and y.is_finite() and _within_tolerance(x, y)):
             return False
     return True
+
+
+def _within_tolerance(x, y) -> bool:
+    import decimal
+
+    with decimal.localcontext(decimal.Context(Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN, traps=[])):
+        return abs(x - y) <= decimal.Decimal("1e-8") + decimal.Decimal("1e-5") * abs(y)
 
 
 def _stdio_verdict(result: RunResult | None, expected: str, lenient: bool) -> Verdict:
@@ -310,52 +344,91 @@ def _run_suite(source: str, suite: dict, n: int, limits: Limits, sandbox: Sandbo
 
 
 def _suite_budget(limits: dict, n: int) -> float:
-    return min(limits["total_timeout"], limits["timeout"] * max(1, n))
+    """Each test's limit plus a second for restarting the program after a test that timed out, within total_timeout."""
+    return min(limits["total_timeout"], (limits["timeout"] + 1.0) * max(1, n))
 
 
 class Sandbox:
-    """Handle on one zygote, thread-safe; its runs use uids in [uid_base, uid_base + UID_RANGE).
+    """Handle on one zygote, thread-safe; its runs use uids in [uid_base, uid_base + UID_RANGE). `packages`: the
+    import names programs may import besides the stdlib (those installed here; see SESSION_PACKAGES).
     `default_sandbox()` is the shared one."""
 
-    def __init__(self, uid_base: int | None = None):
+    def __init__(self, uid_base: int | None = None, packages: tuple[str, ...] = ()):
         self.uid_base = uid_base if uid_base is not None else 1 << 30 | random.randrange(1 << 14) * UID_RANGE
+        self.packages = packages
         self.mode = None
         self._lock = _thread.allocate_lock()
         self._proc = self._control = None
         self._owner_pid = -1
 
     def request(self, job: dict, budget: float):
-        """Hand `job` to a supervisor and return its reply."""
+        """Hand `job` to a supervisor and return its reply. A supervisor that dies fails only this job; if the zygote
+        itself died (and so every job on it), the job is tried once more on a fresh one."""
         for attempt in (1, 2):
-            mine, theirs = socket.socketpair()
+            conn, zygote = self._hand_over()
             try:
-                with self._lock:
-                    self._ensure_started()
-                    zygote = self._proc
-                    try:
-                        _tell(self._control, "job", [theirs.fileno()])
-                    except OSError:
-                        self._stop()  # the zygote died: the next attempt starts a new one
-                        if attempt == 2:
-                            raise SandboxError("the sandbox zygote does not accept jobs") from None
-                        continue
-                theirs.close()
-                mine.settimeout(budget + 30)
-                _send(mine, job)
-                reply = _recv(mine)
+                conn.settimeout(budget + 30)
+                _send(conn, job)
+                reply = _recv(conn)
             except (EOFError, OSError) as e:
-                if attempt == 1:  # a supervisor died under us: once more on a fresh zygote
-                    with self._lock:
-                        if self._proc is zygote:  # not one another thread has already replaced
-                            self._stop()
+                if attempt == 1 and self._died(zygote):
                     continue
-                raise SandboxError(f"a sandbox supervisor failed: {e!r}") from e
+                raise SandboxError(f"a sandbox supervisor died during its job: {e!r}") from e
             finally:
-                mine.close()
-                theirs.close()
+                conn.close()
             if isinstance(reply, dict):
                 raise SandboxError(f"a sandbox supervisor failed:\n{reply['sandbox_error']}")
             return reply
+
+    def open_session(self, job: dict) -> tuple[socket.socket, socket.socket]:
+        """Start a long-lived program (a "session" job): (the job's connection, whose closing ends the session and
+        kills all its processes; a socket to the program itself)."""
+        conn, _ = self._hand_over()
+        try:
+            conn.settimeout(60)
+            _send(conn, job)
+            _, fds, _, _ = socket.recv_fds(conn, 16, 1)
+        except OSError as e:
+            conn.close()
+            raise SandboxError(f"the session could not start: {e!r}") from e
+        if not fds:
+            conn.close()
+            raise SandboxError("the session could not start: its supervisor hung up")
+        conn.settimeout(None)
+        return conn, socket.socket(fileno=fds[0])
+
+    def _hand_over(self) -> tuple[socket.socket, object]:
+        """A connection to a supervisor of a running zygote (started or replaced as needed), and that zygote."""
+        mine, theirs = socket.socketpair()
+        try:
+            with self._lock:
+                for _ in (1, 2):
+                    self._ensure_started()
+                    try:
+                        _tell(self._control, "job", [theirs.fileno()])
+                        return mine, self._proc
+                    except OSError:
+                        self._stop()  # the zygote died: the next attempt starts a new one
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        mine.close()
+        raise SandboxError("the sandbox zygote does not accept jobs")
+
+    def _died(self, zygote) -> bool:
+        """Whether `zygote` is gone (then replaced); a zygote's death ends its supervisors first, so wait a little."""
+        import subprocess
+
+        try:
+            zygote.wait(1)
+        except subprocess.TimeoutExpired:
+            return False
+        with self._lock:
+            if self._proc is zygote:  # not one another thread has already replaced
+                self._stop()
+        return True
 
     def close(self) -> None:
         with self._lock:
@@ -391,12 +464,15 @@ class Sandbox:
         here, name = os.path.split(os.path.abspath(__file__)[:-3])
         python = [sys.executable, "-I", "-S", "-c", f"import sys; sys.path.insert(0, {here!r}); import {name}; "
                   f"sys.path.pop(0); {name}._zygote_main(*sys.argv[1:])"]
-        ns = ["--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation", "private"]
+        ns = ["--net", "--ipc", "--uts", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
+              "--propagation", "private"]
         unshare = shutil.which("unshare")
         attempts = [[unshare, *ns], [unshare, "--user", "--map-root-user", *ns]] if unshare else []
+        packages = _package_paths(self.packages)
         for prefix in attempts + [[]]:
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            proc = subprocess.Popen(prefix + python + [str(theirs.fileno()), str(self.uid_base), str(bool(prefix))],
+            proc = subprocess.Popen(prefix + python + [str(theirs.fileno()), str(self.uid_base), str(bool(prefix)),
+                                                       *packages],
                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                     env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"})
@@ -410,7 +486,8 @@ class Sandbox:
                 proc.stderr.close()
                 mine.settimeout(None)
                 self._proc, self._control, self._owner_pid = proc, mine, os.getpid()
-                notes = ([] if prefix else ["no namespaces: programs have NETWORK ACCESS"]) + (
+                notes = ([] if prefix else ["no namespaces: programs have NETWORK ACCESS and see the whole "
+                                                 "filesystem (read-only by permissions)"]) + (
                     [] if self.mode.endswith("+uids") else ["one uid: runs tracked by process group and marker"])
                 (log.warning if notes else log.info)("sandbox: %s%s", self.mode, "".join("; " + n for n in notes))
                 return
@@ -421,16 +498,32 @@ class Sandbox:
         raise SandboxError("could not start the sandbox zygote in any mode")
 
 
-_default: Sandbox | None = None
+def _package_paths(names: tuple[str, ...]) -> list[str]:
+    """Where the caller's interpreter finds each allow-listed package (not installed: left out, so programs cannot
+    import it either), plus the `*.libs` folders of shared libraries that wheels keep beside their packages."""
+    import importlib.util
+
+    paths = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            continue
+        path = spec.submodule_search_locations[0] if spec.submodule_search_locations else spec.origin
+        folder = os.path.dirname(path)
+        paths += [path] + [os.path.join(folder, e) for e in sorted(os.listdir(folder)) if e.endswith(".libs")]
+    return list(dict.fromkeys(paths))
+
+
+_defaults: dict[tuple[str, ...], Sandbox] = {}
 _default_lock = _thread.allocate_lock()
 
 
-def default_sandbox() -> Sandbox:
-    global _default
+def default_sandbox(packages: tuple[str, ...] = ()) -> Sandbox:
+    """The shared Sandbox whose programs may import `packages` (reward programs: none)."""
     with _default_lock:
-        if _default is None:
-            _default = Sandbox()
-        return _default
+        if packages not in _defaults:
+            _defaults[packages] = Sandbox(packages=packages)
+        return _defaults[packages]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -479,11 +572,16 @@ def _hear(sock: socket.socket, exits: dict | None = None, kind: str | None = Non
 # ----------------------------------------------------------------------------------------------------------
 # Zygote
 
-def _zygote_main(control_fd: str, uid_base: str, namespaces: str) -> None:
-    """The zygote's loop: `sandbox._zygote_main(FD, UID_BASE, NAMESPACES)` in a fresh `python -I -S`."""
+def _zygote_main(control_fd: str, uid_base: str, namespaces: str, *packages: str) -> None:
+    """The zygote's loop: `sandbox._zygote_main(FD, UID_BASE, NAMESPACES, *PACKAGE_PATHS)` in a fresh `python -I -S`."""
+    global _isolated, _package_dirs
     control, uid_base = socket.socket(fileno=int(control_fd)), int(uid_base)
-    if namespaces == "True":
-        _private_filesystem()
+    _isolated = namespaces == "True"
+    if _isolated:
+        _enter_view(packages)
+        _package_dirs = [PACKAGES_DIR] if packages else []
+    else:
+        _package_dirs = list(dict.fromkeys(os.path.dirname(p) for p in packages))
     # Per-run uids need real root: a user namespace maps a single uid.
     switch_uids = os.geteuid() == 0 and open("/proc/self/uid_map").read().split()[2] == "4294967295"
     builtins.exit = builtins.quit = sys.exit  # `-S` skips site.py, which defines them; programs call exit()
@@ -580,28 +678,80 @@ def _forget_zygote_signals() -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
 
-def _private_filesystem() -> None:
-    """Fresh tmpfs over the world-writable dirs, home dirs hidden, the interpreter kept reachable for unprivileged
-    uids (pyenv installs live under /root, mode 0700)."""
-    def call(*argv: str) -> None:
-        if os.waitpid(os.posix_spawnp(argv[0], argv, {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin"}), 0)[1]:
-            raise OSError(f"{' '.join(argv)} failed")
+_isolated = False  # the zygote's namespaces (and so every run's own) exist; inherited by its forks
+_package_dirs: list[str] = []  # what programs add to sys.path for the allow-listed packages
+_libc = ctypes.CDLL(None, use_errno=True)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
+MNT_DETACH = 2
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET = 0x20000, 0x8000000, 0x40000000
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # glibc has no wrapper
 
-    for path in filter(os.path.isdir, PRIVATE_TMPFS):
-        call("mount", "-t", "tmpfs", "-o", "mode=1777,size=512m,nr_inodes=65536,nosuid,nodev", "tmpfs", path)
-    prefix, stash = os.path.realpath(sys.base_prefix), "/tmp/.kiln-python"
-    hidden = [p for p in ("/root", "/home") if os.path.isdir(p)]
-    keep = any(prefix.startswith(p + "/") for p in hidden)
-    if keep:
-        os.mkdir(stash)
-        call("mount", "--bind", prefix, stash)
-    for path in hidden:
-        call("mount", "-t", "tmpfs", "-o", "mode=755,size=1m", "tmpfs", path)
-    if keep:
-        os.makedirs(prefix)
-        call("mount", "--bind", "-o", "ro", stash, prefix)
-        call("umount", stash)
-        os.rmdir(stash)
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
+def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    _check(_libc.mount(source.encode(), target.encode(), fstype and fstype.encode(), flags, data and data.encode()),
+           f"mount {target}")
+
+
+def _enter_view(packages: tuple[str, ...]) -> None:
+    """Make the root of the zygote's mount namespace a new tmpfs holding only what programs may see (the module
+    docstring lists it), then pivot_root into it and detach the host's tree, which no process here can reach again."""
+    root = "/tmp"  # any mount point does: this namespace's mounts are private
+
+    def bind(source: str, target: str | None = None, read_only: bool = True) -> None:
+        target = root + (target or source)
+        if os.path.isdir(source):
+            os.makedirs(target, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            open(target, "w").close()
+        _mount(source, target, None, MS_BIND | MS_REC)
+        if read_only:
+            _mount("none", target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+    _mount("kiln-view", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
+    for path in ("/usr", "/bin", "/lib", "/lib32", "/lib64", "/sbin"):
+        if os.path.islink(path):  # merged /usr
+            os.symlink(os.readlink(path), root + path)
+        elif os.path.isdir(path):
+            bind(path)
+    prefix = os.path.realpath(sys.base_prefix)
+    if not prefix.startswith("/usr/"):
+        bind(prefix)  # a pyenv or conda interpreter; the folders made on the way are 755, unlike /root
+    for lib in ("/usr/lib", "/usr/local/lib", prefix + "/lib"):  # installed packages: only the allow-list's
+        for entry in os.listdir(lib) if os.path.isdir(lib) else ():
+            for folder in (f"{root}{lib}/{entry}/site-packages", f"{root}{lib}/{entry}/dist-packages"):
+                if entry.startswith("python") and os.path.isdir(folder):
+                    _mount("kiln-empty", folder, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k")
+    for path in packages:
+        bind(path, f"{PACKAGES_DIR}/{os.path.basename(path)}")
+    os.mkdir(root + "/proc")
+    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")  # only one's own processes
+    os.mkdir(root + "/dev")
+    for name in ("null", "zero", "full", "random", "urandom"):
+        bind("/dev/" + name, read_only=False)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2"), ("shm", "/tmp")):  # POSIX shared memory: the run's /tmp
+        os.symlink(target, f"{root}/dev/{name}")
+    os.mkdir(root + "/tmp")  # each run mounts its own tmpfs here
+    os.chdir(root)
+    _check(_libc.syscall(SYS_PIVOT_ROOT[os.uname().machine], b".", b"."), "pivot_root")
+    _check(_libc.umount2(b".", MNT_DETACH), "detaching the host's root")
+    os.chdir("/")
+    _mount("none", "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def _isolate_run(uid: int | None, limits: dict) -> None:
+    """In a freshly forked program (still root): own mount, IPC and network namespaces, and a private tmpfs /tmp
+    that is freed with the last process of the run."""
+    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWNET), "unshare")
+    owner = "" if uid is None else f",uid={uid},gid={uid}"
+    _mount("kiln-run", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=700,size={limits['tmp_mb']}m,nr_inodes=16384{owner}")
 
 
 class _RunIds(NamedTuple):
@@ -627,9 +777,14 @@ def _supervisor_main(channel: socket.socket) -> None:
         message, fds = _hear(channel, exits, "job")
         if message is None:
             return
-        conn = socket.socket(fileno=fds[0])
+        conn, reply = socket.socket(fileno=fds[0]), None
         try:
-            reply = _serve(_recv(conn), _RunIds(*message[1]), channel, exits)
+            job, ids = _recv(conn), _RunIds(*message[1])
+            if job["kind"] == "session":
+                _serve_session(job, ids, channel, exits, conn)
+            else:
+                reply = _serve_run(job, ids, channel, exits) if job["kind"] == "run" else \
+                    _serve_suite(job, ids, channel, exits)
         except BaseException:
             import traceback
 
@@ -638,40 +793,77 @@ def _supervisor_main(channel: socket.socket) -> None:
         if jobs_done < JOBS_PER_SUPERVISOR:
             _tell(channel, ("idle",))  # before replying, so that the zygote knows by the caller's next job
         try:
-            _send(conn, reply)
+            if reply is not None:
+                _send(conn, reply)
         except OSError:
             pass
         conn.close()
 
 
-def _serve(job: dict, ids: _RunIds, channel: socket.socket, exits: dict) -> list:
+def _serve_run(job: dict, ids: _RunIds, channel: socket.socket, exits: dict) -> list:
     limits = job["limits"]
-    if job["kind"] == "run":
-        deadline, results = time.monotonic() + limits["total_timeout"], []
-        for stdin in job["stdins"]:
-            budget = min(limits["timeout"], deadline - time.monotonic())
-            results.append(_run_program(job["source"], stdin, limits, ids, budget, channel, exits)
-                           if budget > 0 else None)
-        return results
-    deadline = time.monotonic() + _suite_budget(limits, job["n"])
-    mine, theirs = socket.socketpair()
-    null = os.open(os.devnull, os.O_RDWR)
-    tmp, pid = _spawn(channel, exits, ids, limits, deadline - time.monotonic(),
-                      [null, os.dup(null), os.dup(null), theirs.detach()])
-    _send(mine, ("serve", job["source"], job["suite"]["kind"] == "call"))
-    verdicts = _run_tests(job["suite"], mine, ids.uid(1), deadline)
-    mine.close()
-    _kill_run(ids, pid, channel, exits, tmp)
+    deadline, results = time.monotonic() + limits["total_timeout"], []
+    for stdin in job["stdins"]:
+        budget = min(limits["timeout"], deadline - time.monotonic())
+        results.append(_run_program(job["source"], stdin, limits, ids, budget, channel, exits)
+                       if budget > 0 else None)
+    return results
+
+
+def _serve_suite(job: dict, ids: _RunIds, channel: socket.socket, exits: dict) -> list:
+    """Run the tests against the program; after a test that timed out, a fresh program runs the tests after it."""
+    limits, suite, n = job["limits"], job["suite"], job["n"]
+    deadline = time.monotonic() + _suite_budget(limits, n)
+    # A CPU-bound hang inside C code (building or comparing what the program returned) ignores the tests' alarm:
+    # then this limit ends the supervisor, the job fails alone (SandboxError) and the zygote cleans up.
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = math.ceil(used.ru_utime + used.ru_stime + _suite_budget(limits, n)) + 5
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, resource.RLIM_INFINITY))
+    verdicts: list[tuple[str, str]] = []
+    while len(verdicts) < n:
+        if time.monotonic() >= deadline:
+            return verdicts + [("timeout", "not run: the suite's total_timeout was used up")] * (n - len(verdicts))
+        mine, theirs = socket.socketpair()
+        null = os.open(os.devnull, os.O_RDWR)
+        tmp, pid = _spawn(channel, exits, ids, limits, deadline - time.monotonic(),
+                          [null, os.dup(null), os.dup(null), theirs.detach()])
+        _send(mine, ("serve", job["source"], suite["kind"] == "call"))
+        verdicts += _run_tests(suite, mine, ids.uid(1), len(verdicts), limits, deadline)
+        mine.close()
+        _kill_run(ids, pid, channel, exits, tmp)
     return verdicts
 
 
+def _serve_session(job: dict, ids: _RunIds, channel: socket.socket, exits: dict, conn: socket.socket) -> None:
+    """Start the session's program, hand the caller a socket to it, and kill the run once the caller hangs up."""
+    mine, theirs = socket.socketpair()
+    null = os.open(os.devnull, os.O_RDWR)
+    tmp, pid = _spawn(channel, exits, ids, job["limits"], SESSION_CPU_SECONDS,
+                      [null, os.dup(null), os.dup(null), theirs.detach()])
+    _send(mine, ("session", job["input_image"]))
+    socket.send_fds(conn, [b"s"], [mine.fileno()])
+    mine.close()
+    poller = select.poll()
+    poller.register(conn, select.POLLIN)
+    poller.register(channel, select.POLLIN)
+    while True:
+        events = dict(poller.poll())
+        if channel.fileno() in events and _hear(channel, exits)[0] is None:
+            break  # the zygote is gone, and the run with it
+        if conn.fileno() in events and not conn.recv(1):
+            break
+    _kill_run(ids, pid, channel, exits, tmp)
+
+
 def _spawn(channel: socket.socket, exits: dict, ids: _RunIds, limits: dict, budget: float,
-           fds: list[int]) -> tuple[str, int]:
-    """Have the zygote fork the run's program with `fds` as its 0, 1, 2, 3, in a new temp dir; (dir, pid)."""
-    tmp = f"/tmp/kiln-{ids.marker}-{os.urandom(3).hex()}"
-    os.mkdir(tmp, 0o700)
-    if ids.switch_uids:
-        os.chown(tmp, ids.program_uid, ids.program_uid)
+           fds: list[int]) -> tuple[str | None, int]:
+    """Have the zygote fork the run's program with `fds` as its 0, 1, 2, 3; (its temp dir in plain mode, pid)."""
+    tmp = None
+    if not _isolated:  # otherwise the program mounts its own /tmp
+        tmp = f"/tmp/kiln-{ids.marker}-{os.urandom(3).hex()}"
+        os.mkdir(tmp, 0o700)
+        if ids.switch_uids:
+            os.chown(tmp, ids.program_uid, ids.program_uid)
     _tell(channel, ("spawn", (ids.uid(0), limits, budget, tmp, ids.marker)), fds)
     for fd in fds:
         os.close(fd)
@@ -752,8 +944,9 @@ def _drain(fd: int, buf: bytearray, cap: int) -> bool:
     return True
 
 
-def _kill_run(ids: _RunIds, pid: int, channel: socket.socket, exits: dict, tmp: str) -> None:
-    """Kill every process of the run, however far it wandered from its parent; remove what it left in the tmpfs."""
+def _kill_run(ids: _RunIds, pid: int, channel: socket.socket, exits: dict, tmp: str | None) -> None:
+    """Kill every process of the run, however far it wandered from its parent; in plain mode, remove what it left
+    (with namespaces its /tmp is freed with its last process)."""
     import shutil
 
     _kill_once(ids, [pid], scan=False)
@@ -765,8 +958,10 @@ def _kill_run(ids: _RunIds, pid: int, channel: socket.socket, exits: dict, tmp: 
         time.sleep(0.0002 if attempt < 100 else 0.01)
     else:
         raise SandboxError(f"processes of run {ids.index} survived SIGKILL for 30s")
+    if tmp is None:
+        return
     leftovers = [tmp]
-    for top in PRIVATE_TMPFS if ids.switch_uids else ():  # what the run wrote outside its temp dir
+    for top in WORLD_WRITABLE if ids.switch_uids else ():  # what the run wrote outside its temp dir
         try:
             leftovers += [e.path for e in os.scandir(top) if e.stat(follow_symlinks=False).st_uid in ids.uids]
         except OSError:
@@ -827,6 +1022,9 @@ def _program_main(spec: tuple, fds: list[int]) -> None:
         for target, fd in enumerate(moved):
             os.dup2(fd, target)
         os.closerange(len(fds), 1 << 20)
+        if cwd is None:
+            _isolate_run(uid, limits)
+            cwd = "/tmp"
         os.chdir(cwd)
         for which, value in ((resource.RLIMIT_AS, limits["memory_mb"] << 20), (resource.RLIMIT_CORE, 0),
                              (resource.RLIMIT_NPROC, limits["nproc"]), (resource.RLIMIT_NOFILE, limits["nofile"]),
@@ -843,12 +1041,16 @@ def _program_main(spec: tuple, fds: list[int]) -> None:
             os.setresuid(uid, uid, uid)
         os.environ.update({"HOME": cwd, "TMPDIR": cwd, "KILN_RUN": marker})
         sys.argv = ["solution.py"]
+        sys.path += _package_dirs
         sock = socket.socket(fileno=3)
         job = _recv(sock)
         if job[0] == "run":
             sock.close()
             _exec_program(job[1])
-        _serve_program(sock, job[1], job[2])
+        elif job[0] == "session":
+            _session_main(sock, job[1])
+        else:
+            _serve_program(sock, job[1], job[2])
     finally:
         os._exit(127)
 
@@ -1019,36 +1221,114 @@ class _TestsDecoder(pickle.Unpickler):
     def find_class(self, module, name):
         if name not in PLAIN.get(module, ()) or name == "NoneType":
             raise pickle.UnpicklingError(f"the program sent a {module}.{name}")
-        return getattr(__import__(module), name)
+        return _bounded_fraction if name == "Fraction" else getattr(__import__(module), name)
 
     def persistent_load(self, pid):
         return _Remote(pid, self.rpc)
 
 
-def _rpc_client(sock: socket.socket):
+def _bounded_fraction(*parts):
+    """A Fraction pickles as (numerator, denominator), rebuilt with a gcd; a forged one may bring text to parse.
+    Both cost more than linear time, so their size is bounded."""
+    import fractions
+
+    if not all(type(p) is int and p.bit_length() <= 4 * MAX_FRACTION_DIGITS or type(p) is str
+               and len(p) <= MAX_FRACTION_DIGITS for p in parts):
+        raise pickle.UnpicklingError("the program sent a Fraction too large to rebuild")
+    return fractions.Fraction(*parts)
+
+
+def _too_many_items(value) -> bool:
+    """Whether `value`, walked as a tree, holds more than MAX_REPLY_ITEMS containers and items: a few bytes of
+    pickle can share one list a billion times, and comparing or normalising it would take that long."""
+    budget, stack = MAX_REPLY_ITEMS, [value]
+    while stack:
+        item = stack.pop()
+        budget -= 1
+        if budget < 0:
+            return True
+        if isinstance(item, dict):
+            stack += item.keys()
+            stack += item.values()
+        elif isinstance(item, (list, tuple, set, frozenset, collections.deque)):
+            stack += item
+    return False
+
+
+class _ShortRepr(reprlib.Repr):
+    """reprlib's abbreviations, without turning a huge int into decimal digits (quadratic time)."""
+
+    def repr_int(self, x, level):
+        return repr(x) if x.bit_length() < 4000 else f"<int of {x.bit_length()} bits>"
+
+
+_short = _ShortRepr().repr
+
+
+class _TestTimeout(BaseException):
+    """A test (or the program's start) ran past its time limit."""
+
+
+class _Clock:
+    """The current test's deadline, enforced by SIGALRM without races: the handler raises only while a test is
+    armed, at most once per test (it disarms first), and a connection interrupted mid-exchange stays expired (the
+    program's late reply must never answer a later request)."""
+
+    def __init__(self):
+        self.deadline, self.armed, self.expired = math.inf, False, False
+
+    def on_alarm(self, *_) -> None:
+        if self.armed and time.monotonic() >= self.deadline:
+            self.armed, self.expired = False, True
+            raise _TestTimeout
+
+    def arm(self, seconds: float) -> None:
+        self.deadline, self.armed = time.monotonic() + seconds, True
+        signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001), 0.05)  # repeats: the first may come early
+
+    def disarm(self) -> None:
+        self.armed = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _rpc_client(sock: socket.socket, clock: _Clock):
     def receive():
+        if clock.expired:
+            raise _TestTimeout
         try:
             (size,) = struct.unpack("<Q", _recv_exact(sock, 8))
-            if size > 256 << 20:
-                raise ProgramError("reply larger than 256 MiB")
+            if size > MAX_REPLY_BYTES:
+                raise ProgramError(f"a reply larger than {MAX_REPLY_BYTES >> 20} MiB")
             decoder = _TestsDecoder(io.BytesIO(_recv_exact(sock, size)))
             decoder.rpc = rpc
             message = decoder.load()
-            if type(message) is not tuple or message[0] not in ("ok", "err"):
-                raise ValueError(f"not a reply: {message!r:.100}")
+            if type(message) is not tuple or message[0] not in ("ok", "err") or len(message) != (2, 3)[
+                    message[0] == "err"]:
+                raise ValueError("not a reply")
+            if message[0] == "ok" and _too_many_items(message[1]):
+                raise ProgramError(f"a value of more than {MAX_REPLY_ITEMS} items")
         except (EOFError, OSError):
             raise ProgramError("the program exited") from None
+        except ProgramError:
+            raise
         except Exception as e:  # the program wrote to its end of the socket itself, or broke its own server
-            raise ProgramError(f"malformed reply: {e}") from None
+            raise ProgramError(f"malformed reply: {_short(e)}") from None
         if message[0] == "ok":
             return message[1]
         _, name, text = message
-        cls = getattr(builtins, name, None)
-        error = cls(text) if isinstance(cls, type) and issubclass(cls, Exception) else ProgramError(f"{name}: {text}")
+        cls = getattr(builtins, str(name), None)
+        try:  # some builtin exceptions cannot be rebuilt from a message (UnicodeDecodeError takes five arguments)
+            error = cls(str(text)) if isinstance(cls, type) and issubclass(cls, Exception) else None
+        except Exception:
+            error = None
+        if error is None:
+            error = ProgramError(f"{_short(name)}: {_short(text)}")
         error.from_program = True
         raise error
 
     def rpc(op, ref, args, kwargs):
+        if clock.expired:
+            raise _TestTimeout
         try:
             data = pickle.dumps((op, ref, args, kwargs), protocol=5)
         except TypeError:  # handles among the arguments
@@ -1061,66 +1341,70 @@ def _rpc_client(sock: socket.socket):
     return rpc, receive
 
 
-class _Deadline(BaseException):
-    """The suite's time is up (raised by SIGALRM while the supervisor runs the tests)."""
-
-
-def _run_tests(suite: dict, sock: socket.socket, uid: int | None, deadline: float) -> list[tuple[str, str]]:
-    """Run the suite as `uid` (keeping root as the saved uid, to clean up after), calling the program over
-    `sock`. The program cannot signal or trace us: another uid, and not dumpable after the uid change."""
-    rpc, receive = _rpc_client(sock)
+def _run_tests(suite: dict, sock: socket.socket, uid: int | None, first: int, limits: dict,
+               deadline: float) -> list[tuple[str, str]]:
+    """Verdicts of tests `first`, ...: until the last one or one that timed out (included; the caller starts a
+    fresh program for the rest). Each test, and the program's start, gets `timeout` seconds. Runs as `uid`
+    (keeping root as the saved uid, to clean up after), calling the program over `sock`; the program cannot
+    signal or trace us: another uid, and not dumpable after the uid change."""
+    clock = _Clock()
+    rpc, receive = _rpc_client(sock, clock)
     n = len(suite["asserts"]) if suite["kind"] == "assert" else len(suite["args"])
-    verdicts: list[tuple[str, str]] = []
+    timeout = limits["timeout"]
 
-    def on_alarm(*_):
-        if time.monotonic() >= deadline:
-            raise _Deadline
+    def within_limits(step):
+        """step() under the test's time limit; every way out disarms it."""
+        clock.arm(min(timeout, deadline - time.monotonic()))
+        try:
+            return step()
+        finally:
+            clock.disarm()
 
-    signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, max(deadline - time.monotonic(), 0.001), 0.05)  # repeats if caught
-    # A CPU-bound hang inside C code ignores SIGALRM: then the CPU limit ends us and the zygote cleans up.
-    used = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = math.ceil(used.ru_utime + used.ru_stime + deadline - time.monotonic()) + 5
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, resource.RLIM_INFINITY))
+    signal.signal(signal.SIGALRM, clock.on_alarm)
+    # The tests' side has its own memory limit: what the program returns is built here.
+    memory_before = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as f:
+        size = int(f.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (size + (limits["memory_mb"] << 20), memory_before[1]))
     gc.disable()
     if uid is not None:
         os.setresgid(uid, uid, 0)
         os.setresuid(uid, uid, 0)
     try:
         try:
-            receive()  # the program's module has run
-            run_test = _assert_runner(suite, rpc) if suite["kind"] == "assert" else _call_runner(suite, rpc)
-        except _Deadline:
-            raise
+            run_test = within_limits(lambda: receive() or (  # the program's module has run
+                _assert_runner(suite, rpc) if suite["kind"] == "assert" else _call_runner(suite, rpc)))
+        except _TestTimeout:
+            return [("timeout", f"the program did not start within {timeout}s")] * (n - first)
         except BaseException as e:
             # The setup may use the program's names (MBPP builds trees of the program's Node class).
             blamed = getattr(e, "from_program", False) or isinstance(e, NameError) and e.name in suite.get("before", ())
-            return [(_classify(e) if blamed else "harness_error", f"before the tests: {_describe(e)}")] * n
-        for i in range(n):
+            return [(_classify(e) if blamed else "harness_error", f"before the tests: {_describe(e)}")] * (n - first)
+        verdicts: list[tuple[str, str]] = []
+        for i in range(first, n):
             try:
-                detail = run_test(i)
+                detail = within_limits(lambda: run_test(i))
                 verdicts.append(("pass", "") if detail is None else ("wrong_answer", detail))
-            except _Deadline:
-                raise
+            except _TestTimeout:
+                verdicts.append(("timeout", f"no result within {timeout}s"))
             except BaseException as e:
                 verdicts.append((_classify(e), _describe(e)))
             if verdicts[-1][0] != "pass" and suite.get("stop"):
-                return verdicts + [("not_run", "")] * (n - len(verdicts))
-    except _Deadline:
-        return verdicts + [("timeout", "time limit reached")] * (n - len(verdicts))
+                return verdicts + [("not_run", "")] * (n - first - len(verdicts))
+            if verdicts[-1][0] == "timeout":
+                break
+        return verdicts
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        clock.disarm()
         if uid is not None:
             os.setresuid(0, 0, 0)
             os.setresgid(0, 0, 0)
+        resource.setrlimit(resource.RLIMIT_AS, memory_before)
         gc.enable()
-    return verdicts
 
 
 def _describe(e: BaseException) -> str:
-    import reprlib
-
-    return f"{type(e).__name__}: {reprlib.repr(str(e))[1:-1]}"[:500]
+    return f"{type(e).__name__}: {_short(str(e))[1:-1]}"[:500]
 
 
 def _classify(e: BaseException) -> str:
@@ -1149,8 +1433,6 @@ def _assert_runner(suite: dict, rpc):
 
 
 def _call_runner(suite: dict, rpc):
-    import reprlib
-
     target = []
 
     def run_test(i: int):
@@ -1163,7 +1445,7 @@ def _call_runner(suite: dict, rpc):
         got = _as_lists(target[0](*args))
         if type(got) is not _Remote and (got == expected or type(expected) is list and [got] == expected):
             return None
-        return f"args {reprlib.repr(args)}: expected {reprlib.repr(expected)}, got {reprlib.repr(got)}"
+        return f"args {_short(args)}: expected {_short(expected)}, got {_short(got)}"
 
     return run_test
 
@@ -1175,21 +1457,8 @@ def _as_lists(value):
     return {k: _as_lists(v) for k, v in value.items()} if type(value) is dict else value
 
 
-# ======================================================================================================================
-# PythonSession: the agent's stateful Python tool. One interpreter per trajectory in its own process (own session and
-# process group, a private temp dir as cwd and HOME, minimal environment, the Limits' rlimits, killed with its parent by
-# PR_SET_PDEATHSIG). Variables, imports and files persist across calls. Each call has a timeout: an interval timer in
-# the interpreter interrupts that call only (state kept); code that will not be interrupted gets the process killed and
-# a fresh interpreter (reported). PIL images shown or saved and matplotlib figures come back as PNG bytes.
-# ======================================================================================================================
-import atexit  # noqa: E402  (this section's own imports, kept with the section)
-import base64  # noqa: E402
-import json  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import weakref  # noqa: E402
-
+# ----------------------------------------------------------------------------------------------------------
+# PythonSession: the agent's stateful Python tool, a long-lived program of the zygote (a "session" job)
 
 class ToolOutput(NamedTuple):
     stdout: str
@@ -1199,152 +1468,68 @@ class ToolOutput(NamedTuple):
     timed_out: bool
 
 
-_PYTHON_WORKER = r'''
-import base64, contextlib, glob, io, json, os, signal, sys, traceback
-os.environ["MPLBACKEND"] = "Agg"
-proto_in, proto_out = os.fdopen(int(sys.argv[1]), "r"), os.fdopen(int(sys.argv[2]), "w")
-class CallTimeout(BaseException): pass
-def on_alarm(signum, frame): raise CallTimeout()
-signal.signal(signal.SIGALRM, on_alarm)
-namespace = {"__name__": "__main__"}
-shown = []
-def png(image):
-    buf = io.BytesIO(); image.save(buf, format="PNG"); return buf.getvalue()
-def capture_show(self, *args, **kwargs): shown.append(png(self))
-try:
-    from PIL import Image
-    Image.Image.show = capture_show
-    if os.path.exists("input_image.png"):
-        namespace["image"] = Image.open("input_image.png"); namespace["image"].load()
-except ImportError:
-    pass
-def stamp():
-    return {f: os.stat(f).st_mtime_ns for f in glob.glob("**/*", recursive=True)
-            if f.lower().endswith((".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp")) and os.path.isfile(f)}
-for line in proto_in:
-    request = json.loads(line)
-    shown.clear(); before = stamp(); out, err = io.StringIO(), io.StringIO(); error = None; timed_out = False
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            signal.setitimer(signal.ITIMER_REAL, request["timeout"])
-            exec(compile(request["code"], "<tool>", "exec"), namespace)
-        except CallTimeout:
-            timed_out, error = True, f"timeout: the call ran past {request['timeout']}s and was interrupted"
-        except BaseException as e:
-            error = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-    images = list(shown)
-    try:
-        for name in sorted(f for f, t in stamp().items() if before.get(f) != t):
-            images.append(png(Image.open(name)))
-        if "matplotlib.pyplot" in sys.modules:
-            plt = sys.modules["matplotlib.pyplot"]
-            for number in plt.get_fignums():
-                buf = io.BytesIO(); plt.figure(number).savefig(buf, format="png"); images.append(buf.getvalue())
-            plt.close("all")
-    except Exception as e:
-        err.write(f"\n[images could not be collected: {type(e).__name__}: {e}]")
-    proto_out.write(json.dumps({"stdout": out.getvalue(), "stderr": err.getvalue(), "error": error,
-                                "timed_out": timed_out,
-                                "images": [base64.b64encode(i).decode() for i in images]}) + "\n")
-    proto_out.flush()
-'''
-
-_LIVE_SESSIONS: weakref.WeakSet = weakref.WeakSet()
-
-
 class PythonSession:
-    """`with PythonSession(input_image=png_bytes) as s: s.run("x = 1"); s.run("print(x)")`. The input image is
-    `input_image.png` in the working directory and, when Pillow is installed, the PIL image `image`."""
+    """`with PythonSession(input_image=png_bytes) as s: s.run("x = 1"); s.run("print(x)")`. Variables, imports and
+    files persist across calls. The code runs as a program of `sandbox` (default: the shared one whose programs may
+    import SESSION_PACKAGES): the filesystem view, its own namespaces (no network), a fresh unprivileged uid, the
+    Limits' rlimits and SESSION_CPU_SECONDS of CPU; its working dir (a private tmpfs) holds the input image as
+    `input_image.png`, also the PIL image `image`. Each call has a timeout: an alarm in the interpreter interrupts that
+    call only (state kept); code that will not be interrupted gets a fresh interpreter (reported). PIL images shown
+    or saved and matplotlib figures come back as PNG bytes. close() kills every process the session started."""
 
     def __init__(self, input_image: bytes | None = None, limits: Limits = Limits(), max_images: int = 4,
-                 max_image_bytes: int = 4 << 20, max_output: int = 1 << 16):
+                 max_image_bytes: int = 4 << 20, max_output: int = 1 << 16, sandbox: Sandbox | None = None):
         self.limits, self.max_images, self.max_image_bytes, self.max_output = limits, max_images, max_image_bytes, max_output
         self.input_image = input_image
-        self.process = None
-        self.tmp = None
+        self.sandbox = sandbox or default_sandbox(SESSION_PACKAGES)
+        self._job = self._program = None
         self._start()
-        _LIVE_SESSIONS.add(self)
 
     def _start(self) -> None:
-        self.tmp = tempfile.mkdtemp(prefix="kiln-python-")
-        if self.input_image is not None:
-            with open(os.path.join(self.tmp, "input_image.png"), "wb") as f:
-                f.write(self.input_image)
-        child_reads, parent_writes = os.pipe()
-        parent_reads, child_writes = os.pipe()
-        limits = self.limits
-        env = {"PATH": "/usr/bin:/bin", "HOME": self.tmp, "MPLBACKEND": "Agg", "MPLCONFIGDIR": self.tmp,
-               "PYTHONDONTWRITEBYTECODE": "1"}
-
-        def in_child() -> None:  # runs in the forked child before exec
-            import ctypes
-
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the process that started us
-            mb = 1 << 20
-            resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb))
-            resource.setrlimit(resource.RLIMIT_FSIZE, (limits.fsize_mb * mb, limits.fsize_mb * mb))
-            resource.setrlimit(resource.RLIMIT_NOFILE, (limits.nofile, limits.nofile))
-
-        self.process = subprocess.Popen(
-            [sys.executable, "-I", "-c", _PYTHON_WORKER, str(child_reads), str(child_writes)], cwd=self.tmp, env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=in_child,
-            pass_fds=(child_reads, child_writes))
-        os.close(child_reads)
-        os.close(child_writes)
-        self._send = os.fdopen(parent_writes, "w")
-        self._receive = os.fdopen(parent_reads, "r")
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
+        job = {"kind": "session", "limits": self.limits._asdict(), "input_image": self.input_image}
+        self._job, self._program = self.sandbox.open_session(job)
 
     def run(self, code: str, timeout: float | None = None) -> ToolOutput:
         """Run `code` in the session. Never raises for anything the code does."""
         timeout = timeout or self.limits.timeout
-        if self.process is None:
+        if self._program is None:
             raise SandboxError("PythonSession.run after close()")
         try:
-            self._send.write(json.dumps({"code": code, "timeout": timeout}) + "\n")
-            self._send.flush()
-        except BrokenPipeError:
-            return self._restart("the interpreter had died; a fresh one was started (all state is lost)")
-        ready, _, _ = select.select([self._receive], [], [], timeout + 5)  # grace for collecting images
-        line = self._receive.readline() if ready else ""
-        if not line:
-            why = ("the call ran past its timeout and could not be interrupted" if not ready
-                   else "the interpreter died (memory limit or os._exit?)")
-            return self._restart(f"{why}; it was killed and a fresh one started (all state is lost)", timed_out=not ready)
-        reply = json.loads(line)
-        images = [base64.b64decode(i) for i in reply["images"]]
+            self._program.settimeout(timeout + 5)  # grace for collecting images
+            _send(self._program, (code, timeout, self.max_output))
+            reply = _session_reply(self._program)
+        except TimeoutError:
+            return self._restart("the call ran past its timeout and could not be interrupted; it was killed and a "
+                                 "fresh interpreter started (all state is lost)", timed_out=True)
+        except (OSError, EOFError, ValueError, pickle.UnpicklingError):
+            return self._restart("the interpreter died (memory limit or os._exit?); a fresh one was started (all "
+                                 "state is lost)")
+        stdout, stderr, error, timed_out, images = reply
         kept = [i for i in images if len(i) <= self.max_image_bytes][: self.max_images]
-        stderr = reply["stderr"][: self.max_output]
+        stderr = stderr[: self.max_output]
         if len(kept) < len(images):
             stderr += f"\n[{len(images) - len(kept)} images dropped: at most {self.max_images} of " \
                       f"{self.max_image_bytes} bytes each]"
-        return ToolOutput(reply["stdout"][: self.max_output], stderr, reply["error"], kept, reply["timed_out"])
+        return ToolOutput(stdout[: self.max_output], stderr, error, kept, timed_out)
 
     def _restart(self, why: str, timed_out: bool = False) -> ToolOutput:
-        self._kill()
+        self.close()
         self._start()
         return ToolOutput("", "", why, [], timed_out)
 
-    def _kill(self) -> None:
-        if self.process is None:
-            return
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # the interpreter and anything it started in its group
-        except ProcessLookupError:
-            pass
-        self.process.wait()
-        self._send.close()
-        self._receive.close()
-        self.process = None
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
     def close(self) -> None:
-        self._kill()
+        """End the session; returns once every process it started is gone."""
+        if self._job is None:
+            return
+        self._program.close()
+        try:
+            self._job.shutdown(socket.SHUT_WR)
+            self._job.settimeout(60)
+            self._job.recv(1)  # the supervisor hangs up once it has killed the run
+        except OSError:
+            pass
+        self._job.close()
+        self._job = self._program = None
 
     def __enter__(self) -> PythonSession:
         return self
@@ -1356,8 +1541,89 @@ class PythonSession:
         self.close()
 
 
-@atexit.register
-def _close_live_sessions() -> None:
-    for session in list(_LIVE_SESSIONS):
-        session.close()
-# =============================================== end of the PythonSession section ===============================================
+def _session_reply(sock: socket.socket) -> tuple:
+    """The session program's reply, decoded as untrusted data: (stdout, stderr, error, timed_out, images)."""
+    (size,) = struct.unpack("<Q", _recv_exact(sock, 8))
+    if size > MAX_REPLY_BYTES:
+        raise ValueError("reply too large")
+    decoder = _TestsDecoder(io.BytesIO(_recv_exact(sock, size)))
+    decoder.rpc = None
+    reply = decoder.load()
+    kinds = (str, str, (str, type(None)), bool, list)
+    if type(reply) is not tuple or len(reply) != 5 or not all(isinstance(v, k) for v, k in zip(reply, kinds)) \
+            or not all(type(i) is bytes for i in reply[4]):
+        raise ValueError("not a session reply")
+    return reply
+
+
+def _session_main(sock: socket.socket, input_image: bytes | None) -> None:
+    """The session's program: run each call's code in one namespace and send back what it printed and drew."""
+    import contextlib
+    import traceback
+
+    class CallTimeout(BaseException):
+        pass
+
+    def on_alarm(*_):
+        raise CallTimeout()
+
+    def png(image) -> bytes:
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return buf.getvalue()
+
+    def stamps() -> dict[str, int]:
+        found = {}
+        for folder, _, files in os.walk("."):
+            for name in files:
+                if name.lower().endswith((".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp")):
+                    path = os.path.join(folder, name)[2:]
+                    found[path] = os.stat(path).st_mtime_ns
+        return found
+
+    os.environ.update({"MPLBACKEND": "Agg", "MPLCONFIGDIR": os.getcwd(), "OPENBLAS_NUM_THREADS": "1"})
+    signal.signal(signal.SIGALRM, on_alarm)
+    namespace, shown = _program_module(False), []
+    if input_image is not None:
+        with open("input_image.png", "wb") as f:
+            f.write(input_image)
+    try:
+        from PIL import Image
+
+        Image.Image.show = lambda self, *args, **kwargs: shown.append(png(self))
+        if input_image is not None:
+            namespace["image"] = Image.open("input_image.png")
+            namespace["image"].load()
+    except ImportError:
+        Image = None
+    while True:
+        try:
+            code, timeout, max_output = _recv(sock)
+        except EOFError:
+            os._exit(0)
+        shown.clear()
+        before, out, err, error, timed_out = stamps(), io.StringIO(), io.StringIO(), None, False
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                signal.setitimer(signal.ITIMER_REAL, timeout)
+                exec(compile(code, "<tool>", "exec"), namespace)
+            except CallTimeout:
+                timed_out, error = True, f"timeout: the call ran past {timeout}s and was interrupted"
+            except BaseException as e:
+                error = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        images = list(shown)
+        try:
+            for name in sorted(f for f, t in stamps().items() if before.get(f) != t):
+                images.append(png(Image.open(name)))
+            if "matplotlib.pyplot" in sys.modules:
+                plt = sys.modules["matplotlib.pyplot"]
+                for number in plt.get_fignums():
+                    buf = io.BytesIO()
+                    plt.figure(number).savefig(buf, format="png")
+                    images.append(buf.getvalue())
+                plt.close("all")
+        except Exception as e:
+            err.write(f"\n[images could not be collected: {type(e).__name__}: {e}]")
+        _send(sock, (out.getvalue()[:max_output], err.getvalue()[:max_output], error, timed_out, images))

@@ -225,13 +225,18 @@ def test_syntax_errors_are_reported_without_running():
     assert statuses(verdicts) == ["syntax_error"] * 2 and "line 1" in verdicts[0].detail
 
 
-def test_suite_timeout():
+def test_each_test_has_its_own_time_limit():
+    """A test that hangs is a timeout, and a fresh program runs the tests after it (state from before is gone)."""
     source = textwrap.dedent("""
+        calls = []
         def f(x):
+            calls.append(x)
             while x > 1:
                 pass
-            return x
+            return len(calls)
     """)
     verdicts = run_assert_tests(source, ["assert f(1) == 1", "assert f(2) == 2", "assert f(1) == 1"],
                                 limits=Limits(timeout=0.5))
-    assert statuses(verdicts) == ["pass", "timeout", "timeout"]
+    assert statuses(verdicts) == ["pass", "timeout", "pass"]
+    verdicts = run_call_tests(source, "f", [[1], [2], [1], [1]], [1, 0, 1, 2], limits=Limits(timeout=0.5))
+    assert statuses(verdicts) == ["pass", "timeout", "pass", "pass"]
