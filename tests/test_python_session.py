@@ -1,5 +1,6 @@
 """sandbox.PythonSession, the agent's Python tool: state persists, a timeout kills only that call, images come back as
-PNG, the input image is available, and no process survives session close or the death of the process that owns it."""
+PNG, the input image is available, it is isolated like reward programs (uid, view, no network, own processes only),
+and no process survives session close or the death of the process that owns it."""
 import io
 import os
 import signal
@@ -16,11 +17,25 @@ sys.path.insert(0, str(ROOT))
 import sandbox  # noqa: E402
 
 
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
+def processes_of(uid: int) -> list[str]:
+    """Host pids of the processes running as `uid` (zombies too)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        if int(status.split("\nUid:")[1].split()[0]) == uid:
+            found.append(pid)
+    return found
+
+
+def gone(uid: int) -> bool:
+    for _ in range(100):  # a killed process takes a moment to be reaped
+        if not processes_of(uid):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def png(color, size=(6, 4)) -> bytes:
@@ -45,20 +60,19 @@ def test_stdout_stderr_and_exception_are_returned():
 
 def test_timeout_interrupts_only_that_call():
     with sandbox.PythonSession() as s:
-        s.run("x = 7")
-        pid = s.pid
+        s.run("import os\nx = 7")
+        pid = s.run("print(os.getpid())").stdout
         out = s.run("while True: pass", timeout=0.5)
         assert out.timed_out and out.error.startswith("timeout")
-        assert s.run("print(x)").stdout == "7\n" and s.pid == pid  # same interpreter, state kept
+        assert s.run("print(x)").stdout == "7\n" and s.run("print(os.getpid())").stdout == pid  # same interpreter
 
 
 def test_uninterruptible_call_gets_a_fresh_interpreter_and_says_so():
     with sandbox.PythonSession() as s:
-        s.run("x = 7")
-        old = s.pid
+        old_uid = int(s.run("import os\nx = 7\nprint(os.getuid())").stdout)
         out = s.run("import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\nwhile True: pass", timeout=0.5)
         assert out.timed_out and "all state is lost" in out.error
-        assert not alive(old) and s.pid != old
+        assert gone(old_uid)
         assert "NameError" in s.run("print(x)").error
 
 
@@ -87,30 +101,44 @@ def test_image_count_and_size_are_bounded():
         assert out.images == [] and "1 images dropped" in out.stderr
 
 
+def test_the_session_is_isolated_like_reward_programs():
+    with sandbox.PythonSession(input_image=png("red")) as s:
+        out = s.run(f"""
+import os, socket
+print(os.getuid())
+print(sorted(os.listdir('.')), os.path.exists({str(ROOT)!r}), os.path.exists({sys.prefix!r}))
+print(sorted(p for p in os.listdir('/proc') if p.isdigit()) == [str(os.getpid())])
+try:
+    socket.create_connection(("1.1.1.1", 53), timeout=1)
+    print("connected")
+except OSError:
+    print("no network")
+""")
+        uid, files, processes, network = out.stdout.splitlines()
+        assert out.error is None and int(uid) >= s.sandbox.uid_base
+        assert files == "['input_image.png'] False False"  # its working dir; neither the project nor the venv
+        assert (processes, network) == ("True", "no network")  # only its own processes; no network
+
+
 def test_no_process_survives_close():
     s = sandbox.PythonSession()
-    s.run("import subprocess\nchild = subprocess.Popen(['sleep', '60'])\nprint(child.pid)")
-    pids = [s.pid, int(s.run("print(child.pid)").stdout)]
-    tmp = s.tmp
-    assert all(alive(p) for p in pids)
+    uid = int(s.run("import os, subprocess\nprint(os.getuid())").stdout)
+    s.run("subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+          "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        os.execv('/bin/sleep', ['sleep', '60'])\n"
+          "    os._exit(0)")
+    assert len(processes_of(uid)) >= 3
     s.close()
-    for _ in range(100):  # SIGKILL of the group is delivered asynchronously
-        if not any(alive(p) for p in pids):
-            break
-        time.sleep(0.05)
-    assert not any(alive(p) for p in pids) and not os.path.exists(tmp)
+    assert processes_of(uid) == []  # close() returns once they are gone
 
 
 def test_no_process_survives_the_owner_being_killed():
     owner = subprocess.Popen([sys.executable, "-c", (
         f"import sys; sys.path.insert(0, {str(ROOT)!r}); import sandbox, time\n"
-        "s = sandbox.PythonSession()\nprint(s.pid, flush=True)\ntime.sleep(60)")], stdout=subprocess.PIPE, text=True)
-    pid = int(owner.stdout.readline())
-    assert alive(pid)
+        "s = sandbox.PythonSession()\ns.run('import subprocess; subprocess.Popen([\"sleep\", \"60\"], "
+        "start_new_session=True)')\nprint(s.run('import os; print(os.getuid())').stdout, flush=True)\n"
+        "time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    uid = int(owner.stdout.readline())
+    assert len(processes_of(uid)) == 2
     owner.send_signal(signal.SIGKILL)
     owner.wait()
-    for _ in range(100):  # the kernel delivers the parent-death signal asynchronously
-        if not alive(pid):
-            break
-        time.sleep(0.05)
-    assert not alive(pid)
+    assert gone(uid)  # the zygote dies with its owner, and its PID namespace with it
