@@ -8,6 +8,7 @@ and prints pass@1 and unbiased pass@k by data source and difficulty, error categ
 from __future__ import annotations
 
 import json
+import logging
 import re
 import statistics
 import sys
@@ -123,7 +124,10 @@ REWARDS: dict[str, Callable[[str, dict, sandbox.Limits], Reward]] = {
 
 
 def score(row: dict, completion: str, limits: sandbox.Limits = sandbox.Limits()) -> Reward:
-    """The reward of one completion for one row (kiln's row schema); tests run in the sandbox."""
+    """The reward of one completion for one row (kiln's row schema); tests run in the sandbox. Whatever the program
+    does, this returns: a failure of the grading itself (a supervisor that died) is a Reward of 0 with error
+    "grader_error" and its reason, logged and counted (`reward/grader_errors`). Broken tests (a data problem the
+    program cannot cause) raise ValueError naming the task."""
     source = row["data_source"]
     if source not in REWARDS:
         raise KeyError(f"no reward function for data_source {source!r}; known: {sorted(REWARDS)}")
@@ -135,8 +139,12 @@ def score(row: dict, completion: str, limits: sandbox.Limits = sandbox.Limits())
         return Reward(0.0, {"error": "no_code", "passed": 0, "total": None, "format": 0.0})
     try:
         reward = REWARDS[source](code, truth, limits)
-    except ValueError as e:
+    except ValueError as e:  # the row's tests themselves are broken: a data problem, never the program's doing
         raise ValueError(f"task {source}/{row['extra_info']['index']}: {e}") from e
+    except Exception as e:
+        reason = f"task {source}/{row['extra_info']['index']}: {type(e).__name__}: {e}"
+        logging.getLogger("kiln.rewards").warning("grader error, scored 0: %s", reason)
+        reward = Reward(0.0, {"error": "grader_error", "reason": reason, "passed": 0, "total": None})
     reward.info["format"] = format_reward(completion)
     return reward
 
@@ -200,6 +208,7 @@ def batch_metrics(data_sources: Sequence[str], scores: Sequence[float], errors: 
         by_source[source].append(score)
     metrics |= {f"reward/{source}/mean": sum(v) / len(v) for source, v in by_source.items()}
     kinds = Counter(error for error in errors if error)
+    metrics["reward/grader_errors"] = float(kinds["grader_error"])  # a count, always logged: it should stay 0
     return metrics | {f"reward/error/{kind}": n / len(scores) for kind, n in kinds.items()}
 
 

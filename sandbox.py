@@ -715,19 +715,23 @@ def _enter_view(packages: tuple[str, ...]) -> None:
             _mount("none", target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
     _mount("kiln-view", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
-    for path in ("/usr", "/bin", "/lib", "/lib32", "/lib64", "/sbin"):
+    for path in ("/bin", "/lib", "/lib32", "/lib64", "/sbin"):
         if os.path.islink(path):  # merged /usr
             os.symlink(os.readlink(path), root + path)
         elif os.path.isdir(path):
             bind(path)
+    # From /usr: programs (a shell, coreutils), the shared libraries and the loader, time zones.
+    multiarch = getattr(sys.implementation, "_multiarch", "")
+    for path in ("/usr/bin", f"/usr/lib/{multiarch}", "/usr/lib64", "/usr/share/zoneinfo"):
+        if multiarch and os.path.isdir(path):
+            bind(path)
     prefix = os.path.realpath(sys.base_prefix)
-    if not prefix.startswith("/usr/"):
-        bind(prefix)  # a pyenv or conda interpreter; the folders made on the way are 755, unlike /root
-    for lib in ("/usr/lib", "/usr/local/lib", prefix + "/lib"):  # installed packages: only the allow-list's
-        for entry in os.listdir(lib) if os.path.isdir(lib) else ():
-            for folder in (f"{root}{lib}/{entry}/site-packages", f"{root}{lib}/{entry}/dist-packages"):
-                if entry.startswith("python") and os.path.isdir(folder):
-                    _mount("kiln-empty", folder, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k")
+    stdlib = os.path.dirname(os.__file__)
+    bind(stdlib if prefix == "/usr" else prefix)  # a system Python's stdlib, or a whole pyenv/conda/local prefix;
+    # the folders made on the way are 755 (a pyenv under /root, mode 700, stays reachable for other uids)
+    for folder in (f"{stdlib}/site-packages", f"{stdlib}/dist-packages"):  # installed packages: the allow-list only
+        if os.path.isdir(root + folder):
+            _mount("kiln-empty", root + folder, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k")
     for path in packages:
         bind(path, f"{PACKAGES_DIR}/{os.path.basename(path)}")
     os.mkdir(root + "/proc")
@@ -1309,7 +1313,7 @@ def _rpc_client(sock: socket.socket, clock: _Clock):
                 raise ProgramError(f"a value of more than {MAX_REPLY_ITEMS} items")
         except (EOFError, OSError):
             raise ProgramError("the program exited") from None
-        except ProgramError:
+        except (ProgramError, MemoryError):  # MemoryError: the tests' side's own limit
             raise
         except Exception as e:  # the program wrote to its end of the socket itself, or broke its own server
             raise ProgramError(f"malformed reply: {_short(e)}") from None
@@ -1377,8 +1381,9 @@ def _run_tests(suite: dict, sock: socket.socket, uid: int | None, first: int, li
         except _TestTimeout:
             return [("timeout", f"the program did not start within {timeout}s")] * (n - first)
         except BaseException as e:
-            # The setup may use the program's names (MBPP builds trees of the program's Node class).
-            blamed = getattr(e, "from_program", False) or isinstance(e, NameError) and e.name in suite.get("before", ())
+            # A setup that uses the program's names (MBPP builds trees of the program's Node class) can be made to
+            # fail by the program (_assert_runner marks it so); one that fails without them is the ground truth's fault.
+            blamed = getattr(e, "from_program", False)
             return [(_classify(e) if blamed else "harness_error", f"before the tests: {_describe(e)}")] * (n - first)
         verdicts: list[tuple[str, str]] = []
         for i in range(first, n):
@@ -1427,9 +1432,20 @@ def _assert_runner(suite: dict, rpc):
                 namespace.pop(name, None)  # no stand-in from the setup (a HumanEval stub): the test must fail
 
     bind(suite["before"])
-    exec(compile(suite["setup"], "tests_setup.py", "exec"), namespace)
+    setup = compile(suite["setup"], "tests_setup.py", "exec")
+    try:
+        exec(setup, namespace)
+    except BaseException as e:
+        if set(suite["before"]) & _code_names(setup):
+            e.from_program = True
+        raise
     bind(suite["after"])
     return lambda i: exec(tests[i], namespace)
+
+
+def _code_names(code) -> set[str]:
+    """The global and attribute names `code` and the functions in it refer to."""
+    return set(code.co_names).union(*(_code_names(c) for c in code.co_consts if isinstance(c, type(code))))
 
 
 def _call_runner(suite: dict, rpc):
