@@ -1242,20 +1242,23 @@ def _bounded_fraction(*parts):
     return fractions.Fraction(*parts)
 
 
+_CONTAINERS = (list, tuple, set, frozenset, dict, collections.deque, collections.OrderedDict, collections.Counter,
+               collections.defaultdict)
+
+
 def _too_many_items(value) -> bool:
-    """Whether `value`, walked as a tree, holds more than MAX_REPLY_ITEMS containers and items: a few bytes of
-    pickle can share one list a billion times, and comparing or normalising it would take that long."""
+    """Whether `value`, walked as a tree, holds more than MAX_REPLY_ITEMS items: a few bytes of pickle can share one
+    list a billion times, and comparing or normalising it would take that long."""
     budget, stack = MAX_REPLY_ITEMS, [value]
     while stack:
         item = stack.pop()
-        budget -= 1
+        if type(item) not in _CONTAINERS:
+            continue
+        budget -= len(item)
         if budget < 0:
             return True
-        if isinstance(item, dict):
-            stack += item.keys()
-            stack += item.values()
-        elif isinstance(item, (list, tuple, set, frozenset, collections.deque)):
-            stack += item
+        children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+        stack += [child for child in children if type(child) in _CONTAINERS]
     return False
 
 

