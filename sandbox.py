@@ -91,7 +91,8 @@ JOBS_PER_SUPERVISOR = 500  # then a fresh one: test code may leave state behind
 
 
 class Limits(NamedTuple):
-    timeout: float = 6.0  # wall seconds per program run; per test for function/assert suites
+    timeout: float = 6.0  # CPU seconds per program run; per test for function/assert suites (the program's and the tests')
+    wall_factor: float = 3.0  # and at most timeout x this of wall clock (for programs that wait rather than compute)
     total_timeout: float = 60.0  # wall seconds for a whole suite; tests past it count as timeouts
     memory_mb: int = 1024  # address space of the program (RLIMIT_AS)
     max_output: int = 1 << 20  # bytes of stdout, and of stderr, before the run is killed
@@ -330,7 +331,8 @@ def _free_names(setup: str, asserts: tuple[str, ...], builtins_may_be_remote: bo
 def _run_many(source: str, stdins: list, limits: Limits, sandbox: Sandbox | None) -> list[RunResult | None]:
     stdins = [s.encode() if isinstance(s, str) else bytes(s) for s in stdins]
     job = {"kind": "run", "source": source, "stdins": stdins, "limits": limits._asdict()}
-    reply = (sandbox or default_sandbox()).request(job, min(limits.total_timeout, limits.timeout * len(stdins)))
+    budget = min(limits.total_timeout, limits.timeout * limits.wall_factor * len(stdins))
+    reply = (sandbox or default_sandbox()).request(job, budget)
     return [None if r is None else RunResult(**r) for r in reply]
 
 
@@ -344,8 +346,9 @@ def _run_suite(source: str, suite: dict, n: int, limits: Limits, sandbox: Sandbo
 
 
 def _suite_budget(limits: dict, n: int) -> float:
-    """Each test's limit plus a second for restarting the program after a test that timed out, within total_timeout."""
-    return min(limits["total_timeout"], (limits["timeout"] + 1.0) * max(1, n))
+    """Each test's wall-clock limit plus a second for restarting the program after a test that timed out, within
+    total_timeout."""
+    return min(limits["total_timeout"], (limits["timeout"] * limits["wall_factor"] + 1.0) * max(1, n))
 
 
 class Sandbox:
@@ -808,9 +811,10 @@ def _serve_run(job: dict, ids: _RunIds, channel: socket.socket, exits: dict) -> 
     limits = job["limits"]
     deadline, results = time.monotonic() + limits["total_timeout"], []
     for stdin in job["stdins"]:
-        budget = min(limits["timeout"], deadline - time.monotonic())
-        results.append(_run_program(job["source"], stdin, limits, ids, budget, channel, exits)
-                       if budget > 0 else None)
+        left = deadline - time.monotonic()
+        results.append(_run_program(job["source"], stdin, limits, ids, min(limits["timeout"], left),
+                                    min(limits["timeout"] * limits["wall_factor"], left), channel, exits)
+                       if left > 0 else None)
     return results
 
 
@@ -832,7 +836,7 @@ def _serve_suite(job: dict, ids: _RunIds, channel: socket.socket, exits: dict) -
         tmp, pid = _spawn(channel, exits, ids, limits, deadline - time.monotonic(),
                           [null, os.dup(null), os.dup(null), theirs.detach()])
         _send(mine, ("serve", job["source"], suite["kind"] == "call"))
-        verdicts += _run_tests(suite, mine, ids.uid(1), len(verdicts), limits, deadline)
+        verdicts += _run_tests(suite, mine, pid, ids.uid(1), len(verdicts), limits, deadline)
         mine.close()
         _kill_run(ids, pid, channel, exits, tmp)
     return verdicts
@@ -874,15 +878,16 @@ def _spawn(channel: socket.socket, exits: dict, ids: _RunIds, limits: dict, budg
     return tmp, _hear(channel, exits, "pid")[0][1]
 
 
-def _run_program(source: str, stdin: bytes, limits: dict, ids: _RunIds, budget: float, channel: socket.socket,
-                 exits: dict) -> dict:
+def _run_program(source: str, stdin: bytes, limits: dict, ids: _RunIds, budget: float, wall: float,
+                 channel: socket.socket, exits: dict) -> dict:
+    """One run: `budget` CPU seconds, `wall` seconds of wall clock."""
     (stdin_r, stdin_w), (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe(), os.pipe()
     mine, theirs = socket.socketpair()
     started = time.monotonic()
     tmp, pid = _spawn(channel, exits, ids, limits, budget, [stdin_r, out_w, err_w, theirs.detach()])
     _send(mine, ("run", source))
     mine.close()
-    pumped = _pump(pid, channel, exits, {out_r: "stdout", err_r: "stderr"}, stdin, stdin_w, budget,
+    pumped = _pump(pid, channel, exits, {out_r: "stdout", err_r: "stderr"}, stdin, stdin_w, budget, wall,
                    limits["max_output"])
     _kill_run(ids, pid, channel, exits, tmp)
     code = None if pumped["status"] is None else os.waitstatus_to_exitcode(pumped["status"])
@@ -894,9 +899,12 @@ def _run_program(source: str, stdin: bytes, limits: dict, ids: _RunIds, budget: 
 
 
 def _pump(pid: int, channel: socket.socket, exits: dict, readers: dict[int, str], stdin: bytes, stdin_fd: int,
-          budget: float, cap: int) -> dict:
-    """Feed stdin and drain the readers until `pid` exits, the budget runs out or an output passes `cap`."""
-    deadline = time.monotonic() + budget
+          budget: float, wall: float, cap: int) -> dict:
+    """Feed stdin and drain the readers until `pid` exits, has used `budget` CPU seconds or `wall` seconds, or an
+    output passes `cap`. (Its CPU time cannot pass its wall time, so it is only read once `budget` seconds have
+    passed.)"""
+    started = time.monotonic()
+    deadline = started + wall
     got = {name: bytearray() for name in readers.values()}
     timed_out = overflow = False
     poller = select.poll()
@@ -908,11 +916,12 @@ def _pump(pid: int, channel: socket.socket, exits: dict, readers: dict[int, str]
     poller.register(stdin_fd, select.POLLOUT)
     pending, open_fds = memoryview(stdin), set(readers) | {stdin_fd}
     while pid not in exits and not overflow:
-        left = deadline - time.monotonic()
-        if left <= 0:
+        now = time.monotonic()
+        left = deadline - now
+        if left <= 0 or now - started >= budget and _cpu_seconds(pid) >= budget:
             timed_out = True
             break
-        for fd, _ in poller.poll(left * 1000):
+        for fd, _ in poller.poll(min(left, max(started + budget - now, 0.05)) * 1000):
             if fd == channel.fileno():
                 _hear(channel, exits)
             elif fd == stdin_fd and fd in open_fds:
@@ -1276,22 +1285,44 @@ class _TestTimeout(BaseException):
     """A test (or the program's start) ran past its time limit."""
 
 
-class _Clock:
-    """The current test's deadline, enforced by SIGALRM without races: the handler raises only while a test is
-    armed, at most once per test (it disarms first), and a connection interrupted mid-exchange stays expired (the
-    program's late reply must never answer a later request)."""
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
-    def __init__(self):
-        self.deadline, self.armed, self.expired = math.inf, False, False
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time of process `pid` (all its threads) so far; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime
+
+
+class _Clock:
+    """The current test's limits, `timeout` CPU seconds (the program's and the tests' own, so the same on a busy
+    machine) and `timeout x wall_factor` seconds of wall clock, enforced by SIGALRM without races: the handler raises
+    only while a test is armed, at most once per test (it disarms first), and a connection interrupted mid-exchange
+    stays expired (the program's late reply must never answer a later request)."""
+
+    def __init__(self, program: int, wall_factor: float):
+        self.program, self.wall_factor = program, wall_factor
+        self.cpu_deadline = self.wall_deadline = math.inf
+        self.armed = self.expired = False
+
+    def used(self) -> float:
+        return _cpu_seconds(self.program) + time.process_time()
 
     def on_alarm(self, *_) -> None:
-        if self.armed and time.monotonic() >= self.deadline:
+        if self.armed and (time.monotonic() >= self.wall_deadline or self.used() >= self.cpu_deadline):
             self.armed, self.expired = False, True
             raise _TestTimeout
 
-    def arm(self, seconds: float) -> None:
-        self.deadline, self.armed = time.monotonic() + seconds, True
-        signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001), 0.05)  # repeats: the first may come early
+    def arm(self, seconds: float, wall_left: float) -> None:
+        self.cpu_deadline = self.used() + seconds
+        self.wall_deadline = time.monotonic() + min(seconds * self.wall_factor, wall_left)
+        self.armed = True
+        # CPU time cannot outrun the wall clock: nothing to check before `seconds`; then every 50 ms
+        signal.setitimer(signal.ITIMER_REAL, max(min(seconds, wall_left), 0.001), 0.05)
 
     def disarm(self) -> None:
         self.armed = False
@@ -1348,20 +1379,20 @@ def _rpc_client(sock: socket.socket, clock: _Clock):
     return rpc, receive
 
 
-def _run_tests(suite: dict, sock: socket.socket, uid: int | None, first: int, limits: dict,
+def _run_tests(suite: dict, sock: socket.socket, program: int, uid: int | None, first: int, limits: dict,
                deadline: float) -> list[tuple[str, str]]:
     """Verdicts of tests `first`, ...: until the last one or one that timed out (included; the caller starts a
-    fresh program for the rest). Each test, and the program's start, gets `timeout` seconds. Runs as `uid`
+    fresh program for the rest). Each test, and the program's start, gets the time limits of `_Clock`. Runs as `uid`
     (keeping root as the saved uid, to clean up after), calling the program over `sock`; the program cannot
     signal or trace us: another uid, and not dumpable after the uid change."""
-    clock = _Clock()
+    clock = _Clock(program, limits["wall_factor"])
     rpc, receive = _rpc_client(sock, clock)
     n = len(suite["asserts"]) if suite["kind"] == "assert" else len(suite["args"])
     timeout = limits["timeout"]
 
     def within_limits(step):
         """step() under the test's time limit; every way out disarms it."""
-        clock.arm(min(timeout, deadline - time.monotonic()))
+        clock.arm(timeout, deadline - time.monotonic())
         try:
             return step()
         finally:

@@ -518,12 +518,15 @@ def test_a_supervisor_that_dies_fails_only_its_own_job(box):
 # ---------------------------------------------------------------------------- class 3: per-test time limits
 
 def test_slower_than_the_limit_on_every_call_scores_nothing(box):
-    slow = "import time\ndef f(x):\n    time.sleep(0.8)\n    return x"
-    limits = sandbox.Limits(timeout=0.5, total_timeout=60)
-    calls = sandbox.run_call_tests(slow, "f", [[1], [2], [3]], [1, 2, 3], limits, sandbox=box)
-    asserts = sandbox.run_assert_tests(slow, ["assert f(1) == 1", "assert f(2) == 2", "assert f(3) == 3"],
+    """Each call computes for 0.45 s of CPU, or sleeps 5 s, against a limit of 0.3 s per test: every test is a
+    timeout (a budget shared by the suite lets the first ones pass, more of them on an idle machine)."""
+    slow = "import time\ndef f(x):\n    start = time.process_time()\n    while time.process_time() - start < 0.45:\n" \
+           "        pass\n    return x\ndef g(x):\n    time.sleep(5)\n    return x"
+    limits = sandbox.Limits(timeout=0.3, total_timeout=60)
+    calls = sandbox.run_call_tests(slow, "f", [[i] for i in range(6)], list(range(6)), limits, sandbox=box)
+    asserts = sandbox.run_assert_tests(slow, ["assert f(1) == 1", "assert f(2) == 2", "assert g(3) == 3"],
                                        limits=limits, sandbox=box)
-    assert [v.status for v in calls + asserts] == ["timeout"] * 6
+    assert [v.status for v in calls + asserts] == ["timeout"] * 9
     assert survivors() == []
 
 

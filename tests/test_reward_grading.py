@@ -1,8 +1,12 @@
 """rewards.py on real data: every HumanEval / MBPP / APPS reference scores 1, mutated ones 0; the eval CLI."""
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 import data_prep  # noqa: E402
 import rewards  # noqa: E402
+import sandbox  # noqa: E402
 
 # A mutation wraps the function under test so that it returns a wrong value of a plausible type.
 PERTURB = """
@@ -156,3 +161,49 @@ def test_cli_rejects_malformed_samples_and_unknown_tasks(tmp_path):
     assert proc.returncode != 0 and "line 2" in proc.stderr
     _, proc = run_cli(tmp_path, ['{"task_id": "toy/999999", "completion": "x"}'])
     assert proc.returncode != 0 and "unknown task id 'toy/999999'" in proc.stderr
+
+
+def test_programs_cannot_make_scoring_raise():
+    """Outputs the numeric comparison treats specially, and an exception that cannot be rebuilt from its message:
+    ordinary verdicts, never an exception out of score."""
+    apps = data_prep.make_row("apps", "echo", {"inputs": ["sNaN\n", "1e999999999\n"], "outputs": ["1", "2"]},
+                              {"index": 0, "split": "test"})
+    reward = rewards.score(apps, fenced("print(input())"))
+    assert reward.score == 0.0 and reward.info["error"] == "wrong_answer"
+    mbpp = data_prep.make_row("mbpp", "f", {"test_list": ["assert f(1) == 1"]}, {"index": 1, "split": "test"})
+    reward = rewards.score(mbpp, fenced("raise UnicodeDecodeError('utf-8', b'x', 0, 1, 'no')\ndef f(x): return x"))
+    assert reward.score == 0.0 and reward.info["error"] == "runtime_error"
+
+
+def test_a_grading_that_fails_is_a_counted_grader_error():
+    """The supervisor grading a sample dies (killed here; a CPU limit in C code would do the same): that sample is a
+    Reward of 0 with error grader_error and its reason, counted by batch_metrics; nothing raises."""
+    box = sandbox.default_sandbox()
+    sandbox.run("pass")  # the zygote is up, so its uid range is known
+    mbpp = data_prep.make_row("mbpp", "f", {"test_list": ["assert f(1) == 1"]}, {"index": 9, "split": "test"})
+    outcome = []
+    thread = threading.Thread(target=lambda: outcome.append(rewards.score(
+        mbpp, fenced("import time\ntime.sleep(5)\ndef f(x): return x"), sandbox.Limits(timeout=10))))
+    thread.start()
+    tests_side = []
+    for _ in range(200):  # the supervisor runs the tests as the run's second uid (odd offsets of the range)
+        tests_side = [pid for pid in filter(str.isdigit, os.listdir("/proc")) if is_tests_side(pid, box)]
+        if tests_side:
+            break
+        time.sleep(0.02)
+    assert len(tests_side) == 1
+    os.kill(int(tests_side[0]), signal.SIGKILL)
+    thread.join()
+    (reward,) = outcome
+    assert reward.score == 0.0 and reward.info["error"] == "grader_error" and "mbpp/9" in reward.info["reason"]
+    metrics = rewards.batch_metrics(["mbpp", "mbpp"], [0.0, 1.0], ["grader_error", None], [5, 5])
+    assert metrics["reward/grader_errors"] == 1.0 and metrics["reward/error/grader_error"] == 0.5
+    assert rewards.batch_metrics(["mbpp"], [1.0], [None], [5])["reward/grader_errors"] == 0.0
+
+
+def is_tests_side(pid: str, box) -> bool:
+    try:
+        uid = int(Path(f"/proc/{pid}/status").read_text().split("\nUid:")[1].split()[0])
+    except OSError:
+        return False
+    return box.uid_base <= uid < box.uid_base + sandbox.UID_RANGE and (uid - box.uid_base) % 2 == 1
