@@ -2,12 +2,12 @@
 
 The first call starts a *zygote*: a fresh `python -I -S` with an empty environment that `unshare` makes PID 1 of
 new network (a downed loopback only), IPC, UTS, mount and PID namespaces. Its root is a *view* made for programs
-(`_enter_view`, pivot_root into a new tmpfs): read-only binds of /usr (site-/dist-packages hidden), the interpreter's
-prefix (its site-packages hidden), the allow-list of packages the Sandbox was made with (`packages`, under
-/kiln/packages; none for reward programs, PIL/numpy/matplotlib for the agent's Python tool), /dev's null, zero, full,
-random and urandom, and a /proc that shows a program only its own processes (`hidepid=2`). Task data, the caller's
-rows, the checkout, the venv and the host's processes are not there. The zygote never looks at jobs; from its own
-small, clean memory it forks
+(`_enter_view`, pivot_root into a new tmpfs), all read-only: /usr/bin, the shared libraries (/usr/lib/<multiarch>,
+/usr/lib64), time zones, the interpreter's prefix with its stdlib (site-packages hidden), the allow-list of packages
+the Sandbox was made with (`packages`, under /kiln/packages; none for reward programs, SESSION_PACKAGES for the
+agent's Python tool), /dev's null, zero, full, random and urandom, and a /proc that shows a program only its own
+processes (`hidepid=2`). Task data, the caller's rows, the checkout, the venv, /etc, /home and the host's processes
+are not there. The zygote never looks at jobs; from its own small, clean memory it forks
   - *supervisors* (root, trusted, reused): one job at a time from the caller; they run the tests, enforce the
     time limits and clean up;
   - one *program* per run, on a supervisor's request: its own mount, IPC and network namespaces (a private tmpfs
@@ -19,8 +19,10 @@ which calls the program over a socket: arguments go in, return values come back 
 unpickling: builtin numbers, str, bytes, containers, Counter/deque/OrderedDict/defaultdict, Decimal, Fraction;
 bounded in bytes and in items) or as opaque handles. Verdicts are computed where the program cannot reach, and
 expected values never enter its memory (stdout is compared by the caller), so `exit(0)`, `os._exit(0)`, SkipTest,
-patched builtins or asserts, fake PASS lines, disarmed signals and a rigged `__eq__` all fail. Every test has its own
-time limit: a test that hangs is a timeout, the program is killed and a fresh one runs the tests after it. After
+patched builtins or asserts, fake PASS lines, disarmed signals and a rigged `__eq__` all fail. Every test (and every
+stdin run) has its own time limit, in CPU seconds so that a busy machine gives the same verdicts, with a wall-clock
+cap for programs that wait: a test that hangs is a timeout, the program is killed and a fresh one runs the tests
+after it. After
 each run the supervisor kills every process of the run's uids (`kill(-1)` as that uid reaches double-forked daemons
 too; /proc confirms). A supervisor that dies fails only its own job (SandboxError); the zygote and the other jobs
 go on.
@@ -42,7 +44,7 @@ from __future__ import annotations
 import _thread
 import bisect  # noqa: F401  (preloaded for programs, as are collections, heapq, itertools, random, re, string)
 import builtins
-import collections  # noqa: F401
+import collections
 import ctypes
 import fcntl
 import functools
@@ -91,7 +93,7 @@ JOBS_PER_SUPERVISOR = 500  # then a fresh one: test code may leave state behind
 
 
 class Limits(NamedTuple):
-    timeout: float = 6.0  # CPU seconds per program run; per test for function/assert suites (the program's and the tests')
+    timeout: float = 6.0  # CPU seconds per program run; per test for function/assert suites
     wall_factor: float = 3.0  # and at most timeout x this of wall clock (for programs that wait rather than compute)
     total_timeout: float = 60.0  # wall seconds for a whole suite; tests past it count as timeouts
     memory_mb: int = 1024  # address space of the program (RLIMIT_AS)
@@ -758,7 +760,8 @@ def _isolate_run(uid: int | None, limits: dict) -> None:
     that is freed with the last process of the run."""
     _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWNET), "unshare")
     owner = "" if uid is None else f",uid={uid},gid={uid}"
-    _mount("kiln-run", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=700,size={limits['tmp_mb']}m,nr_inodes=16384{owner}")
+    _mount("kiln-run", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+           f"mode=700,size={limits['tmp_mb']}m,nr_inodes=16384{owner}")
 
 
 class _RunIds(NamedTuple):
@@ -1398,6 +1401,10 @@ def _run_tests(suite: dict, sock: socket.socket, program: int, uid: int | None, 
         finally:
             clock.disarm()
 
+    def start():
+        receive()  # the program's module has run
+        return _assert_runner(suite, rpc) if suite["kind"] == "assert" else _call_runner(suite, rpc)
+
     signal.signal(signal.SIGALRM, clock.on_alarm)
     # The tests' side has its own memory limit: what the program returns is built here.
     memory_before = resource.getrlimit(resource.RLIMIT_AS)
@@ -1410,10 +1417,9 @@ def _run_tests(suite: dict, sock: socket.socket, program: int, uid: int | None, 
         os.setresuid(uid, uid, 0)
     try:
         try:
-            run_test = within_limits(lambda: receive() or (  # the program's module has run
-                _assert_runner(suite, rpc) if suite["kind"] == "assert" else _call_runner(suite, rpc)))
+            run_test = within_limits(start)
         except _TestTimeout:
-            return [("timeout", f"the program did not start within {timeout}s")] * (n - first)
+            return [("timeout", f"the program did not start within the time limit ({timeout}s)")] * (n - first)
         except BaseException as e:
             # A setup that uses the program's names (MBPP builds trees of the program's Node class) can be made to
             # fail by the program (_assert_runner marks it so); one that fails without them is the ground truth's fault.
@@ -1425,7 +1431,8 @@ def _run_tests(suite: dict, sock: socket.socket, program: int, uid: int | None, 
                 detail = within_limits(lambda: run_test(i))
                 verdicts.append(("pass", "") if detail is None else ("wrong_answer", detail))
             except _TestTimeout:
-                verdicts.append(("timeout", f"no result within {timeout}s"))
+                verdicts.append(("timeout", f"no result within the time limit ({timeout}s of CPU, "
+                                            f"{timeout * limits['wall_factor']:g}s of wall clock)"))
             except BaseException as e:
                 verdicts.append((_classify(e), _describe(e)))
             if verdicts[-1][0] != "pass" and suite.get("stop"):

@@ -395,7 +395,8 @@ def test_no_visible_file_holds_a_tasks_answers(box, answers_beside_the_checkout)
     other process (the zygote's command line names the checkout), and no installed package but the stdlib imports."""
     import data_prep
 
-    needles = [answers_beside_the_checkout, long_line(data_prep.humaneval_rows()[0]["extra_info"]["canonical_solution"])]
+    humaneval = data_prep.humaneval_rows()[0]["extra_info"]["canonical_solution"]
+    needles = [answers_beside_the_checkout, long_line(humaneval)]
     if data_prep.MBPP_FILE.exists():
         needles.append(long_line(data_prep.mbpp_rows()[0]["extra_info"]["code"]))
     apps = Path(__file__).resolve().parents[2] / "shared" / "data" / "apps"
@@ -406,16 +407,16 @@ def test_no_visible_file_holds_a_tasks_answers(box, answers_beside_the_checkout)
     assert result.stdout == "processes []\n"
 
 
-def test_the_view_holds_only_the_allow_listed_packages():
+def test_the_view_holds_only_the_allow_listed_packages(box):
     """A Sandbox made with packages=("numpy",) lets programs import numpy (from /kiln/packages), and still not torch."""
-    box = sandbox.Sandbox(uid_base=UID_BASE + sandbox.UID_RANGE, packages=("numpy",))
+    with_numpy = sandbox.Sandbox(uid_base=UID_BASE + sandbox.UID_RANGE, packages=("numpy",))
     try:
-        source = "import numpy\nprint(numpy.arange(3).sum(), numpy.__file__.startswith('/kiln/packages/'))\nimport torch"
-        result = sandbox.run(source, limits=sandbox.Limits(timeout=30), sandbox=box)
-        if box.mode == "namespaces+uids":
-            assert result.stdout == "3 True\n" and "No module named 'torch'" in result.stderr
+        source = "import numpy\nprint(numpy.arange(3).sum(), numpy.__file__.startswith('/kiln/packages/'))\n" \
+                 "import torch"
+        result = sandbox.run(source, limits=sandbox.Limits(timeout=30), sandbox=with_numpy)
+        assert result.stdout == "3 True\n" and "No module named 'torch'" in result.stderr
     finally:
-        box.close()
+        with_numpy.close()
 
 
 # --------------------------------------------------------------------------- class 2: crashing the scorer
@@ -559,7 +560,8 @@ rt = ctypes.CDLL("librt.so.1", use_errno=True)
 IPC_CREAT, KEY = 0o1000, 0x4B494C4E
 if sys.argv[1:] or input() == "create":
     print(libc.shmget(KEY, 4096, IPC_CREAT | 0o666) >= 0, libc.msgget(KEY, IPC_CREAT | 0o666) >= 0,
-          libc.semget(KEY, 1, IPC_CREAT | 0o666) >= 0, rt.mq_open(b"/kiln-leak", os.O_CREAT | os.O_RDWR, 0o666, None) >= 0)
+          libc.semget(KEY, 1, IPC_CREAT | 0o666) >= 0,
+          rt.mq_open(b"/kiln-leak", os.O_CREAT | os.O_RDWR, 0o666, None) >= 0)
 else:
     print(libc.shmget(KEY, 0, 0) >= 0, libc.msgget(KEY, 0) >= 0, libc.semget(KEY, 0, 0) >= 0,
           rt.mq_open(b"/kiln-leak", os.O_RDWR) >= 0)
@@ -608,8 +610,8 @@ def test_host_unix_sockets_are_unreachable(box):
     os.chmod(path, 0o777)  # like a host service's socket that any uid may use (D-Bus, ...)
     server.listen()
     try:
-        source = f"import socket\ntry:\n    socket.socket(socket.AF_UNIX).connect({str(path)!r})\n    print('reached')\n" \
-                 "except OSError:\n    print('unreachable')"
+        source = f"import socket\ntry:\n    socket.socket(socket.AF_UNIX).connect({str(path)!r})\n" \
+                 "    print('reached')\nexcept OSError:\n    print('unreachable')"
         assert run(box, source).stdout == "unreachable\n"
     finally:
         server.close()

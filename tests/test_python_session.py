@@ -124,8 +124,8 @@ def test_no_process_survives_close():
     s = sandbox.PythonSession()
     uid = int(s.run("import os, subprocess\nprint(os.getuid())").stdout)
     s.run("subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
-          "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        os.execv('/bin/sleep', ['sleep', '60'])\n"
-          "    os._exit(0)")
+          "if os.fork() == 0:\n    os.setsid()\n"
+          "    if os.fork() == 0:\n        os.execv('/bin/sleep', ['sleep', '60'])\n    os._exit(0)")
     assert len(processes_of(uid)) >= 3
     s.close()
     assert processes_of(uid) == []  # close() returns once they are gone
