@@ -551,6 +551,17 @@ def test_a_hanging_test_costs_only_itself(box):
     assert survivors() == []
 
 
+def test_tests_that_swallow_the_timeout_get_no_stale_reply(box):
+    """Trusted tests with a bare `except` catch the timeout of a hanging call and call again: that test is a timeout
+    (the program's late reply must not answer the next call), and the next test runs on a fresh program."""
+    source = "def f(x):\n    while x == 2:\n        pass\n    return x"
+    swallowing = "try:\n    f(2)\nexcept BaseException:\n    pass\nassert f(1) == 1"
+    verdicts = sandbox.run_assert_tests(source, [swallowing, "assert f(3) == 3"], limits=sandbox.Limits(timeout=0.5),
+                                        sandbox=box)
+    assert [v.status for v in verdicts] == ["timeout", "pass"]
+    assert survivors() == []
+
+
 # ------------------------------------------------------------------------- class 4: leaks and side channels
 
 IPC = """
