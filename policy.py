@@ -108,14 +108,16 @@ def load_tokenizer(path):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def stop_token_ids(tokenizer, path) -> list[int]:
-    """Token ids that end a generation: the generation config's eos ids plus the tokenizer's eos."""
+def stop_token_ids(tokenizer, path, end_of_turn: str | None = None) -> list[int]:
+    """Token ids that end a generation: the generation config's eos ids, the tokenizer's eos and the chat template's
+    end-of-turn token (rollout.end_of_turn; a base model's eos is often another token, e.g. Llama 3's)."""
     try:
         eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
     except OSError:  # no generation_config.json: the tokenizer's eos alone
         eos = None
     eos = eos if isinstance(eos, list) else [eos]
-    return list(dict.fromkeys(i for i in [*eos, tokenizer.eos_token_id] if i is not None))
+    turn = [tokenizer.convert_tokens_to_ids(end_of_turn)] if end_of_turn is not None else []
+    return list(dict.fromkeys(i for i in [*eos, tokenizer.eos_token_id, *turn] if i is not None))
 
 
 def load_value_model(path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):

@@ -24,8 +24,8 @@ import data_prep
 import sandbox
 from engines import Engine, Sampling
 
-END_OF_TURN = "<|im_end|>"
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+TOOL_OUTPUT_MARK = "\ue000kiln tool output\ue000"  # a private-use character no template or tool writes
 
 
 @dataclass
@@ -49,19 +49,41 @@ class Sample:
         return self.prompt_ids + self.completion_ids
 
 
+def end_of_turn(tokenizer, override: str | None = None) -> str:
+    """The token that closes an assistant turn: `override` (checked to be one token), else the first special token
+    the chat template writes after an assistant message's content (<|im_end|> in ChatML/Qwen, <|eot_id|> in Llama 3,
+    <end_of_turn> in Gemma, </s> in Mistral). Its id is a stop token, ends the loss mask and closes a tool-calling turn."""
+    if override is not None:
+        if len(tokenizer(override, add_special_tokens=False)["input_ids"]) != 1:
+            raise ValueError(f"--end-of-turn {override!r} is not one token of the tokenizer")
+        return override
+    probe = "kiln end-of-turn probe"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}],
+                                         tokenize=False)
+    after = text[text.rindex(probe) + len(probe):]
+    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    found = next((i for i in tokenizer(after, add_special_tokens=False)["input_ids"] if i in special), None)
+    if found is None:
+        raise ValueError(f"the chat template writes no special token after an assistant message (it writes {after!r}): "
+                         "name the token that ends a turn with --end-of-turn")
+    return tokenizer.convert_ids_to_tokens(found)
+
+
 def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
     """Chat messages -> prompt token ids, ending with the assistant header (tokenized once, never again)."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def encode_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """Chat messages -> (ids, loss mask), 1 exactly on assistant tokens (content and its end-of-turn token).
+def encode_conversation(tokenizer, messages: list[dict], eot: str | None = None) -> tuple[list[int], list[int]]:
+    """Chat messages -> (ids, loss mask), 1 exactly on assistant tokens (content and its end-of-turn token `eot`,
+    default: end_of_turn's).
 
-    Each message is tokenized alone as the text the template appends for it, so a conversation's ids are the
-    concatenation a multi-turn rollout builds turn by turn: the same ids for training and for generation.
+    Each message is tokenized alone as the text the template appends for it (tool output as plain text), so a
+    conversation's ids are the concatenation a multi-turn rollout builds turn by turn: the same ids for training and
+    for generation.
     """
-    end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+    eot_id = tokenizer.convert_tokens_to_ids(eot or end_of_turn(tokenizer))
     ids, mask, rendered = [], [], ""
     for i, message in enumerate(messages):
         if message["role"] == "tool" and messages[i + 1 :] and messages[i + 1]["role"] == "tool":
@@ -75,11 +97,12 @@ def encode_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], lis
         text = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         if not text.startswith(rendered):
             raise ValueError(f"chat template does not render message {i} as an extension of the ones before it")
-        piece = tokenizer(text[len(rendered):], add_special_tokens=False)["input_ids"]
+        plain = tool_spans(tokenizer, messages[: i + 1], None, False, text) if message["role"] == "tool" else []
+        piece, _ = encode_text(tokenizer, text, plain, start=len(rendered))
         if message["role"] == "assistant":
             # Trained: everything up to and including the end-of-turn token; the template's trailing glue is not.
             end = len(piece)
-            while end > 0 and piece[end - 1] != end_of_turn:
+            while end > 0 and piece[end - 1] != eot_id:
                 end -= 1
             mask += [1] * end + [0] * (len(piece) - end)
         else:
@@ -87,6 +110,64 @@ def encode_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], lis
         ids += piece
         rendered = text
     return ids, mask
+
+
+def tool_spans(tokenizer, messages: list[dict], schemas: list[dict] | None, add_generation_prompt: bool, text: str,
+               first: int = 0) -> list[tuple[int, int]]:
+    """Character spans in `text`, the template's rendering of `messages`, of the tool outputs (messages from index
+    `first` on) that hold a special token's text; each found by rendering its message with the output replaced by a
+    marker. Outputs without special-token text need no span: they tokenize the same either way."""
+    specials = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
+    spans = []
+    for k in range(first, len(messages)):
+        message = messages[k]
+        if message["role"] != "tool" or not any(t in _content_text(message["content"]) for t in specials):
+            continue
+        marked = {**message, "content": _with_text(message["content"], TOOL_OUTPUT_MARK)}
+        head, _, tail = render(tokenizer, messages[:k] + [marked] + messages[k + 1 :], schemas,
+                               add_generation_prompt).partition(TOOL_OUTPUT_MARK)
+        if TOOL_OUTPUT_MARK in tail or len(head) + len(tail) > len(text) or not (
+                text.startswith(head) and text.endswith(tail)):
+            raise ValueError(f"the chat template does not render the output of tool message {k} where its marker goes")
+        spans.append((len(head), len(text) - len(tail)))
+    return spans
+
+
+def encode_text(tokenizer, text: str, plain: list[tuple[int, int]],
+                start: int = 0) -> tuple[list[int], list[tuple[int, int]]]:
+    """Ids and character offsets (into `text`) of text[start:] as the tokenizer makes them, except that special tokens
+    inside the character spans `plain` are ordinary text: a tool cannot end a turn or open one by printing the
+    template's tokens. The tokenizer splits at special tokens anyway, so outside those spans nothing changes."""
+    encoded = tokenizer(text[start:], add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = encoded["input_ids"], [(a + start, b + start) for a, b in encoded["offset_mapping"]]
+    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    in_plain = [any(lo <= a < hi for lo, hi in plain) for a, _ in offsets]
+    if not any(i in special and inside for i, inside in zip(ids, in_plain)):
+        return ids, offsets
+    out_ids, out_offsets, pos = [], [], start
+    template_tokens = [(i, (a, b)) for i, (a, b), inside in zip(ids, offsets, in_plain) if i in special and not inside]
+    for token, (a, b) in template_tokens + [(None, (len(text), len(text)))]:
+        if a > pos:  # the text between two of the template's special tokens, special-token text in it split up
+            piece = tokenizer(text[pos:a], add_special_tokens=False, split_special_tokens=True,
+                              return_offsets_mapping=True)
+            out_ids += piece["input_ids"]
+            out_offsets += [(x + pos, y + pos) for x, y in piece["offset_mapping"]]
+        if token is not None:
+            out_ids.append(token)
+            out_offsets.append((a, b))
+        pos = b
+    return out_ids, out_offsets
+
+
+def _content_text(content) -> str:
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content or [])
+
+
+def _with_text(content, text: str):
+    """The content with its text replaced by `text` (its image parts kept)."""
+    if isinstance(content, str):
+        return text
+    return [{"type": "text", "text": text} if p.get("type") == "text" else p for p in content]
 
 
 def load_rows_within(source: str, tokenizer, max_prompt_tokens: int, verbose: bool = True) -> list[dict]:
@@ -102,17 +183,20 @@ def load_rows_within(source: str, tokenizer, max_prompt_tokens: int, verbose: bo
 
 
 def collect(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampling: Sampling, tools: str = "none",
-            limits: AgentLimits | None = None, first_group: int = 0, check: bool = False) -> tuple[list[Sample], dict]:
+            limits: AgentLimits | None = None, first_group: int = 0, check: bool = False,
+            eot: str | None = None) -> tuple[list[Sample], dict]:
     """`group_size` samples of each row: single-turn, or multi-turn agent rollouts with the toolbox `tools` names
-    (TOOLBOXES). check: compare every trajectory with the chat template's rendering of its messages; the drifting
-    fraction goes to the metrics (tools/tito_drift_frac) and the first drift to the console: a tokenization the
-    template would not produce is logged, not fatal. Returns samples and this rank's metrics."""
+    (TOOLBOXES) whose turns end with the token `eot` (default: end_of_turn's). check: compare every trajectory with
+    the chat template's rendering of its messages; the drifting fraction goes to the metrics (tools/tito_drift_frac)
+    and the first drift to the console: a tokenization the template would not produce is logged, not fatal. Returns
+    samples and this rank's metrics."""
     if tools == "none":
         return single_turn(engine, tokenizer, rows, group_size, sampling, first_group)
+    eot = eot or end_of_turn(tokenizer)
     samples, metrics = multi_turn(engine, tokenizer, rows, group_size, sampling, TOOLBOXES[tools],
-                                  limits or AgentLimits(), first_group)
+                                  limits or AgentLimits(), first_group, eot)
     if check:
-        drifts = [(s, check_tito(tokenizer, s, s.info["messages"], s.info["tools"])) for s in samples]
+        drifts = [(s, check_tito(tokenizer, s, s.info["messages"], s.info["tools"], eot)) for s in samples]
         metrics["tools/tito_drift_frac"] = sum(bool(d) for _, d in drifts) / len(drifts)
         first = next(((s, d) for s, d in drifts if d), None)
         if first is not None:
@@ -214,19 +298,22 @@ def render(tokenizer, messages: list[dict], schemas: list[dict] | None, add_gene
 
 
 def template_suffix_ids(tokenizer, messages: list[dict], new_messages: list[dict],
-                        schemas: list[dict] | None) -> list[int]:
-    """Ids the chat template appends after a trajectory that ends on its last assistant turn's end-of-turn token,
-    for `new_messages` plus the next assistant header: the template's glue after that token, then the new ones."""
+                        schemas: list[dict] | None, eot: str | None = None) -> list[int]:
+    """Ids the chat template appends after a trajectory that ends on its last assistant turn's end-of-turn token `eot`
+    (default: end_of_turn's), for `new_messages` plus the next assistant header: the template's glue after that token,
+    then the new ones (tool output tokenized as plain text)."""
+    eot = eot or end_of_turn(tokenizer)
     before = render(tokenizer, messages, schemas, add_generation_prompt=False)
     after = render(tokenizer, messages + new_messages, schemas, add_generation_prompt=True)
     if not after.startswith(before):
         raise ValueError("the chat template does not render the new messages as an extension of the conversation")
-    cut = before.rindex(END_OF_TURN) + len(END_OF_TURN)  # the trajectory ends right after this token
-    return tokenizer(after[cut:], add_special_tokens=False)["input_ids"]
+    cut = before.rindex(eot) + len(eot)  # the trajectory ends right after this token
+    plain = tool_spans(tokenizer, messages + new_messages, schemas, True, after, first=len(messages))
+    return encode_text(tokenizer, after, plain, start=cut)[0]
 
 
 def truncate_tool_text(tokenizer, text: str, max_tokens: int) -> tuple[str, bool]:
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]  # as it will be encoded
     if len(ids) <= max_tokens:
         return text, False
     return tokenizer.decode(ids[:max_tokens]) + f"\n[... truncated {len(ids) - max_tokens} tokens]", True
@@ -276,12 +363,14 @@ class Trajectory:
 
 def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampling: Sampling,
                new_toolbox: Callable[[dict], ToolBox], limits: AgentLimits = AgentLimits(),
-               first_group: int = 0) -> tuple[list[Sample], dict]:
+               first_group: int = 0, eot: str | None = None) -> tuple[list[Sample], dict]:
     """Multi-turn rollout: each row's prompt `group_size` times; every turn is generated for all live trajectories
-    in one engine call, then all their tool calls run concurrently. Returns samples (info: messages, images, tool
-    schemas, turn and tool counts) and metrics. Toolboxes are always closed."""
+    in one engine call, then all their tool calls run concurrently; a turn that ends with the token `eot` (default:
+    end_of_turn's) can call tools. Returns samples (info: messages, images, tool schemas, turn and tool counts) and
+    metrics. Toolboxes are always closed. A prompt that leaves no room under max_total_tokens is refused (ValueError)
+    before anything is generated."""
     start = time.perf_counter()
-    eot = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+    eot = eot or end_of_turn(tokenizer)
     trajectories: list[Trajectory] = []
     try:
         for i in range(len(rows) * group_size):
@@ -290,6 +379,10 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
             trajectories.append(Trajectory(row, first_group + i // group_size, box, list(row["prompt"]), []))
             prompt_text = render(tokenizer, row["prompt"], box.schemas, add_generation_prompt=True)
             trajectories[-1].prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+            if len(trajectories[-1].prompt_ids) >= limits.max_total_tokens:
+                raise ValueError(f"rows[{i // group_size}]: the prompt is {len(trajectories[-1].prompt_ids)} tokens "
+                                 f"with the tool signatures, no room for an answer within max_total_tokens "
+                                 f"{limits.max_total_tokens}")
         with ThreadPoolExecutor(max_workers=16) as pool:
             while _any_live_anywhere(live := [traj for traj in trajectories if not traj.finish_reason]):
                 _agent_turn(engine, tokenizer, live, sampling, limits, eot, pool)
@@ -332,7 +425,7 @@ def _any_live_anywhere(live: list) -> bool:
 
 
 def _agent_turn(engine: Engine, tokenizer, live: list[Trajectory], sampling: Sampling, limits: AgentLimits,
-                eot: int, pool: ThreadPoolExecutor) -> None:
+                eot: str, pool: ThreadPoolExecutor) -> None:
     if not live:  # other ranks still turn: one throwaway token keeps this rank's collectives in step
         _generate(engine, [[tokenizer.pad_token_id]], dataclasses.replace(sampling, max_new_tokens=1), [[]])
         return
@@ -340,7 +433,7 @@ def _agent_turn(engine: Engine, tokenizer, live: list[Trajectory], sampling: Sam
     turn_sampling = dataclasses.replace(sampling, max_new_tokens=max(budget, 1))
     completions = _generate(engine, [traj.prompt_ids + traj.completion_ids for traj in live], turn_sampling,
                             [traj.images for traj in live])
-    pending = []
+    pending, eot_id = [], tokenizer.convert_tokens_to_ids(eot)
     for traj, c in zip(live, completions):
         room = limits.max_total_tokens - traj.length
         ids, logprobs = c.token_ids[:room], c.logprobs[:room]  # the batch budget follows the longest trajectory
@@ -348,7 +441,7 @@ def _agent_turn(engine: Engine, tokenizer, live: list[Trajectory], sampling: Sam
         traj.loss_mask += [1] * len(ids)
         traj.logprobs += logprobs
         traj.turns += 1
-        ended = bool(ids) and ids[-1] == eot  # only a turn closed by the template's token can take tool results
+        ended = bool(ids) and ids[-1] == eot_id  # only a turn closed by the template's token can take tool results
         stopped = ended or (c.finish_reason == "stop" and len(ids) == len(c.token_ids))
         content = tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
         traj.messages.append({"role": "assistant", "content": content})
@@ -372,7 +465,7 @@ def _agent_turn(engine: Engine, tokenizer, live: list[Trajectory], sampling: Sam
             traj.tool_errors += result.error
             traj.tool_seconds += seconds
             traj.truncated_responses += cut
-        ids = template_suffix_ids(tokenizer, traj.messages, new_messages, traj.box.schemas)
+        ids = template_suffix_ids(tokenizer, traj.messages, new_messages, traj.box.schemas, eot)
         if traj.length + len(ids) >= limits.max_total_tokens:  # no room left to answer: end on the policy's own turn
             traj.finish_reason = "max_total_tokens"
             continue
@@ -389,16 +482,17 @@ def _generate(engine: Engine, prompts: list[list[int]], sampling: Sampling, imag
     return engine.generate(prompts, sampling)
 
 
-def check_tito(tokenizer, sample: Sample, messages: list[dict], tools: list[dict] | None = None) -> list[str]:
-    """Drift between a trajectory and the chat template's rendering of the same messages (tokenized whole): ids that
-    differ, and loss-mask positions that are not exactly the assistant turns' content plus their end-of-turn token.
-    Returns human-readable findings; [] = no drift."""
+def check_tito(tokenizer, sample: Sample, messages: list[dict], tools: list[dict] | None = None,
+               eot: str | None = None) -> list[str]:
+    """Drift between a trajectory and the chat template's rendering of the same messages (tokenized whole, tool output
+    as plain text): ids that differ, and loss-mask positions that are not exactly the assistant turns' content plus
+    their end-of-turn token `eot` (default: end_of_turn's). Returns human-readable findings; [] = no drift."""
+    eot = eot or end_of_turn(tokenizer)
     text = render(tokenizer, messages, tools, add_generation_prompt=False)
-    end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
-    if messages[-1]["role"] == "assistant" and sample.ids and sample.ids[-1] == end_of_turn:
-        text = text[: text.rindex(END_OF_TURN) + len(END_OF_TURN)]  # the trajectory ends on the policy's token
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    want, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    plain = tool_spans(tokenizer, messages, tools, False, text)
+    if messages[-1]["role"] == "assistant" and sample.ids and sample.ids[-1] == tokenizer.convert_tokens_to_ids(eot):
+        text = text[: text.rindex(eot) + len(eot)]  # the trajectory ends on the policy's token
+    want, offsets = encode_text(tokenizer, text, plain)
     findings = []
     got = sample.ids
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
@@ -411,8 +505,8 @@ def check_tito(tokenizer, sample: Sample, messages: list[dict], tools: list[dict
     for i, m in enumerate(messages):
         if m["role"] == "assistant":
             begin = len(render(tokenizer, messages[:i], tools, add_generation_prompt=True))
-            end = render(tokenizer, messages[: i + 1], tools, add_generation_prompt=False).rindex(END_OF_TURN)
-            spans.append((begin, end + len(END_OF_TURN)))
+            end = render(tokenizer, messages[: i + 1], tools, add_generation_prompt=False).rindex(eot)
+            spans.append((begin, end + len(eot)))
     want_mask = [int(any(b <= s and e <= c for b, c in spans)) for s, e in offsets]
     mask = [0] * len(sample.prompt_ids) + list(sample.loss_mask)
     wrong = [i for i, (a, b) in enumerate(zip(mask, want_mask)) if a != b]

@@ -1,10 +1,11 @@
 """Tiny models built locally, for tests, the demo and the benches: nothing is downloaded.
 
 `make_tiny_model` trains a byte-level BPE tokenizer on a corpus (Qwen2.5's pre-tokenization, its special tokens and a
-Qwen2.5-style chat template with tool calls and image placeholders) and builds a small Qwen2 model from a config,
-saved together as a Hugging Face folder that every kiln script loads like a real checkpoint.
+Qwen2.5-style chat template with tool calls and image placeholders, or a Llama-3-style one) and builds a small Qwen2
+model from a config, saved together as a Hugging Face folder that every kiln script loads like a real checkpoint.
 """
 from pathlib import Path
+from typing import Literal
 
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -43,11 +44,40 @@ CHAT_TEMPLATE = (
 )
 
 
+# Llama 3's chat format (its header and end-of-turn tokens, tool results as `ipython` turns, one per result), with tool
+# calls written as the <tool_call> blocks kiln parses. As in a Llama 3 base model, the tokenizer's eos is
+# <|end_of_text|>, not the <|eot_id|> that closes a turn: the end of a turn must come from the template.
+LLAMA3_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+LLAMA3_CHAT_TEMPLATE = (
+    "{%- macro render(content) %}{% if content is string %}{{ content }}{% elif content %}{% for part in content %}"
+    "{% if part.type == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part.type == 'text' %}{{ part.text }}{% endif %}{% endfor %}{% endif %}{% endmacro %}"
+    "{{- bos_token }}"
+    "{%- set skip_first = tools and messages and messages[0].role == 'system' %}"
+    "{%- if tools %}{{ '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{%- if skip_first %}{{ render(messages[0].content) + '\\n\\n' }}{% endif %}"
+    "{{ 'You may call these functions (JSON signatures):' }}"
+    "{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n\\nTo call one, reply with <tool_call>\\n{\"name\": <name>, \"arguments\": <JSON object>}"
+    "\\n</tool_call><|eot_id|>' }}{% endif %}"
+    "{%- for message in messages %}{% if not (loop.first and skip_first) %}"
+    "{{ '<|start_header_id|>' + ('ipython' if message.role == 'tool' else message.role) + '<|end_header_id|>\\n\\n' }}"
+    "{{- render(message.content) }}"
+    "{%- for call in message.tool_calls or [] %}{% set fn = call.function if call.function is defined else call %}"
+    "{{ '\\n<tool_call>\\n{\"name\": ' + (fn.name | tojson) + ', \"arguments\": ' }}"
+    "{{ fn.arguments if fn.arguments is string else (fn.arguments | tojson) }}{{ '}\\n</tool_call>' }}"
+    "{%- endfor %}{{ '<|eot_id|>' }}{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+
 def make_tiny_model(out_dir, corpus: list[str], vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 2,
                     num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
-                    max_position_embeddings: int = 4096, seed: int = 0) -> Path:
+                    max_position_embeddings: int = 4096, seed: int = 0,
+                    chat_format: Literal["qwen", "llama3"] = "qwen") -> Path:
     """A Qwen2-shaped model from a config plus a byte-level BPE tokenizer trained on `corpus`, saved as a Hugging
-    Face folder. Deterministic for a given corpus and seed; nothing is downloaded."""
+    Face folder. chat_format: Qwen2.5's chat template and tokens, or Llama 3's (its tokens added after the others).
+    Deterministic for a given corpus and seed; nothing is downloaded."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # Qwen2.5's pipeline (NFC, its split regex, byte level): what transformers' Qwen2Tokenizer rebuilds on load.
@@ -62,9 +92,14 @@ def make_tiny_model(out_dir, corpus: list[str], vocab_size: int = 512, hidden_si
         vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t in AGENT_TOKENS])
+    if chat_format == "llama3":
+        bpe.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA3_TOKENS])
+        chat = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "chat_template": LLAMA3_CHAT_TEMPLATE}
+    else:
+        chat = {"eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left",
-        clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE, model_max_length=max_position_embeddings)
+        tokenizer_object=bpe, pad_token="<|endoftext|>", padding_side="left", clean_up_tokenization_spaces=False,
+        model_max_length=max_position_embeddings, **chat)
     tokenizer.save_pretrained(out)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     config = Qwen2Config(
