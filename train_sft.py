@@ -60,15 +60,38 @@ class Args:
     """checkpoint every N steps (0 = only at the end)"""
     resume: bool = False
     """continue from the newest checkpoint in output_dir"""
+    end_of_turn: str | None = None
+    """token that closes an assistant turn (default: found in the chat template, e.g. <|im_end|>, <|eot_id|>)"""
+
+
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "function_call": "assistant", "observation": "tool"}
 
 
 def conversation(row: dict, where: str) -> list[dict]:
     if "messages" in row:
-        return list(row["messages"])
+        return checked_messages(row["messages"], where)
+    if "conversations" in row:
+        raise SystemExit(f"{where}: `conversations` looks like ShareGPT; write it as `messages` with "
+                         f"{{'role', 'content'}} ({', '.join(f'{a} -> {b}' for a, b in SHAREGPT_ROLES.items())})")
     solution = row.get("extra_info", {}).get("solution")
     if solution is None:
         raise SystemExit(f"{where}: neither `messages` nor `extra_info.solution` to train on")
     return list(row["prompt"]) + [{"role": "assistant", "content": f"```python\n{solution}\n```"}]
+
+
+def checked_messages(messages, where: str) -> list[dict]:
+    """The messages of a conversation, refused with the row and message named unless every role is one of
+    data_prep.ROLES and an assistant message is there to train on."""
+    if not isinstance(messages, list):
+        raise SystemExit(f"{where}: messages: expected a list, got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in data_prep.ROLES:
+            hint = f" (ShareGPT's {role!r} is {SHAREGPT_ROLES[role]!r})" if role in SHAREGPT_ROLES else ""
+            raise SystemExit(f"{where}: messages[{i}].role: expected one of {data_prep.ROLES}, got {role!r}{hint}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise SystemExit(f"{where}: no assistant message to train on")
+    return list(messages)
 
 
 def load_conversations(path: str) -> list[list[dict]]:
@@ -86,7 +109,12 @@ def main(args: Args) -> dict:
         raise SystemExit(f"--batch-size {args.batch_size} must divide by the world size {world}")
     torch.manual_seed(args.seed)
     tokenizer = policy.load_tokenizer(args.model)
-    encoded = [rollout.encode_conversation(tokenizer, c) for c in load_conversations(args.data)]
+    eot = rollout.end_of_turn(tokenizer, args.end_of_turn)
+    encoded = [rollout.encode_conversation(tokenizer, c, eot) for c in load_conversations(args.data)]
+    untrained = [i for i, (_, mask) in enumerate(encoded) if not any(mask)]
+    if untrained:  # a loss over zero tokens is NaN and trains nothing
+        raise SystemExit(f"{args.data}: {len(untrained)} conversations have no token to train on (first: row "
+                         f"{untrained[0]}); the assistant turns must end with {eot!r}, or set --end-of-turn")
     model = policy.shard_model(policy.load_model(args.model, attn_implementation=args.attn_implementation).to(device),
                                mixed_precision=args.mixed_precision,
                                activation_checkpointing=args.activation_checkpointing,
@@ -141,7 +169,7 @@ def main(args: Args) -> dict:
 def sft_loss(model, micro: list[tuple[list[int], list[int]]], total_tokens: float) -> torch.Tensor:
     """Negative log-likelihood of the masked-in (assistant) tokens of one packed micro-batch, over `total_tokens`."""
     logprobs, _ = policy.packed_logprobs(model, [ids for ids, _ in micro])
-    mask = torch.tensor([m for _, mask in micro for m in mask], dtype=torch.float32)
+    mask = torch.tensor([m for _, mask in micro for m in mask], dtype=torch.float32, device=logprobs.device)
     return -losses.masked_sum(logprobs, mask) / total_tokens
 
 

@@ -1,4 +1,5 @@
-"""train_sft.py: the loss falls on a fixed small set, and only assistant tokens contribute to it."""
+"""train_sft.py: the loss falls on a fixed small set, only assistant tokens contribute to it (with a Qwen-style and a
+Llama-3-style chat template), the mask follows the model's device, and data it cannot train on is refused."""
 import json
 import sys
 from pathlib import Path
@@ -63,3 +64,68 @@ def test_only_assistant_tokens_contribute(model_dir):
         changed = list(ids)
         changed[last_trained - 1] = (changed[last_trained - 1] + 1) % len(tokenizer)
         assert train_sft.sft_loss(model, [(changed, mask)], sum(mask)).item() != base
+
+
+@pytest.mark.parametrize("chat_format", ["qwen", "llama3"])
+def test_mask_is_exactly_the_assistant_turns_of_either_template(tmp_path, chat_format):
+    tokenizer = policy.load_tokenizer(tiny.make_tiny_model(tmp_path, [json.dumps(c) for c in CONVERSATIONS] * 4,
+                                                           chat_format=chat_format))
+    eot = {"qwen": "<|im_end|>", "llama3": "<|eot_id|>"}[chat_format]
+    messages = CONVERSATIONS[0]
+    ids, mask = rollout.encode_conversation(tokenizer, messages)
+    trained = [[]]  # runs of masked-in tokens, one per assistant turn
+    for i, m in zip(ids, mask):
+        if m:
+            trained[-1].append(i)
+        elif trained[-1]:
+            trained.append([])
+    turns = [tokenizer.decode(t) for t in trained if t]
+    assert turns == [rollout.render(tokenizer, messages[:i + 1], None, False)[
+        len(rollout.render(tokenizer, messages[:i], None, True)):].split(eot)[0] + eot
+        for i, m in enumerate(messages) if m["role"] == "assistant"]
+    assert turns[1] == "The answer is 42." + eot
+
+
+def test_sft_loss_keeps_the_mask_on_the_models_device(model_dir, monkeypatch):
+    """The logprobs land where the model is (here: `meta`, standing in for a GPU); the mask must follow them."""
+    real = policy.packed_logprobs
+    monkeypatch.setattr(policy, "packed_logprobs", lambda model, seqs, **kw: (real(model, seqs, **kw)[0].to("meta"), None))
+    loss = train_sft.sft_loss(policy.load_model(model_dir), [([5, 6, 7, 8], [0, 0, 1, 1])], 2.0)
+    assert loss.device.type == "meta" and loss.shape == ()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sft_trains_on_a_gpu(model_dir, tmp_path):
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))
+    train_sft.main(train_sft.Args(model=str(model_dir), data=str(data), output_dir=str(tmp_path / "out"), steps=3,
+                                  batch_size=3, lr=3e-3))
+    metrics = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    assert len(metrics) == 3 and all(m["tokens"] > 0 and m["loss"] > 0 and m["grad_norm"] > 0 for m in metrics)
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"messages": [{"role": "human", "content": "hi"}, {"role": "gpt", "content": "hello"}]}],
+     r"row 0: messages\[0\]\.role: expected one of .*, got 'human' \(ShareGPT's 'human' is 'user'\)"),
+    ([{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}],
+     r"row 0: `conversations` looks like ShareGPT; write it as `messages` .*\(human -> user, gpt -> assistant"),
+    ([{"messages": CONVERSATIONS[1]}, {"messages": [{"role": "user", "content": "hi"}]}],
+     r"row 1: no assistant message to train on"),
+])
+def test_conversations_it_cannot_train_on_are_refused(model_dir, tmp_path, rows, message):
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SystemExit, match=message):
+        train_sft.main(train_sft.Args(model=str(model_dir), data=str(data), output_dir=str(tmp_path / "out")))
+    assert not (tmp_path / "out").exists()
+
+
+def test_zero_trainable_tokens_is_refused(model_dir, tmp_path):
+    """An end-of-turn token the template never writes after an assistant turn leaves nothing to train on: refused
+    before the model loads, instead of a NaN loss and an unchanged model."""
+    data = tmp_path / "conversations.jsonl"
+    data.write_text(json.dumps({"messages": CONVERSATIONS[1]}) + "\n")
+    with pytest.raises(SystemExit, match=r"1 conversations have no token to train on \(first: row 0\).*'<\|endoftext\|>'"):
+        train_sft.main(train_sft.Args(model=str(model_dir), data=str(data), output_dir=str(tmp_path / "out"),
+                                      end_of_turn="<|endoftext|>"))
