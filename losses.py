@@ -70,7 +70,14 @@ def reinforce_pp_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.T
     return ((x - x.mean()) / (std + eps)).to(rewards.dtype)
 
 
-ADVANTAGES = ("grpo", "drgrpo", "rloo", "reinforce++")
+def reinforce_pp_baseline_advantages(rewards: torch.Tensor, group: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++-baseline (arXiv 2501.03262): the group mean subtracted first, d_i = r_i - mean_g, then d whitened
+    over the whole batch, (d - mean(d)) / (std(d) + eps), unbiased std. A constant group gets exactly 0. [N] -> [N]."""
+    mean, _, _ = _group_stats(rewards, group)
+    return reinforce_pp_advantages((rewards.double() - mean.double()).to(rewards.dtype), eps)
+
+
+ADVANTAGES = ("grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline")
 
 
 def scalar_advantages(name: str, rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
@@ -83,6 +90,8 @@ def scalar_advantages(name: str, rewards: torch.Tensor, group: torch.Tensor) -> 
         return rloo_advantages(rewards, group)
     if name == "reinforce++":
         return reinforce_pp_advantages(rewards)
+    if name == "reinforce++-baseline":
+        return reinforce_pp_baseline_advantages(rewards, group)
     raise ValueError(f"unknown advantage estimator {name!r}; expected one of {ADVANTAGES}")
 
 
@@ -93,6 +102,15 @@ def nonconstant_groups(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tens
     high = rewards.new_full((n,), -math.inf).scatter_reduce_(0, index, rewards, "amax")
     low = rewards.new_full((n,), math.inf).scatter_reduce_(0, index, rewards, "amin")
     return (high > low)[index]
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13), added to the reward: 0 up to max_len - buffer
+    tokens, then falling linearly to -factor at max_len, -factor beyond it. lengths [N] -> penalties [N]."""
+    if not 0 < buffer <= max_len:
+        raise ValueError(f"the overlong buffer must be in (0, max_len = {max_len}], got {buffer}")
+    over = (lengths.double() - (max_len - buffer)).clamp(min=0, max=buffer)
+    return (-factor * over / buffer).to(torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------------- PPO: GAE
@@ -133,10 +151,18 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 # -------------------------------------------------------------------------------------------------- policy losses
 
 
+MAX_LOG_RATIO = 20.0  # as verl: exp(20) is a finite ratio in fp32, exp(89) is inf (and inf * 0 a NaN gradient)
+
+
 def _truncated_is_weight(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor | None, cap: float | None,
                          mask: torch.Tensor) -> torch.Tensor | None:
     """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL"):
-    min(exp(old - engine), C), detached, corrects for the engine sampling from a slightly different distribution."""
+    min(exp(old - engine), C), detached, corrects for the engine sampling from a slightly different distribution.
+
+    With top-p/top-k < full vocabulary it does not: the engine's logprobs are those of the renormalised truncated
+    distribution q = p / Z on the kept set, the trainer's are of the full p, so every weight is Z (< 1, the kept mass)
+    times the numerical mismatch: tokens are down-weighted by how much mass the truncation cut, and tokens outside the
+    kept set are never sampled, a bias no weight of sampled tokens can undo. Train with top_p = 1 and top_k = 0."""
     if cap is None:
         return None
     if engine_logprobs is None:
@@ -183,7 +209,7 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
     loss of A < 0 tokens at -c A when r is huge (arXiv 1912.09729). tis_cap = C multiplies by min(exp(old - engine), C).
     Returns (token loss [B, T], 0 off-mask; stats: clip_frac_low/high, dual_clip_frac, approx_kl, ratio_mean as floats,
     token means over this call's mask)."""
-    log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0)
+    log_ratio = torch.where(mask.bool(), (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), 0)
     return _clipped_objective(log_ratio.exp(), log_ratio, advantages, mask, clip_low, clip_high, dual_clip,
                               _truncated_is_weight(old_logprobs, engine_logprobs, tis_cap, mask))
 
@@ -197,7 +223,7 @@ def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     objective is aggregate(..., "seq-mean-token-mean"); clip ranges are ~1e-4 (paper: 3e-4 / 4e-4). Same returns as
     clipped_policy_loss; clip fractions count tokens of clipped sequences."""
     on = mask.bool()
-    log_ratio = torch.where(on, logprobs - old_logprobs, 0)
+    log_ratio = torch.where(on, (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), 0)
     seq_log_ratio = masked_mean(log_ratio, mask, dim=-1)[:, None]
     token_log_ratio = seq_log_ratio.detach() + logprobs - logprobs.detach()
     ratio = torch.where(on, token_log_ratio, 0).exp()

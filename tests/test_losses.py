@@ -52,7 +52,7 @@ def test_grpo_zero_variance_and_single_sample_groups_are_zero_and_finite():
     close(adv, [0.0, 0.0, 0.0, 0.0], atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce++"])
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce++", "reinforce++-baseline"])
 def test_constant_rewards_give_exactly_zero_advantage(name):
     # In float32, mean(7 x 0.7) - 0.7 is ~1e-8 and so is the std: their ratio would be 0.056 of pure noise.
     rewards = torch.full((7,), 0.7)
@@ -76,6 +76,28 @@ def test_reinforce_pp_batch_normalised():
     # 1, 2, 3, 6: mean 3, deviations -2, -1, 0, 3, squares sum 14, unbiased var 14/3, std 2.1602469
     close(losses.reinforce_pp_advantages(torch.tensor([1.0, 2.0, 3.0, 6.0])),
           [-0.9258201, -0.4629100, 0.0, 1.3887301])
+
+
+def test_reinforce_pp_baseline_subtracts_the_group_mean_then_whitens_the_batch():
+    # groups 0: 1, 0 (mean 0.5) and 1: 3, 1 (mean 2) -> d = 0.5, -0.5, 1, -1; mean(d) = 0,
+    # unbiased std(d) = sqrt((0.25 + 0.25 + 1 + 1) / 3) = 0.9128709 -> d / (0.9128709 + 1e-6)
+    a, b = 0.5 / (0.9128709 + 1e-6), 1 / (0.9128709 + 1e-6)  # 0.5477220, 1.0954439
+    rewards, group = torch.tensor([1.0, 0.0, 3.0, 1.0]), torch.tensor([0, 0, 1, 1])
+    close(losses.scalar_advantages("reinforce++-baseline", rewards, group), [a, -a, b, -b])
+    # A constant group adds d = 0, 0: still 0 after whitening (mean(d) stays 0); std = sqrt(2.5 / 5) = 0.7071068.
+    a, b = 0.5 / (0.7071068 + 1e-6), 1 / (0.7071068 + 1e-6)
+    close(losses.scalar_advantages("reinforce++-baseline", torch.tensor([1.0, 0.0, 3.0, 1.0, 0.4, 0.4]),
+                                   torch.tensor([0, 0, 1, 1, 2, 2])), [a, -a, b, -b, 0.0, 0.0])
+
+
+def test_dapo_soft_overlong_penalty():
+    # max_len 10, buffer 4: free up to 6 tokens, then -(length - 6) / 4 * factor, -factor at 10 and beyond
+    lengths = torch.tensor([0, 5, 6, 7, 9, 10, 12])
+    close(losses.overlong_penalty(lengths, 10, 4, factor=0.5), [0.0, 0.0, 0.0, -0.125, -0.375, -0.5, -0.5])
+    close(losses.overlong_penalty(lengths, 10, 10), [0.0, -0.5, -0.6, -0.7, -0.9, -1.0, -1.0])
+    for buffer in (0, 11):
+        with pytest.raises(ValueError, match="overlong buffer must be in"):
+            losses.overlong_penalty(lengths, 10, buffer)
 
 
 def test_scalar_advantages_dispatch():
@@ -351,3 +373,22 @@ def test_micro_batch_sums_add_up_to_the_global_token_mean():
     total = (losses.aggregate(rank0, m0, "seq-mean-token-mean", num_seqs=2)
              + losses.aggregate(rank1, m1, "seq-mean-token-mean", num_seqs=2))
     close(total, 3.5)
+
+
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_log_ratio_is_clamped_so_a_huge_ratio_stays_finite(dual_clip):
+    """log r = 100 (an fp32 exp overflows past ~88): clamped to 20 as verl does, the loss is finite and so are the
+    gradients. A = -1, clip 0.2: loss = max(e^20, 1.2) = e^20 (or, dual-clipped, 3), grad 0 (the clamp is flat there);
+    the other token, log r = 0 and A = -1, has loss 1 and grad r = 1."""
+    for fn in (losses.clipped_policy_loss, losses.gspo_loss):
+        logprobs = torch.tensor([[0.0, -1.0]], requires_grad=True)
+        old = torch.tensor([[-100.0, -1.0]])
+        mask = torch.tensor([[1, 0]]) if fn is losses.gspo_loss else torch.tensor([[1, 1]])
+        kwargs = {"dual_clip": dual_clip} if fn is losses.clipped_policy_loss else {"clip_low": 0.2, "clip_high": 0.2}
+        if fn is losses.gspo_loss and dual_clip is not None:
+            continue  # GSPO has no dual clip (train_grpo refuses the combination)
+        loss, stats = fn(logprobs, old, torch.tensor([[-1.0, -1.0]]), mask, **kwargs)
+        first = 3.0 if dual_clip else math.exp(20)
+        close(loss.double(), [[first, 1.0 if fn is losses.clipped_policy_loss else 0.0]], atol=first * 1e-6)
+        loss.sum().backward()
+        assert torch.isfinite(logprobs.grad).all() and math.isfinite(stats["approx_kl"]), (fn, logprobs.grad, stats)
