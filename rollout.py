@@ -52,7 +52,7 @@ class Sample:
 def end_of_turn(tokenizer, override: str | None = None) -> str:
     """The token that closes an assistant turn: `override` (checked to be one token), else the first special token
     the chat template writes after an assistant message's content (<|im_end|> in ChatML/Qwen, <|eot_id|> in Llama 3,
-    <end_of_turn> in Gemma, </s> in Mistral). Its id is a stop token, ends the loss mask and closes a tool-calling turn."""
+    <end_of_turn> in Gemma, </s> in Mistral). It stops generation, ends the loss mask and closes a tool-calling turn."""
     if override is not None:
         if len(tokenizer(override, add_special_tokens=False)["input_ids"]) != 1:
             raise ValueError(f"--end-of-turn {override!r} is not one token of the tokenizer")

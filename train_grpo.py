@@ -53,24 +53,37 @@ class Args:
     temperature: float = 1.0
     """sampling temperature; the trainer scores tokens under the same temperature"""
     top_p: float = 1.0
-    """nucleus sampling (keep 1.0 for unbiased policy gradients)"""
+    """nucleus sampling (keep 1.0: below it the samples and the engine logprobs that --tis-cap uses come from the
+    truncated distribution while the trainer scores the full one, a bias nothing corrects; see losses.py's TIS)"""
+    end_of_turn: str | None = None
+    """token that closes an assistant turn (default: found in the chat template, e.g. <|im_end|>, <|eot_id|>)"""
 
-    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce++"] = "grpo"
+    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline"] = "grpo"
     """advantage estimator"""
     dynamic_sampling: bool = False
-    """drop groups whose rewards are all equal (they carry no GRPO signal)"""
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (no group-relative signal) and sample fresh
+    prompts until every rank holds its share of groups that differ"""
+    max_sampling_tries: int = 10
+    """rounds of prompts per step that dynamic sampling may take; past them the step trains on the groups it has"""
+    overlong_buffer: int = 0
+    """DAPO soft overlong punishment: over the last N tokens before max_new_tokens the reward falls linearly by up to
+    overlong_penalty; 0 = off"""
+    overlong_penalty: float = 1.0
+    """the largest overlong punishment (at max_new_tokens)"""
+    mask_truncated: bool = False
+    """DAPO overlong filtering: samples cut by a token limit count in their group's advantages but not in the loss"""
     policy_loss: Literal["clip", "gspo"] = "clip"
     """token-level clipped ratio (PPO/GRPO) or sequence-level ratio (GSPO)"""
-    clip_low: float = 0.2
-    """lower clip range: ratio >= 1 - clip_low"""
-    clip_high: float = 0.2
-    """upper clip range: ratio <= 1 + clip_high (DAPO clip-higher: e.g. 0.28)"""
+    clip_low: float | None = None
+    """lower clip range: ratio >= 1 - clip_low (default: 0.2; GSPO's sequence ratio 3e-4)"""
+    clip_high: float | None = None
+    """upper clip range: ratio <= 1 + clip_high (default: 0.2, DAPO's clip-higher 0.28; GSPO's sequence ratio 4e-4)"""
     dual_clip: float | None = None
-    """dual-clip constant c (> 1) bounding the loss of negative advantages; None = off"""
+    """dual-clip constant c (> 1) bounding the loss of negative advantages; None = off (not with GSPO)"""
     tis_cap: float | None = None
     """truncated importance sampling: cap on exp(old - engine logprob); None = off"""
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    """how token losses become one number (verl's names)"""
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", None] = None
+    """how token losses become one number (verl's names; default: token-mean, GSPO's seq-mean-token-mean)"""
     kl_coef: float = 0.0
     """weight of the KL(policy || reference) penalty in the loss; 0 = no reference model"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -193,7 +206,31 @@ def main(args: Args, score_fn: rewards.ScoreFn = rewards.score_batch) -> Run | N
     return run
 
 
+# Defaults that depend on the policy loss: GSPO clips a sequence-level ratio (its paper's ranges) and averages each
+# sequence's tokens first.
+LOSS_DEFAULTS = {"clip": {"clip_low": 0.2, "clip_high": 0.2, "loss_agg": "token-mean"},
+                 "gspo": {"clip_low": 3e-4, "clip_high": 4e-4, "loss_agg": "seq-mean-token-mean"}}
+
+
+def with_variant_defaults(args: Args) -> Args:
+    """`args` with the policy loss's defaults filled in, or SystemExit for a combination the variants do not define."""
+    if args.policy_loss == "gspo" and args.dual_clip is not None:
+        raise SystemExit("--dual-clip bounds a token-level ratio; GSPO clips the sequence-level one (drop --dual-clip)")
+    if args.dynamic_sampling and args.advantage == "reinforce++":
+        raise SystemExit("--dynamic-sampling drops groups whose rewards are equal, which carry no signal only for "
+                         "group-relative advantages; REINFORCE++ whitens over the batch, where they do (use "
+                         "--advantage reinforce++-baseline)")
+    if args.max_sampling_tries < 1:
+        raise SystemExit(f"--max-sampling-tries must be >= 1, got {args.max_sampling_tries}")
+    if args.overlong_buffer and (args.tools != "none" or not 0 < args.overlong_buffer <= args.max_new_tokens):
+        raise SystemExit(f"--overlong-buffer {args.overlong_buffer} must be in (0, --max-new-tokens "
+                         f"{args.max_new_tokens}] and measures single-turn answers (--tools none)")
+    unset = {k: v for k, v in LOSS_DEFAULTS[args.policy_loss].items() if getattr(args, k) is None}
+    return dataclasses.replace(args, **unset)
+
+
 def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
+    args = with_variant_defaults(args)
     rank, world, device = policy.init_distributed()
     if args.prompts_per_step % world:
         raise SystemExit(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world}")
@@ -227,7 +264,8 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     optimizer = policy.adamw(model, args.lr, args.weight_decay)
     scheduler = policy.lr_schedule(optimizer, args.warmup_steps, args.total_steps, args.lr_schedule)
     sampling = engines.Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                                stop_token_ids=policy.stop_token_ids(tokenizer, args.model))
+                                stop_token_ids=policy.stop_token_ids(tokenizer, args.model,
+                                                                     rollout.end_of_turn(tokenizer, args.end_of_turn)))
     limits = rollout.AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens)
     checkpoint = policy.latest_checkpoint(args.output_dir) if args.resume else None
     step = data_pos = 0
@@ -245,43 +283,63 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
 
 def train_step(run: Run) -> dict:
     args, metrics, seconds = run.args, {}, {}
-
-    # 1. This rank's prompts for the step (a seeded shuffle per epoch, so resuming replays the same order).
     per_rank = args.prompts_per_step // run.world
-    rows = data_prep.in_epoch_order(run.rows, run.data_pos + run.rank * per_rank, per_rank, args.seed)
-    run.data_pos += args.prompts_per_step
+    samples, batch, tries = [], [], 0  # all samples of the step, those it trains on, rounds of prompts taken
+    # Steps 1-5 run once; with --dynamic-sampling (DAPO) they run again on fresh prompts until every rank holds its
+    # share of groups whose rewards differ, at most --max-sampling-tries times (the condition is the same on all ranks).
+    while tries == 0 or (args.dynamic_sampling and tries < args.max_sampling_tries
+                         and policy.sum_over_ranks(len({s.group for s in batch}) < per_rank) > 0):
+        # 1. This rank's prompts (a seeded shuffle per epoch, so resuming replays the same order).
+        rows = data_prep.in_epoch_order(run.rows, run.data_pos + run.rank * per_rank, per_rank, args.seed)
+        run.data_pos += args.prompts_per_step
+        first_group = tries * args.prompts_per_step + run.rank * per_rank  # group ids unique over ranks and rounds
+        tries += 1
 
-    # 2-4. Rollouts: wake the engine, give it the current weights, generate, put it back to sleep.
-    with runlog.timed(seconds, "wake_and_sync"):  # a level-2 sleep drops the engine's weights: every wake needs them
-        run.engine.wake_up()
-        run.engine.load_weights(policy.iter_full_weights(run.model))
-    with runlog.timed(seconds, "rollout"):
-        samples, rollout_metrics = rollout.collect(
-            run.engine, run.tokenizer, rows, args.group_size, run.sampling, args.tools, run.limits,
-            first_group=run.rank * len(rows), check=args.check_tito)
-        run.engine.sleep()
+        # 2-4. Rollouts: wake the engine, give it the current weights, generate, put it back to sleep.
+        with runlog.timed(seconds, "wake_and_sync"):  # a level-2 sleep drops the engine's weights: each wake needs them
+            run.engine.wake_up()
+            run.engine.load_weights(policy.iter_full_weights(run.model))
+        with runlog.timed(seconds, "rollout"):
+            new, rollout_metrics = rollout.collect(
+                run.engine, run.tokenizer, rows, args.group_size, run.sampling, args.tools, run.limits,
+                first_group=first_group, check=args.check_tito, eot=args.end_of_turn)
+            run.engine.sleep()
+
+        # 5. Rewards, in parallel in the sandbox (plus DAPO's overlong punishment, in shaped_rewards).
+        with runlog.timed(seconds, "reward"):
+            for s, r in zip(new, run.score_fn([s.row for s in new], [s.text for s in new])):
+                s.reward, s.info = r.score, r.info
+        samples += new
+        keep = (losses.nonconstant_groups(torch.tensor(shaped_rewards(args, new)), torch.tensor([s.group for s in new]))
+                if args.dynamic_sampling else [True] * len(new))
+        batch += [s for s, k in zip(new, keep) if k]
+    # The last round's rollout metrics; the rewards of every round's samples.
     tool_metrics = {k: v for k, v in rollout_metrics.items() if k.startswith("tools/")}  # per rank: averaged
     metrics |= rollout_metrics | policy.mean_dicts_over_ranks(tool_metrics) | getattr(run.engine, "last_metrics", {})
-
-    # 5. Rewards, in parallel in the sandbox.
-    with runlog.timed(seconds, "reward"):
-        for s, r in zip(samples, run.score_fn([s.row for s in samples], [s.text for s in samples])):
-            s.reward, s.info = r.score, r.info
     sources, scores, errors, lengths = zip(*policy.gather_objects(
         [(s.row["data_source"], s.reward, s.info.get("error"), len(s.completion_ids)) for s in samples]))
     metrics |= rewards.batch_metrics(sources, scores, errors, lengths)
+    if args.dynamic_sampling:  # each rank trains on its share of groups (a rank may have fewer after the last try)
+        metrics["batch/kept_frac"] = policy.sum_over_ranks(len(batch)) / policy.sum_over_ranks(len(samples))
+        metrics["batch/sampling_tries"] = tries
+        kept_groups = set(list(dict.fromkeys(s.group for s in batch))[:per_rank])
+        batch = [s for s in batch if s.group in kept_groups]
 
     # 6. Advantages over the global batch (groups never straddle ranks; REINFORCE++ normalises globally).
-    reward = torch.tensor([s.reward for s in samples])
-    group = torch.tensor([s.group for s in samples])
-    advantage = losses.scalar_advantages(args.advantage, policy.gather(reward), policy.gather(group))
-    for s, a in zip(samples, advantage[run.rank * len(samples):]):
+    everyone = policy.gather_objects([(r, s.group) for r, s in zip(shaped_rewards(args, batch), batch)])
+    advantage = losses.scalar_advantages(args.advantage, torch.tensor([r for r, _ in everyone]),
+                                         torch.tensor([g for _, g in everyone], dtype=torch.long))
+    first = sum(policy.gather_objects([len(batch)])[: run.rank])  # ranks may hold different counts after refills
+    for s, a in zip(batch, advantage[first:]):
         s.advantage = a.item()
-    batch = samples
-    if args.dynamic_sampling:
-        keep = losses.nonconstant_groups(reward, group)
-        metrics["batch/kept_frac"] = policy.mean_over_ranks(keep.float().mean().item())
-        batch = [s for s, k in zip(samples, keep) if k]
+    if args.overlong_buffer:
+        penalty = sum(shaped_rewards(args, samples)) - sum(s.reward for s in samples)
+        metrics["overlong/penalty_mean"] = policy.sum_over_ranks(penalty) / policy.sum_over_ranks(len(samples))
+    if args.mask_truncated:  # DAPO overlong filtering: in the advantages above, out of the loss below
+        truncated = [s.finish_reason in ("length", "max_total_tokens") for s in batch]
+        metrics["overlong/masked_frac"] = (policy.sum_over_ranks(sum(truncated))
+                                           / max(policy.sum_over_ranks(len(batch)), 1))
+        batch = [s for s, cut in zip(batch, truncated) if not cut]
 
     # 7. Old and reference logprobs (no grad) where the loss needs them: [B, T] over the batch's completions.
     with runlog.timed(seconds, "old_ref_logprobs"):
@@ -307,9 +365,19 @@ def train_step(run: Run) -> dict:
     metrics |= {f"time/{k}": v for k, v in seconds.items()}
     metrics["perf/tokens_per_s"] = policy.sum_over_ranks(sum(len(s.ids) for s in samples)) / sum(seconds.values())
     metrics["lr"] = run.scheduler.get_last_lr()[0]
-    if args.sample_every and (run.step + 1) % args.sample_every == 0:
+    if args.sample_every and (run.step + 1) % args.sample_every == 0:  # every sample of the step, trained on or not
         run.log.samples(policy.gather_objects([runlog.sample_record(run.step + 1, s) for s in samples]))
     return metrics
+
+
+def shaped_rewards(args: Args, samples: list[rollout.Sample]) -> list[float]:
+    """The rewards advantages are computed from: each sample's reward plus, with --overlong-buffer, DAPO's soft
+    overlong punishment of its length (losses.overlong_penalty)."""
+    if not args.overlong_buffer:
+        return [s.reward for s in samples]
+    penalty = losses.overlong_penalty(torch.tensor([len(s.completion_ids) for s in samples]), args.max_new_tokens,
+                                      args.overlong_buffer, args.overlong_penalty)
+    return [s.reward + p for s, p in zip(samples, penalty.tolist())]
 
 
 def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_logprobs: torch.Tensor | None,
@@ -338,8 +406,9 @@ def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_log
                                                       for x in (mask, engine_logprobs, advantages))
         old = logprobs.detach() if old_logprobs is None else policy.rows_of(old_logprobs, micro, logprobs)
         if args.policy_loss == "gspo":
-            token_loss, loss_stats = losses.gspo_loss(logprobs, old, micro_advantages, micro_mask,
-                                                      clip_low=args.clip_low, clip_high=args.clip_high)
+            token_loss, loss_stats = losses.gspo_loss(
+                logprobs, old, micro_advantages, micro_mask, clip_low=args.clip_low, clip_high=args.clip_high,
+                engine_logprobs=micro_engine if args.tis_cap else None, tis_cap=args.tis_cap)
         else:
             token_loss, loss_stats = losses.clipped_policy_loss(
                 logprobs, old, micro_advantages, micro_mask, clip_low=args.clip_low, clip_high=args.clip_high,
@@ -369,7 +438,7 @@ def evaluate(run: Run) -> dict:
     run.engine.wake_up()
     run.engine.load_weights(policy.iter_full_weights(run.model))
     samples, _ = rollout.collect(run.engine, run.tokenizer, rows, 1, greedy, run.args.tools, run.limits,
-                                 first_group=run.rank * len(rows), check=run.args.check_tito)
+                                 first_group=run.rank * len(rows), check=run.args.check_tito, eot=run.args.end_of_turn)
     run.engine.sleep()
     results = run.score_fn([s.row for s in samples], [s.text for s in samples])
     graded = policy.gather_objects([(data_prep.row_id(s.row), r.score, r.info.get("error"))

@@ -240,9 +240,9 @@ def test_llama3_turns_stop_on_the_end_of_turn_token(tmp_path):
     assert eot in stops
     run_on = tokenizer("The answer is 3. Let me check with python.", add_special_tokens=False)["input_ids"]
     engine = ScriptedEngine(tokenizer, {"task-L": [CALL, "done"]}, run_on=run_on)
+    toolbox = lambda row: rollout.ToolBox({"python": lambda a: rollout.ToolResult("1")}, [])  # noqa: E731
     samples, metrics = rollout.multi_turn(engine, tokenizer, [{"prompt": [{"role": "user", "content": "task-L"}]}], 1,
-                                          engines.Sampling(max_new_tokens=200, stop_token_ids=stops),
-                                          lambda row: rollout.ToolBox({"python": lambda a: rollout.ToolResult("1")}, []))
+                                          engines.Sampling(max_new_tokens=200, stop_token_ids=stops), toolbox)
     sample = samples[0]
     assert sample.finish_reason == "stop" and sample.info["tool_calls"] == 1 and sample.info["turns"] == 2
     assert [i for i, m in zip(sample.completion_ids, sample.loss_mask) if m] == engine.emitted["task-L"]
@@ -268,7 +268,8 @@ def test_tool_output_cannot_inject_a_turn(any_tokenizer):
     assert injection in tokenizer.decode(sample.completion_ids)
     assert rollout.check_tito(tokenizer, sample, sample.info["messages"]) == []
     ids, mask = rollout.encode_conversation(tokenizer, sample.info["messages"])  # SFT on it: the same ids and mask
-    assert ids[: len(sample.ids)] == sample.ids and mask[: len(sample.ids)] == [0] * len(sample.prompt_ids) + sample.loss_mask
+    n = len(sample.ids)
+    assert ids[:n] == sample.ids and mask[:n] == [0] * len(sample.prompt_ids) + sample.loss_mask
 
 
 def test_prompt_longer_than_max_total_tokens_is_refused_before_generating(tokenizer):

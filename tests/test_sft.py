@@ -89,7 +89,8 @@ def test_mask_is_exactly_the_assistant_turns_of_either_template(tmp_path, chat_f
 def test_sft_loss_keeps_the_mask_on_the_models_device(model_dir, monkeypatch):
     """The logprobs land where the model is (here: `meta`, standing in for a GPU); the mask must follow them."""
     real = policy.packed_logprobs
-    monkeypatch.setattr(policy, "packed_logprobs", lambda model, seqs, **kw: (real(model, seqs, **kw)[0].to("meta"), None))
+    monkeypatch.setattr(policy, "packed_logprobs",
+                        lambda model, seqs, **kw: (real(model, seqs, **kw)[0].to("meta"), None))
     loss = train_sft.sft_loss(policy.load_model(model_dir), [([5, 6, 7, 8], [0, 0, 1, 1])], 2.0)
     assert loss.device.type == "meta" and loss.shape == ()
 
@@ -126,6 +127,6 @@ def test_zero_trainable_tokens_is_refused(model_dir, tmp_path):
     before the model loads, instead of a NaN loss and an unchanged model."""
     data = tmp_path / "conversations.jsonl"
     data.write_text(json.dumps({"messages": CONVERSATIONS[1]}) + "\n")
-    with pytest.raises(SystemExit, match=r"1 conversations have no token to train on \(first: row 0\).*'<\|endoftext\|>'"):
+    with pytest.raises(SystemExit, match=r"1 conversations have no token to train on \(first: row 0\)"):
         train_sft.main(train_sft.Args(model=str(model_dir), data=str(data), output_dir=str(tmp_path / "out"),
                                       end_of_turn="<|endoftext|>"))
