@@ -170,11 +170,15 @@ def _with_text(content, text: str):
     return [{"type": "text", "text": text} if p.get("type") == "text" else p for p in content]
 
 
-def load_rows_within(source: str, tokenizer, max_prompt_tokens: int, verbose: bool = True) -> list[dict]:
-    """`data_prep.load_rows(source)` less the rows whose prompt is longer than `max_prompt_tokens` (counted, and
-    printed when verbose); a source with none left is refused."""
+def load_rows_within(source: str, tokenizer, max_prompt_tokens: int, verbose: bool = True,
+                     tools: str = "none") -> list[dict]:
+    """`data_prep.load_rows(source)` less the rows whose prompt, as the rollout renders it (with the signatures of the
+    toolbox `tools`), is longer than `max_prompt_tokens` (counted, and printed when verbose); a source with none left
+    is refused."""
     rows = data_prep.load_rows(source)
-    kept = [r for r in rows if len(encode_prompt(tokenizer, r["prompt"])) <= max_prompt_tokens]
+    schemas = TOOL_SCHEMAS[tools] if tools != "none" else None
+    kept = [r for r in rows if len(tokenizer(render(tokenizer, r["prompt"], schemas, add_generation_prompt=True),
+                                             add_special_tokens=False)["input_ids"]) <= max_prompt_tokens]
     if not kept:
         raise SystemExit(f"{source}: no row has a prompt within --max-prompt-tokens {max_prompt_tokens}")
     if len(kept) < len(rows) and verbose:
@@ -539,3 +543,4 @@ def python_toolbox(row: dict) -> ToolBox:
 
 
 TOOLBOXES: dict[str, Callable[[dict], ToolBox]] = {"python": python_toolbox}
+TOOL_SCHEMAS: dict[str, list[dict]] = {"python": [PYTHON_TOOL]}  # what each toolbox shows in the prompt

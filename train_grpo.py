@@ -229,6 +229,12 @@ def with_variant_defaults(args: Args) -> Args:
     return dataclasses.replace(args, **unset)
 
 
+def prompt_limit(args: Args) -> int:
+    """Longest prompt kept at load: --max-prompt-tokens, and with tools also one short of --max-total-tokens (a longer
+    prompt leaves an agent no room to answer)."""
+    return args.max_prompt_tokens if args.tools == "none" else min(args.max_prompt_tokens, args.max_total_tokens - 1)
+
+
 def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     args = with_variant_defaults(args)
     rank, world, device = policy.init_distributed()
@@ -240,9 +246,9 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     tokenizer = policy.load_tokenizer(args.model)
-    rows = rollout.load_rows_within(args.data, tokenizer, args.max_prompt_tokens, verbose=rank == 0)
-    eval_rows = (rollout.load_rows_within(args.eval_data, tokenizer, args.max_prompt_tokens, verbose=rank == 0)
-                 if args.eval_data else [])
+    rows = rollout.load_rows_within(args.data, tokenizer, prompt_limit(args), verbose=rank == 0, tools=args.tools)
+    eval_rows = (rollout.load_rows_within(args.eval_data, tokenizer, prompt_limit(args), verbose=rank == 0,
+                                          tools=args.tools) if args.eval_data else [])
     # vLLM takes its memory before the FSDP model does (its allocator must see a clean device).
     engine = None
     if args.engine == "vllm":

@@ -267,7 +267,8 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     optimizer = policy.adamw(model, args.lr, args.weight_decay)
     critic_optimizer = policy.adamw(value_model, args.critic_lr, args.weight_decay)
     sampling = engines.Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                stop_token_ids=policy.stop_token_ids(tokenizer, args.model))
+                                stop_token_ids=policy.stop_token_ids(tokenizer, args.model,
+                                                                     rollout.end_of_turn(tokenizer)))
     limits = rollout.AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens)
     checkpoint = policy.latest_checkpoint(args.output_dir) if args.resume else None
     state = {"step": 0, "data_pos": 0, "kl_coef": args.kl_coef, "best": {}, "evals": []}

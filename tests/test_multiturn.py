@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import data_prep  # noqa: E402
 import engines  # noqa: E402
 import policy  # noqa: E402
 import rollout  # noqa: E402
@@ -279,6 +280,21 @@ def test_prompt_longer_than_max_total_tokens_is_refused_before_generating(tokeni
                            engines.Sampling(max_new_tokens=10), lambda row: rollout.ToolBox({}, []),
                            rollout.AgentLimits(max_total_tokens=8))
     assert engine.calls == 0
+
+
+def test_rows_are_measured_with_the_tool_signatures_they_will_be_shown(tokenizer, tmp_path, capsys):
+    rows, _ = data_prep.toy_rows(20, 4, seed=0)
+    data_prep.write_rows(rows, tmp_path / "rows.parquet")
+    plain = [len(rollout.encode_prompt(tokenizer, r["prompt"])) for r in rows]
+    shown = sorted(len(tokenizer(rollout.render(tokenizer, r["prompt"], [rollout.PYTHON_TOOL], True))["input_ids"])
+                   for r in rows)
+    assert len(rollout.load_rows_within(str(tmp_path / "rows.parquet"), tokenizer, max(plain))) == 20
+    with pytest.raises(SystemExit, match="no row has a prompt within --max-prompt-tokens"):
+        rollout.load_rows_within(str(tmp_path / "rows.parquet"), tokenizer, max(plain), tools="python")
+    limit = shown[9]
+    kept = rollout.load_rows_within(str(tmp_path / "rows.parquet"), tokenizer, limit, tools="python")
+    assert len(kept) == sum(n <= limit for n in shown) < 20
+    assert f"skipped {20 - len(kept)} of 20 rows longer than {limit} tokens" in capsys.readouterr().out
 
 
 def test_parse_tool_calls_reports_malformed_calls():
