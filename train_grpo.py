@@ -27,6 +27,12 @@ import rollout
 import runlog
 
 
+# Defaults that depend on the policy loss: GSPO clips a sequence-level ratio (its paper's ranges) and averages each
+# sequence's tokens first.
+LOSS_DEFAULTS = {"clip": {"clip_low": 0.2, "clip_high": 0.2, "loss_agg": "token-mean"},
+                 "gspo": {"clip_low": 3e-4, "clip_high": 4e-4, "loss_agg": "seq-mean-token-mean"}}
+
+
 @dataclass
 class Args:
     model: str = "runs/demo/sft/hf"
@@ -154,6 +160,11 @@ class Args:
     """compare every trajectory with the chat template's rendering of its messages; log the drifting fraction
     (tools/tito_drift_frac) and the first drift of each step (tools on)"""
 
+    def __post_init__(self):
+        for name, value in LOSS_DEFAULTS[self.policy_loss].items():  # unset: the policy loss's own default
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+
 
 @dataclass
 class Run:
@@ -206,14 +217,8 @@ def main(args: Args, score_fn: rewards.ScoreFn = rewards.score_batch) -> Run | N
     return run
 
 
-# Defaults that depend on the policy loss: GSPO clips a sequence-level ratio (its paper's ranges) and averages each
-# sequence's tokens first.
-LOSS_DEFAULTS = {"clip": {"clip_low": 0.2, "clip_high": 0.2, "loss_agg": "token-mean"},
-                 "gspo": {"clip_low": 3e-4, "clip_high": 4e-4, "loss_agg": "seq-mean-token-mean"}}
-
-
-def with_variant_defaults(args: Args) -> Args:
-    """`args` with the policy loss's defaults filled in, or SystemExit for a combination the variants do not define."""
+def check_variants(args: Args) -> None:
+    """SystemExit for a combination the GRPO variants do not define."""
     if args.policy_loss == "gspo" and args.dual_clip is not None:
         raise SystemExit("--dual-clip bounds a token-level ratio; GSPO clips the sequence-level one (drop --dual-clip)")
     if args.dynamic_sampling and args.advantage == "reinforce++":
@@ -225,8 +230,6 @@ def with_variant_defaults(args: Args) -> Args:
     if args.overlong_buffer and (args.tools != "none" or not 0 < args.overlong_buffer <= args.max_new_tokens):
         raise SystemExit(f"--overlong-buffer {args.overlong_buffer} must be in (0, --max-new-tokens "
                          f"{args.max_new_tokens}] and measures single-turn answers (--tools none)")
-    unset = {k: v for k, v in LOSS_DEFAULTS[args.policy_loss].items() if getattr(args, k) is None}
-    return dataclasses.replace(args, **unset)
 
 
 def prompt_limit(args: Args) -> int:
@@ -236,7 +239,7 @@ def prompt_limit(args: Args) -> int:
 
 
 def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
-    args = with_variant_defaults(args)
+    check_variants(args)
     rank, world, device = policy.init_distributed()
     if args.prompts_per_step % world:
         raise SystemExit(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world}")

@@ -5,6 +5,7 @@ the test controls, so every advantage and count is known in advance; the model, 
 import math
 
 import pytest
+import tyro
 
 import data_prep
 import engines
@@ -68,7 +69,7 @@ def make_run(task, tmp_path, engine, score_fn, **kwargs) -> train_grpo.Run:
     root, model = task
     args = train_grpo.Args(model=str(model), data=str(root / "train.parquet"), output_dir=str(tmp_path),
                            total_steps=1, save_every=0, sample_every=0, lr=1e-3, **kwargs)
-    run = train_grpo.setup(train_grpo.with_variant_defaults(args), score_fn)
+    run = train_grpo.setup(args, score_fn)
     run.engine = engine
     return run
 
@@ -133,11 +134,11 @@ def test_overlong_punishment_and_filtering(task, tmp_path, monkeypatch):
 
 
 def test_gspo_defaults_and_refusals(task, tmp_path):
-    gspo = train_grpo.with_variant_defaults(train_grpo.Args(policy_loss="gspo"))
+    gspo = train_grpo.Args(policy_loss="gspo")
     assert (gspo.clip_low, gspo.clip_high, gspo.loss_agg) == (3e-4, 4e-4, "seq-mean-token-mean")
-    clip = train_grpo.with_variant_defaults(train_grpo.Args())
+    clip = train_grpo.Args()
     assert (clip.clip_low, clip.clip_high, clip.loss_agg) == (0.2, 0.2, "token-mean")
-    mine = train_grpo.with_variant_defaults(train_grpo.Args(policy_loss="gspo", clip_high=1e-3, loss_agg="token-mean"))
+    mine = train_grpo.Args(policy_loss="gspo", clip_high=1e-3, loss_agg="token-mean")
     assert (mine.clip_low, mine.clip_high, mine.loss_agg) == (3e-4, 1e-3, "token-mean")
     # Refused in setup, before anything loads (the model path does not exist).
     for kwargs, message in [({"policy_loss": "gspo", "dual_clip": 3.0}, "GSPO clips the sequence-level"),
@@ -166,3 +167,8 @@ def test_stop_tokens_hold_the_templates_end_of_turn(tmp_path):
     eot = run.tokenizer.convert_tokens_to_ids("<|eot_id|>")
     assert eot in run.sampling.stop_token_ids and run.tokenizer.eos_token_id in run.sampling.stop_token_ids
     assert eot not in policy.stop_token_ids(run.tokenizer, model)  # the generation config and eos alone
+
+
+def test_gspo_defaults_reach_the_command_line(tmp_path):
+    args = tyro.cli(train_grpo.Args, args=["--policy-loss", "gspo", "--clip-high", "5e-4"])
+    assert (args.clip_low, args.clip_high, args.loss_agg) == (3e-4, 5e-4, "seq-mean-token-mean")
