@@ -384,9 +384,9 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
             prompt_text = render(tokenizer, row["prompt"], box.schemas, add_generation_prompt=True)
             trajectories[-1].prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
             if len(trajectories[-1].prompt_ids) >= limits.max_total_tokens:
-                raise ValueError(f"rows[{i // group_size}]: the prompt is {len(trajectories[-1].prompt_ids)} tokens "
-                                 f"with the tool signatures, no room for an answer within max_total_tokens "
-                                 f"{limits.max_total_tokens}")
+                task = data_prep.row_id(row) if "extra_info" in row else f"rows[{i // group_size}]"
+                raise ValueError(f"{task}: the prompt is {len(trajectories[-1].prompt_ids)} tokens with the tool "
+                                 f"signatures, no room for an answer within max_total_tokens {limits.max_total_tokens}")
         with ThreadPoolExecutor(max_workers=16) as pool:
             while _any_live_anywhere(live := [traj for traj in trajectories if not traj.finish_reason]):
                 _agent_turn(engine, tokenizer, live, sampling, limits, eot, pool)
