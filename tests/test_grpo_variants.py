@@ -169,6 +169,9 @@ def test_stop_tokens_hold_the_templates_end_of_turn(tmp_path):
     assert eot not in policy.stop_token_ids(run.tokenizer, model)  # the generation config and eos alone
 
 
-def test_gspo_defaults_reach_the_command_line(tmp_path):
-    args = tyro.cli(train_grpo.Args, args=["--policy-loss", "gspo", "--clip-high", "5e-4"])
+def test_variants_reach_the_command_line():
+    args = tyro.cli(train_grpo.Args, args=["--policy-loss", "gspo", "--clip-high", "5e-4", "--advantage",
+                                           "reinforce++-baseline", "--dynamic-sampling"])
     assert (args.clip_low, args.clip_high, args.loss_agg) == (3e-4, 5e-4, "seq-mean-token-mean")
+    assert args.advantage == "reinforce++-baseline" and args.dynamic_sampling
+    train_grpo.check_variants(args)  # a group baseline first: dynamic sampling is defined for it
