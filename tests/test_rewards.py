@@ -99,11 +99,11 @@ def test_pass_at_k_edges():
     assert rewards.pass_at_k(4, 1, 1) == 0.25 and rewards.pass_at_k(4, 1, 2) == 0.5
 
 
-def cli(tmp_path, rows, lines):
+def cli(tmp_path, rows, lines, *extra):
     data_prep.write_rows(rows, tmp_path / "rows.jsonl")
     (tmp_path / "samples.jsonl").write_text("".join(line + "\n" for line in lines))
     return subprocess.run([sys.executable, str(ROOT / "rewards.py"), "score", str(tmp_path / "samples.jsonl"),
-                           "--data", str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "out.jsonl")],
+                           "--data", str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "out.jsonl"), *extra],
                           capture_output=True, text=True, timeout=300)
 
 
@@ -111,11 +111,22 @@ def test_cli_groups_by_difficulty_and_counts_errors(tmp_path):
     good, bad = fenced("print(sum(map(int, input().split())))"), fenced("print(")
     lines = [json.dumps({"task_id": "apps/1", "completion": c}) for c in (good, bad)]
     lines += [json.dumps({"task_id": "apps/2", "completion": c}) for c in (fenced("def add(a, b): return a + b"), "?")]
-    proc = cli(tmp_path, [ADD, ADD_CALL], lines[:2] + [""] + lines[2:])  # blank lines are skipped
+    proc = cli(tmp_path, [ADD, ADD_CALL], lines[:2] + [""] + lines[2:],  # blank lines are skipped
+               "--json", str(tmp_path / "report.json"), "--markdown", str(tmp_path / "report.md"),
+               "--plot", str(tmp_path / "report.png"))
     assert proc.returncode == 0, proc.stderr
-    table = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines() if line.startswith(("all", "apps"))}
+    pass_table, bands_table = proc.stdout.split("\n\n")[:2]
+    table = {line.split()[0]: line.split()[1:] for line in pass_table.splitlines() if line.startswith(("all", "apps"))}
     assert table["all"] == ["2", "0.500", "1.000"]  # 2 tasks, pass@1 = 1/2, pass@2 = 1
     assert table["apps/introductory"] == ["1", "0.500", "1.000"] and table["apps/interview"][0] == "1"
+    # Test pass rates: apps/1 3/3 and 0/3 (syntax error), apps/2 2/2 and no code: 0.5 on average, two in each end band.
+    bands = {line.split()[0]: line.split()[1:] for line in bands_table.splitlines() if line.startswith(("all", "apps"))}
+    assert bands["all"] == ["4", "0.500", "2", "(50%)", "0", "(0%)", "0", "(0%)", "0", "(0%)", "2", "(50%)"]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["tests"]["apps/interview"]["test_pass_rate"] == 0.5 and report["pass"]["all"]["pass@2"] == 1.0
+    assert "| all | 2 | 0.500 | 1.000 | 4 | 0.500 | 2 (50%) | 0 (0%) | 0 (0%) | 0 (0%) | 2 (50%) |" in (
+        tmp_path / "report.md").read_text()
+    assert (tmp_path / "report.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert "no_code 1" in proc.stdout and "syntax_error 1" in proc.stdout and "samples in" in proc.stdout
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [(r["task_id"], r["score"]) for r in out] == [("apps/1", 1.0), ("apps/1", 0.0), ("apps/2", 1.0),
@@ -140,3 +151,84 @@ def test_every_solution_of_the_five_apps_problems_scores_one():
     results = rewards.score_batch([row for row, _ in pairs], [c for _, c in pairs])
     assert len(pairs) == 101 and [(r["extra_info"]["index"], x.info) for (r, _), x in zip(pairs, results)
                                   if x.score != 1.0] == []
+
+
+@pytest.mark.parametrize("rate, band", [(0.0, 0), (0.1999, 0), (0.2, 1), (1 / 3, 1), (2 / 5, 2), (0.5, 2), (3 / 5, 3),
+                                        (0.7999, 3), (4 / 5, 4), (1.0, 4)])
+def test_band_edges_belong_to_the_band_above(rate, band):
+    assert rewards.band(rate) == band
+
+
+def hand_made_report():
+    """apps/1 (introductory): 3/3 and 1/5 tests; apps/2 (introductory): no code and 4/5; apps/3 (interview): 3/5 and
+    2/5; humaneval/0 (no difficulty): 0/1 and a reward with no test counts (a judge's, say)."""
+    rows = [io_row(1, {}, "introductory"), io_row(2, {}, "introductory"), io_row(3, {}, "interview"), HUMANEVAL]
+    task_ids = ["apps/1", "apps/1", "apps/2", "apps/2", "apps/3", "apps/3", "humaneval/0", "humaneval/0"]
+    results = [rewards.Reward(1.0, {"passed": 3, "total": 3}), rewards.Reward(0.2, {"passed": 1, "total": 5}),
+               rewards.Reward(0.0, {"error": "no_code", "passed": 0, "total": None}),
+               rewards.Reward(0.8, {"passed": 4, "total": 5}), rewards.Reward(0.6, {"passed": 3, "total": 5}),
+               rewards.Reward(0.4, {"passed": 2, "total": 5}), rewards.Reward(0.0, {"passed": 0, "total": 1}),
+               rewards.Reward(0.7, {})]
+    return rewards.report({data_prep.row_id(r): r for r in rows}, task_ids, results)
+
+
+def test_test_pass_rate_means_and_bands_by_hand():
+    summary = hand_made_report()
+    tests = summary["tests"]
+    assert list(tests["all"]["bands"]) == ["very_poor", "poor", "fair", "good", "excellent"]
+
+    def counts(group):
+        return [b["count"] for b in tests[group]["bands"].values()]
+
+    # all: rates 1, 0.2, 0, 0.8, 0.6, 0.4, 0 (7 rated of 8 samples) -> mean 3/7
+    assert (tests["all"]["samples"], tests["all"]["rated"]) == (8, 7)
+    assert tests["all"]["test_pass_rate"] == pytest.approx(3 / 7)
+    assert counts("all") == [2, 1, 1, 1, 2]
+    assert [b["fraction"] for b in tests["all"]["bands"].values()] == pytest.approx([2 / 7, 1 / 7, 1 / 7, 1 / 7, 2 / 7])
+    assert tests["apps"]["test_pass_rate"] == pytest.approx(0.5) and counts("apps") == [1, 1, 1, 1, 2]
+    assert tests["apps/introductory"]["test_pass_rate"] == pytest.approx(0.5)
+    assert counts("apps/introductory") == [1, 1, 0, 0, 2] and tests["apps/introductory"]["bands"]["excellent"][
+        "fraction"] == 0.5
+    assert tests["apps/interview"]["test_pass_rate"] == pytest.approx(0.5) and counts("apps/interview") == [0, 0, 1, 1, 0]
+    assert (tests["humaneval"]["rated"], tests["humaneval"]["test_pass_rate"]) == (1, 0.0)
+    # pass@k as before: only apps/1's first sample passes every test.
+    assert summary["pass"]["all"] == {"tasks": 4, "pass@1": 0.125, "pass@2": 0.25}
+    assert summary["pass"]["apps/introductory"] == {"tasks": 2, "pass@1": 0.25, "pass@2": 0.5}
+
+    metrics = rewards.report_metrics(summary)
+    assert metrics["eval/all/test_pass_rate"] == pytest.approx(3 / 7)
+    assert metrics["eval/apps/interview/band/good"] == 0.5 and metrics["eval/humaneval/band/very_poor"] == 1.0
+    assert metrics["eval/all/pass@1"] == 0.125 and metrics["eval/error/no_code"] == 1 / 8
+
+    lines = rewards.report_markdown(summary, "hand-made").splitlines()
+    assert lines[0] == "# hand-made"
+    assert lines[2] == ("| group | tasks | pass@1 | pass@2 | samples | test pass rate | 0.0-0.2 very poor | 0.2-0.4 poor | "
+                        "0.4-0.6 fair | 0.6-0.8 good | 0.8-1.0 excellent |")
+    assert [line.split(" | ")[0] for line in lines[4:9]] == ["| all", "| apps", "| apps/introductory", "| apps/interview",
+                                                              "| humaneval"]
+    assert lines[6] == "| apps/introductory | 2 | 0.250 | 0.500 | 4 | 0.500 | 1 (25%) | 1 (25%) | 0 (0%) | 0 (0%) | 2 (50%) |"
+    assert lines[8] == "| humaneval | 1 | 0.000 | 0.000 | 2 (1 in tests) | 0.000 | 1 (100%) | 0 (0%) | 0 (0%) | 0 (0%) | 0 (0%) |"
+
+
+def test_test_pass_rate_comes_from_the_graded_tests():
+    assert rewards.test_pass_rate(rewards.score(ADD, fenced("print(3)"))) == pytest.approx(1 / 3)
+    assert rewards.test_pass_rate(rewards.score(ADD, "no program here")) == 0.0
+    assert rewards.test_pass_rate(rewards.Reward(0.5, {"judge": "ok"})) is None
+    assert rewards.for_report(rewards.score(ADD, fenced("print(3)"))).info == {
+        "passed": 1, "total": 3, "error": "wrong_answer"}
+
+
+def test_band_histogram_png_per_difficulty(tmp_path):
+    from PIL import Image
+
+    png = rewards.plot_report(hand_made_report(), tmp_path / "report.png", "hand-made")
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and png.stat().st_size > 10_000
+    with Image.open(png) as image:
+        image.verify()
+    with Image.open(png) as image:
+        # panels: all, apps/introductory, apps/interview (difficulties win over data sources)
+        assert image.size == (900, 360)
+        assert len(image.convert("RGB").getcolors(maxcolors=1 << 16)) > 20  # bars, text: not a blank canvas
+    no_tests = rewards.report({"humaneval/0": HUMANEVAL}, ["humaneval/0"], [rewards.Reward(1.0, {})])
+    with pytest.raises(ValueError, match="no sample of this report is counted in tests"):
+        rewards.plot_report(no_tests, tmp_path / "none.png")
