@@ -10,19 +10,24 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterable, Literal
 
 import torch
 import torch.distributed as dist
+import tyro
 from tqdm import tqdm
 
 import data_prep
+import merge
+import policy
 import sandbox
-from engines import Engine, Sampling
+from engines import Engine, HFEngine, Sampling, VLLMEngine
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 TOOL_OUTPUT_MARK = "\ue000kiln tool output\ue000"  # a private-use character no template or tool writes
@@ -233,7 +238,7 @@ def single_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sa
     metrics = {
         "rollout/seconds": seconds,
         "rollout/tokens_per_s": new_tokens / max(seconds, 1e-9),
-        "rollout/truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
+        "rollout/truncated_frac": sum(c.finish_reason == "length" for c in completions) / max(1, len(completions)),
     }
     return samples, metrics
 
@@ -401,7 +406,7 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
               "tool_calls": traj.tool_calls, "tool_errors": traj.tool_errors})
         for traj in trajectories]
     seconds = time.perf_counter() - start
-    n = len(trajectories)
+    n = max(1, len(trajectories))  # a rank can run a round without rows of its own
     generated = sum(sum(traj.loss_mask) for traj in trajectories)
     metrics = {
         "rollout/seconds": seconds,
@@ -544,3 +549,163 @@ def python_toolbox(row: dict) -> ToolBox:
 
 TOOLBOXES: dict[str, Callable[[dict], ToolBox]] = {"python": python_toolbox}
 TOOL_SCHEMAS: dict[str, list[dict]] = {"python": [PYTHON_TOOL]}  # what each toolbox shows in the prompt
+
+
+# `python rollout.py generate`: samples of a model (a Hugging Face folder or a kiln checkpoint) for every row of a data
+# set, data-parallel under torchrun, in the file `python rewards.py score` grades. Rollouts are `collect`'s, as in
+# training: multi-turn rows (--tools) go through the same agent loop.
+
+
+@dataclass
+class GenerateArgs:
+    model: str
+    """a Hugging Face folder or hub name, or a kiln checkpoint folder (<output_dir>/checkpoints/step_*)"""
+    data: str
+    """rows to answer (parquet / jsonl / HF dataset name) in kiln's row schema"""
+    out: str = "samples.jsonl"
+    """JSONL, one sample a line ({"task_id", "sample", "completion", ...}): what `python rewards.py score` reads"""
+    n_samples: int = 1
+    """samples per row, the n of pass@k (k <= n; needs a temperature > 0). Not `--n`: torchrun would take that for
+    an abbreviation of its own --nnodes / --nproc-per-node"""
+    engine: Literal["hf", "vllm"] = "hf"
+    """vLLM on GPUs, or the model's own Hugging Face decoding loop (CPU, debugging)"""
+    seed: int = 0
+    """sampling seed (each rank draws from seed + rank)"""
+    max_prompt_tokens: int = 1024
+    """rows whose prompt is longer are skipped (and counted on the console)"""
+    max_new_tokens: int = 1024
+    """generation budget per sample (per turn with tools)"""
+    temperature: float = 0.0
+    """sampling temperature; 0 = greedy"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    batch_size: int = 64
+    """rows per rank in one engine call (the progress bar moves by batch_size x ranks)"""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """weights on GPUs (the HF engine on CPU always computes in float32)"""
+    tools: Literal["none", "python"] = "none"
+    """multi-turn agent rollouts with these tools, as in training (python: a sandboxed interpreter per trajectory)"""
+    max_turns: int = 4
+    """assistant turns per trajectory (tools on)"""
+    max_total_tokens: int = 4096
+    """prompt + all turns and tool outputs per trajectory (tools on)"""
+    max_tool_response_tokens: int = 512
+    """longer tool outputs are cut and marked (tools on)"""
+    vllm_gpu_memory_utilization: float = 0.85
+    """fraction of GPU memory vLLM may take"""
+    vllm_max_model_len: int = 4096
+    """vLLM context length"""
+    vllm_tensor_parallel_size: int = 1
+    """ranks per vLLM engine (consecutive ranks form a group)"""
+
+
+def check_generate_args(args: GenerateArgs) -> None:
+    """Refuse what would waste a run, before any model is loaded."""
+    if args.n_samples < 1 or args.batch_size < 1:
+        raise SystemExit(f"--n-samples ({args.n_samples}) and --batch-size ({args.batch_size}) must be at least 1")
+    if args.n_samples > 1 and args.temperature <= 0:
+        raise SystemExit(f"--n-samples {args.n_samples} with --temperature {args.temperature}: greedy samples of a row are all the "
+                         "same; sample with a temperature > 0 (e.g. 0.8) for pass@k")
+    if not Path(args.out).resolve().parent.is_dir():
+        raise SystemExit(f"--out {args.out}: its folder does not exist")
+
+
+def is_checkpoint(path) -> bool:
+    """Whether `path` is a kiln (DCP) checkpoint folder rather than a Hugging Face model."""
+    return (Path(path) / ".metadata").is_file()
+
+
+def load_generator(args: GenerateArgs, tokenizer, device: torch.device) -> Engine:
+    """The engine that samples `args.model`. A kiln checkpoint is read as merge.py reads it (the model entries alone,
+    fp32, whatever world size wrote it; its hf/ folder gives config and tokenizer) on every rank: for big models,
+    `python merge.py` it once and generate from the Hugging Face folder."""
+    checkpoint = Path(args.model) if is_checkpoint(args.model) else None
+    dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
+    if args.engine == "vllm":
+        engine = VLLMEngine(str(checkpoint / "hf") if checkpoint else args.model, seed=args.seed, dtype=args.dtype,
+                            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                            max_model_len=args.vllm_max_model_len, tensor_parallel_size=args.vllm_tensor_parallel_size,
+                            **({"load_format": "dummy"} if checkpoint else {}))
+        if checkpoint:  # random weights until the checkpoint's arrive through the trainers' weight path
+            engine.load_weights(merge.read_model_state(checkpoint).items())
+        return engine
+    if checkpoint:
+        model = merge.restore_model(checkpoint, merge.read_model_state(checkpoint))
+    else:
+        model = policy.load_model(args.model)
+    model = model.to(device=device, dtype=dtype).eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return HFEngine(model, pad_token_id=pad)
+
+
+def sample_line(sample: Sample, index: int) -> dict:
+    """One line of the samples file: task_id and completion (all `rewards.py score` reads), then which sample of the
+    row it is, why it ended, its generated tokens and, with tools, its turns and tool calls."""
+    line = {"task_id": data_prep.row_id(sample.row), "sample": index, "completion": sample.text,
+            "finish_reason": sample.finish_reason, "completion_tokens": sum(sample.loss_mask)}
+    return line | {k: sample.info[k] for k in ("turns", "tool_calls", "tool_errors") if k in sample.info}
+
+
+def generate_lines(engine: Engine, tokenizer, rows: list[dict], args: GenerateArgs, sampling: Sampling) -> list[dict]:
+    """`args.n_samples` samples of every row, as sample lines in row order, on every rank. Each round takes the next
+    batch_size x world rows, this rank answers every world-th of them, and the lines are gathered. Every rank runs
+    every round, with or without rows of its own: multi-turn rounds and tensor-parallel engines are collectives."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    limits = AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens)
+    per_round = args.batch_size * world
+    lines: list[tuple[int, dict]] = []
+    bar = tqdm(total=len(rows), desc="generate", unit="row", disable=rank != 0)
+    for start in range(0, len(rows), per_round):
+        positions = list(range(start + rank, min(start + per_round, len(rows)), world))
+        samples, _ = collect(engine, tokenizer, [rows[p] for p in positions], args.n_samples, sampling, args.tools, limits,
+                             first_group=start + rank)
+        lines += policy.gather_objects([(positions[i // args.n_samples], sample_line(s, i % args.n_samples))
+                                        for i, s in enumerate(samples)])
+        bar.update(min(per_round, len(rows) - start))
+    bar.close()
+    lines.sort(key=lambda pl: (pl[0], pl[1]["sample"]))
+    return [line for _, line in lines]
+
+
+def write_atomically(path, lines: Iterable[dict]) -> None:
+    """JSONL written to a temp file beside `path`, then renamed over it: a crash never leaves a half-written file (the
+    previous one, if any, stays whole) and the temp file is removed on any error."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(line) + "\n" for line in lines)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def generate(args: GenerateArgs) -> Path:
+    """Samples of args.model for every row of args.data in args.out (rank 0 writes it, once everything is done)."""
+    check_generate_args(args)
+    rank, world, device = policy.init_distributed()
+    torch.manual_seed(args.seed + rank)
+    seconds = {}
+    start = time.perf_counter()
+    hf_dir = Path(args.model) / "hf" if is_checkpoint(args.model) else args.model
+    tokenizer = policy.load_tokenizer(hf_dir)
+    rows = load_rows_within(args.data, tokenizer, args.max_prompt_tokens, verbose=rank == 0)
+    engine = load_generator(args, tokenizer, device)
+    sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                        stop_token_ids=policy.stop_token_ids(tokenizer, hf_dir))
+    seconds["load"] = time.perf_counter() - start
+    lines = generate_lines(engine, tokenizer, rows, args, sampling)
+    seconds["generate"] = time.perf_counter() - start - seconds["load"]
+    if rank == 0:
+        write_atomically(args.out, lines)
+        print(f"{len(lines)} samples ({args.n_samples} per row, {len(rows)} rows, {world} ranks) in {args.out}; load "
+              f"{seconds['load']:.1f}s, generate {seconds['generate']:.1f}s ({len(lines) / seconds['generate']:.1f} "
+              f"samples/s). Grade them: python rewards.py score {args.out} --data {args.data}")
+    return Path(args.out)
+
+
+if __name__ == "__main__":
+    generate(tyro.extras.subcommand_cli_from_dict({"generate": GenerateArgs}))
+    policy.exit_distributed()
