@@ -103,7 +103,8 @@ def main(args: Args) -> dict:
     minutes = (time.perf_counter() - start) / 60
     print(f"\nheld-out pass rate: {before:.1%} before GRPO -> {after:.1%} after ({(after - before) * 100:+.1f} points)")
     print(f"seed {args.seed}, wall time {minutes:.1f} min; metrics {out / 'grpo' / 'metrics.jsonl'}, samples "
-          f"{out / 'grpo' / 'samples.jsonl'}, curves {png}")
+          f"{out / 'grpo' / 'samples.jsonl'}, curves {png}, the last evaluation's test pass rates by band "
+          f"{out / 'grpo' / 'eval_report.png'} (table: eval_report.md)")
     return {"before": before, "after": after, "minutes": minutes}
 
 

@@ -779,3 +779,20 @@ def save_hf(model, hf_source_dir, out_dir) -> Path:
         save_torch_state_dict({name: tensor.clone() for name, tensor in state.items()}, out)
     _barrier()
     return out
+
+
+def save_best(model, hf_source_dir, out_dir, record: dict) -> Path:
+    """The model as a Hugging Face folder at out_dir (`save_hf`) with `record` (step, metrics) in best.json, written
+    beside it and swapped in whole: a crash mid-save leaves the previous best. Collective: call on every rank."""
+    out = Path(out_dir)
+    tmp = out.with_name(f".{out.name}_tmp")
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
+    _barrier()
+    save_hf(model, hf_source_dir, tmp)
+    if _rank() == 0:
+        (tmp / "best.json").write_text(json.dumps(record, indent=1))
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    _barrier()
+    return out

@@ -299,6 +299,28 @@ def plot_report(summary: dict, png, title: str = "") -> Path:
     return Path(png)
 
 
+def write_eval_report(out_dir, evals: list[dict], best: dict, eval_data: str) -> None:
+    """A trainer's evaluations in out_dir: eval_report.json (each eval's `report` and step; the best step),
+    eval_report.md (pass@1 by group per eval step, difficulties in APPS order, then the last evaluation's full table)
+    and eval_report.png (the last evaluation's band histogram per difficulty, when its rewards count tests)."""
+    out, last = Path(out_dir), evals[-1]
+    (out / "eval_report.json").write_text(json.dumps({"best": best, "evals": evals}, indent=1))
+    groups = sorted(last["pass"], key=group_order)
+    kept = f"best policy (kept in best/): step {best['step']}" if best else "no best policy kept"
+    lines = [f"# pass@1 on {eval_data}; {kept}", "",
+             "| step | " + " | ".join(f"{g} ({last['pass'][g]['tasks']})" for g in groups) + " | reward |",
+             "|---:|" + "---:|" * (len(groups) + 1)]
+    for e in evals:
+        cells = [f"{e['pass'][g]['pass@1']:.3f}" if g in e["pass"] else "-" for g in groups]
+        mark = " (best)" if best and e["step"] == best["step"] else ""
+        lines.append(f"| {e['step']}{mark} | " + " | ".join(cells) + f" | {e['mean_reward']:.3f} |")
+    lines += ["", report_markdown(last, f"Step {last['step']} (the last evaluation)").replace("# ", "## ", 1)]
+    (out / "eval_report.md").write_text("\n".join(lines))
+    if last.get("tests"):
+        plot_report(last, out / "eval_report.png", f"{eval_data}, step {last['step']}: test pass rate (passed / total "
+                    "tests)")
+
+
 def batch_metrics(data_sources: Sequence[str], scores: Sequence[float], errors: Sequence[str | None],
                   response_lengths: Sequence[int]) -> dict:
     """A training batch's rewards (mean, std, pass rate, mean by data source, fraction of each error kind) and response

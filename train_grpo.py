@@ -11,7 +11,8 @@ import dataclasses
 import json
 import random
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -42,7 +43,7 @@ class Args:
     eval_data: str | None = None
     """held-out rows, evaluated greedily every `eval_every` steps"""
     output_dir: str = "runs/grpo"
-    """where metrics.jsonl, samples.jsonl and checkpoints/ go"""
+    """where metrics.jsonl, samples.jsonl, eval_report.json/.md/.png, best/ and checkpoints/ go"""
     engine: Literal["hf", "vllm"] = "hf"
     """rollout engine: colocated vLLM on GPUs, or generation with the policy itself (CPU, debugging)"""
     seed: int = 0
@@ -139,6 +140,9 @@ class Args:
     """how many recent checkpoints to keep"""
     eval_every: int = 0
     """evaluate on eval_data every N steps (0 = only before and after training)"""
+    best_metric: str = "eval/all/test_pass_rate"
+    """evaluation metric (higher is better) that picks the policy kept as a Hugging Face folder in <output_dir>/best
+    (e.g. eval/all/pass@1, eval/apps/interview/test_pass_rate); "" = keep none"""
     sample_every: int = 10
     """write sample completions to samples.jsonl every N steps"""
     resume: bool = False
@@ -187,6 +191,8 @@ class Run:
     log: runlog.RunLog
     step: int = 0
     data_pos: int = 0
+    best: dict = field(default_factory=dict)  # {"step", "metric", "value"} of the policy kept in best/
+    evals: list[dict] = field(default_factory=list)  # every eval's rewards.report summary and step, for the report
 
 
 def main(args: Args, score_fn: rewards.ScoreFn = rewards.score_batch) -> Run | None:
@@ -246,6 +252,9 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     if args.prompts_per_step // world < args.minibatches:  # a minibatch takes whole groups
         raise SystemExit(f"--minibatches {args.minibatches} needs as many prompts per rank; --prompts-per-step "
                          f"{args.prompts_per_step} over {world} ranks gives {args.prompts_per_step // world}")
+    if args.best_metric and not args.best_metric.startswith("eval/"):
+        raise SystemExit(f"--best-metric {args.best_metric}: must be an evaluation metric (eval/...), e.g. "
+                         "eval/all/test_pass_rate or eval/all/pass@1")
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     tokenizer = policy.load_tokenizer(args.model)
@@ -278,6 +287,7 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     limits = rollout.AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens)
     checkpoint = policy.latest_checkpoint(args.output_dir) if args.resume else None
     step = data_pos = 0
+    state = {}
     if checkpoint is not None:
         state = policy.load_checkpoint(checkpoint, model, optimizer)
         scheduler.load_state_dict(state["scheduler"])
@@ -287,7 +297,7 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     log = runlog.start(args.output_dir, rank, dataclasses.asdict(args), args.wandb_project,
                        resume=checkpoint is not None)
     return Run(args, rank, world, model, ref_model, optimizer, scheduler, engine, tokenizer, sampling, limits, rows,
-               eval_rows, score_fn, log, step, data_pos)
+               eval_rows, score_fn, log, step, data_pos, state.get("best", {}), state.get("evals", []))
 
 
 def train_step(run: Run) -> dict:
@@ -441,7 +451,9 @@ def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_log
 
 
 def evaluate(run: Run) -> dict:
-    """Greedy pass@1 and mean reward on the held-out rows, overall, by data source and by difficulty. Collective."""
+    """Greedy pass@1, mean test pass rate and its bands, and mean reward on the held-out rows, overall, by data source
+    and by difficulty; the report in <output_dir>/eval_report.json/.md/.png, and the policy kept in <output_dir>/best
+    when it is the best so far by --best-metric. Collective."""
     rows = run.eval_rows[run.rank :: run.world]
     greedy = dataclasses.replace(run.sampling, temperature=0.0)
     run.engine.wake_up()
@@ -450,15 +462,35 @@ def evaluate(run: Run) -> dict:
                                  first_group=run.rank * len(rows), check=run.args.check_tito, eot=run.args.end_of_turn)
     run.engine.sleep()
     results = run.score_fn([s.row for s in samples], [s.text for s in samples])
-    graded = policy.gather_objects([(data_prep.row_id(s.row), r.score, r.info.get("error"))
-                                    for s, r in zip(samples, results)])
-    summary = rewards.report({data_prep.row_id(row): row for row in run.eval_rows}, [task for task, _, _ in graded],
-                             [rewards.Reward(score, {"error": error}) for _, score, error in graded])
-    return rewards.report_metrics(summary)
+    graded = policy.gather_objects([(data_prep.row_id(s.row), rewards.for_report(r)) for s, r in zip(samples, results)])
+    summary = rewards.report({data_prep.row_id(row): row for row in run.eval_rows}, [task for task, _ in graded],
+                             [reward for _, reward in graded])
+    metrics = rewards.report_metrics(summary)
+    run.evals.append({"step": run.step} | summary)
+    keep_best(run, metrics)
+    if run.rank == 0:
+        rewards.write_eval_report(run.args.output_dir, run.evals, run.best, run.args.eval_data)
+    return metrics
+
+
+def keep_best(run: Run, metrics: dict) -> None:
+    """The policy in <output_dir>/best (best.json: step and metrics) when --best-metric beats every earlier
+    evaluation's (ties keep the earlier). Collective."""
+    name = run.args.best_metric
+    if not name:
+        return
+    if name not in metrics:
+        raise SystemExit(f"--best-metric {name}: this evaluation has no such metric; it has "
+                         + ", ".join(sorted(k for k in metrics if not k.startswith("eval/error/"))))
+    if not run.best or metrics[name] > run.best["value"]:
+        run.best = {"step": run.step, "metric": name, "value": metrics[name]}
+        policy.save_best(run.model, run.args.model, Path(run.args.output_dir) / "best",
+                         {"step": run.step, "metrics": metrics})
 
 
 def save(run: Run) -> None:
-    state = {"step": run.step, "data_pos": run.data_pos, "scheduler": run.scheduler.state_dict()}
+    state = {"step": run.step, "data_pos": run.data_pos, "scheduler": run.scheduler.state_dict(), "best": run.best,
+             "evals": run.evals}
     path = policy.save_checkpoint(run.args.output_dir, run.step, run.model, run.optimizer, state,
                                   hf_source_dir=run.args.model, keep_last=run.args.keep_checkpoints)
     if run.rank == 0:

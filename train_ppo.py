@@ -8,8 +8,8 @@ their GRPO defaults overridden: `GPUS_PER_NODE=4 SCRIPT=train_ppo.py ./run_h200.
 A step (`train_step()`): rollouts -> rewards -> old/reference logprobs and values -> token rewards (the score on the
 last policy token, minus the KL penalty) -> GAE -> advantages whitened over the global batch -> minibatch updates of
 the critic and, after its warm-up, the actor. Values and advantages exist on loss-masked tokens only, so multi-turn
-samples work unchanged. Evaluation (pass@1 overall and by difficulty) goes to metrics.jsonl and eval_report.json/.md;
-the best policy so far is kept as a Hugging Face folder in <output_dir>/best (step and metrics in best.json). The
+samples work unchanged. Evaluation (pass@1, mean test pass rate and its bands, overall and by difficulty) goes to
+metrics.jsonl and eval_report.json/.md/.png (the picture: the last evaluation's bands per difficulty); the best policy so far is kept as a Hugging Face folder in <output_dir>/best (step and metrics in best.json). The
 critic's checkpoints sit in <output_dir>/critic/checkpoints/, under the policy's step names.
 """
 from __future__ import annotations
@@ -18,7 +18,6 @@ import dataclasses
 import json
 import math
 import random
-import shutil
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -453,48 +452,18 @@ def evaluate(run: Run) -> dict:
                                  run.limits, first_group=run.rank * len(rows))
     run.engine.sleep()
     results = run.score_fn([s.row for s in samples], [s.text for s in samples])
-    graded = policy.gather_objects([(data_prep.row_id(s.row), r.score, r.info.get("error"))
-                                    for s, r in zip(samples, results)])
-    summary = rewards.report({data_prep.row_id(row): row for row in run.eval_rows}, [task for task, _, _ in graded],
-                             [rewards.Reward(score, {"error": error}) for _, score, error in graded])
+    graded = policy.gather_objects([(data_prep.row_id(s.row), rewards.for_report(r)) for s, r in zip(samples, results)])
+    summary = rewards.report({data_prep.row_id(row): row for row in run.eval_rows}, [task for task, _ in graded],
+                             [reward for _, reward in graded])
     metrics = rewards.report_metrics(summary)
     score = [metrics["eval/all/pass@1"], metrics["eval/reward"]]
     if not run.best or score > run.best["score"]:
         run.best = {"step": run.step, "score": score}
-        save_best(run, metrics)
+        policy.save_best(run.model, args.model, Path(args.output_dir) / "best", {"step": run.step, "metrics": metrics})
     run.evals.append({"step": run.step} | summary)
     if run.rank == 0:
-        write_eval_report(run)
+        rewards.write_eval_report(args.output_dir, run.evals, run.best, args.eval_data)
     return metrics
-
-
-def save_best(run: Run, metrics: dict) -> None:
-    """The current policy as a Hugging Face folder in <output_dir>/best, swapped in whole. Collective."""
-    out = Path(run.args.output_dir)
-    policy.save_hf(run.model, run.args.model, out / ".best_tmp")
-    if run.rank == 0:
-        (out / ".best_tmp" / "best.json").write_text(json.dumps({"step": run.step, "metrics": metrics}, indent=1))
-        shutil.rmtree(out / "best", ignore_errors=True)
-        (out / ".best_tmp").rename(out / "best")
-    dist.barrier()
-
-
-def write_eval_report(run: Run) -> None:
-    """eval_report.json (each eval's pass@k by group, mean reward and errors; the best step) and eval_report.md (a
-    table of pass@1 by group, difficulties in APPS order, per eval step)."""
-    out = Path(run.args.output_dir)
-    (out / "eval_report.json").write_text(json.dumps({"best": run.best, "evals": run.evals}, indent=1))
-    order = {"introductory": 0, "interview": 1, "competition": 2}
-    groups = sorted(run.evals[-1]["pass"],
-                    key=lambda g: (g != "all", g.split("/")[0], "/" in g, order.get(g.split("/")[-1], 3), g))
-    lines = [f"# pass@1 on {run.args.eval_data}; best policy (kept in best/): step {run.best['step']}", "",
-             "| step | " + " | ".join(f"{g} ({run.evals[-1]['pass'][g]['tasks']})" for g in groups) + " | reward |",
-             "|---:|" + "---:|" * (len(groups) + 1)]
-    for e in run.evals:
-        cells = [f"{e['pass'][g]['pass@1']:.3f}" if g in e["pass"] else "-" for g in groups]
-        best = " (best)" if e["step"] == run.best["step"] else ""
-        lines.append(f"| {e['step']}{best} | " + " | ".join(cells) + f" | {e['mean_reward']:.3f} |")
-    (out / "eval_report.md").write_text("\n".join(lines) + "\n")
 
 
 def save(run: Run) -> None:

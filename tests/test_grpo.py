@@ -191,3 +191,62 @@ def test_minibatches_take_whole_groups_and_an_empty_one_takes_no_step(tmp_path):
     finally:
         if created:
             torch.distributed.destroy_process_group()
+
+
+def test_best_policy_follows_the_chosen_metric(tmp_path):
+    """evaluate() at three steps whose rewards (scripted per step, with test counts) rank them differently by mean
+    test pass rate (the default --best-metric) and by pass@1: best/ and best.json follow the chosen metric, the eval
+    report holds every evaluation and the last one's band picture, and an unknown metric is refused by name."""
+    import rewards
+    import train_grpo
+
+    train, test = data_prep.toy_rows(20, 4, seed=0, max_ops=2)
+    data_prep.write_rows(test, tmp_path / "test.parquet")
+    model_dir = tiny.make_tiny_model(tmp_path / "model", [r["prompt"][-1]["content"] for r in train], seed=0)
+    # (passed, total) of the 4 rows at each step: one full pass then nothing; 2/3 everywhere; 1/3 everywhere.
+    tests_passed = {0: [(3, 3), (0, 3), (0, 3), (0, 3)], 1: [(2, 3)] * 4, 2: [(1, 3)] * 4}
+    index = {data_prep.row_id(r): i for i, r in enumerate(test)}
+
+    def run_with(best_metric: str, out: Path):
+        run = train_grpo.setup(train_grpo.Args(
+            model=str(model_dir), data=str(tmp_path / "test.parquet"), eval_data=str(tmp_path / "test.parquet"),
+            output_dir=str(out), max_new_tokens=4, prompts_per_step=4, best_metric=best_metric), None)
+
+        def scripted(rows, texts):
+            counts = [tests_passed[run.step][index[data_prep.row_id(r)]] for r in rows]
+            return [rewards.Reward(p / t, {"passed": p, "total": t, "verdicts": []}) for p, t in counts]
+
+        run.score_fn = scripted
+        metrics = []
+        for step in (0, 1, 2):
+            run.step = step
+            metrics.append(train_grpo.evaluate(run))
+        return run, metrics
+
+    created = not torch.distributed.is_initialized()
+    try:
+        run, metrics = run_with("eval/all/test_pass_rate", tmp_path / "by_pass_rate")
+        assert [m["eval/all/test_pass_rate"] for m in metrics] == pytest.approx([0.25, 2 / 3, 1 / 3])
+        assert [m["eval/all/pass@1"] for m in metrics] == [0.25, 0.0, 0.0]
+        assert metrics[1]["eval/all/band/good"] == 1.0 and metrics[0]["eval/all/band/very_poor"] == 0.75
+        best = json.loads((tmp_path / "by_pass_rate" / "best" / "best.json").read_text())
+        assert best["step"] == 1 and run.best == {"step": 1, "metric": "eval/all/test_pass_rate",
+                                                  "value": pytest.approx(2 / 3)}
+        assert policy.load_model(tmp_path / "by_pass_rate" / "best").config.num_hidden_layers == 2
+        report = json.loads((tmp_path / "by_pass_rate" / "eval_report.json").read_text())
+        assert report["best"]["step"] == 1 and [e["step"] for e in report["evals"]] == [0, 1, 2]
+        md = (tmp_path / "by_pass_rate" / "eval_report.md").read_text()
+        assert "| 1 (best) | 0.000 |" in md and "## Step 2 (the last evaluation)" in md
+        png = (tmp_path / "by_pass_rate" / "eval_report.png").read_bytes()
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+        run, _ = run_with("eval/all/pass@1", tmp_path / "by_pass_at_1")
+        assert json.loads((tmp_path / "by_pass_at_1" / "best" / "best.json").read_text())["step"] == 0
+        with pytest.raises(SystemExit, match="--best-metric eval/all/nope: this evaluation has no such metric; it "
+                                             "has eval/all/band/excellent"):
+            run_with("eval/all/nope", tmp_path / "nope")
+        with pytest.raises(SystemExit, match="must be an evaluation metric"):
+            run_with("reward/mean", tmp_path / "nope")
+    finally:
+        if created:
+            torch.distributed.destroy_process_group()

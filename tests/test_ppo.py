@@ -229,6 +229,10 @@ def test_step_and_eval_by_difficulty_with_real_apps_rewards(apps, tmp_path):
     assert table[2] == ("| step | all (5) | apps (5) | apps/introductory (2) | apps/interview (2) | "
                         "apps/competition (1) | reward |")
     assert table[5].startswith("| 3 (best) | 1.000 |") and table[4].startswith("| 0 | 0.200 |")
+    # The last evaluation in full: test pass rates 1, 0, 1/3, 0 (no code), 4/8 -> mean 11/30, and their bands.
+    assert metrics["eval/all/test_pass_rate"] == pytest.approx(11 / 30)
+    assert "| all | 5 | 0.200 | 5 | 0.367 | 2 (40%) | 1 (20%) | 1 (20%) | 0 (0%) | 1 (20%) |" in table
+    assert (tmp_path / "eval_report.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
     # One PPO step on the same answers: the partial APPS scores reach the critic and the actor.
     t.step = 0
