@@ -416,7 +416,8 @@ def print_report(summary: dict) -> None:
     for name, row in sorted(summary["pass"].items(), key=lambda kv: group_order(kv[0])):
         print(f"{name:<28}{row['tasks']:>7}" + "".join(f"{row[k]:>10.3f}" for k in ks))
     if summary["tests"]:
-        print(f"\n{'group':<28}{'samples':>8}{'pass rate':>10}" + "".join(f"{name.replace('_', ' '):>12}" for name in BANDS)
+        print(f"\n{'group':<28}{'samples':>8}{'pass rate':>10}"
+              + "".join(f"{name.replace('_', ' '):>12}" for name in BANDS)
               + "   (bands of passed / total tests: " + ", ".join(label.split()[0] for label in BAND_LABELS) + ")")
     for name, tests in sorted(summary["tests"].items(), key=lambda kv: group_order(kv[0])):
         print(f"{name:<28}{tests['rated']:>8}{tests['test_pass_rate']:>10.3f}"

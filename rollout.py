@@ -604,8 +604,8 @@ def check_generate_args(args: GenerateArgs) -> None:
     if args.n_samples < 1 or args.batch_size < 1:
         raise SystemExit(f"--n-samples ({args.n_samples}) and --batch-size ({args.batch_size}) must be at least 1")
     if args.n_samples > 1 and args.temperature <= 0:
-        raise SystemExit(f"--n-samples {args.n_samples} with --temperature {args.temperature}: greedy samples of a row are all the "
-                         "same; sample with a temperature > 0 (e.g. 0.8) for pass@k")
+        raise SystemExit(f"--n-samples {args.n_samples} with --temperature {args.temperature}: greedy samples of a "
+                         "row are all the same; sample with a temperature > 0 (e.g. 0.8) for pass@k")
     if not Path(args.out).resolve().parent.is_dir():
         raise SystemExit(f"--out {args.out}: its folder does not exist")
 
@@ -657,8 +657,8 @@ def generate_lines(engine: Engine, tokenizer, rows: list[dict], args: GenerateAr
     bar = tqdm(total=len(rows), desc="generate", unit="row", disable=rank != 0)
     for start in range(0, len(rows), per_round):
         positions = list(range(start + rank, min(start + per_round, len(rows)), world))
-        samples, _ = collect(engine, tokenizer, [rows[p] for p in positions], args.n_samples, sampling, args.tools, limits,
-                             first_group=start + rank)
+        samples, _ = collect(engine, tokenizer, [rows[p] for p in positions], args.n_samples, sampling, args.tools,
+                             limits, first_group=start + rank)
         lines += policy.gather_objects([(positions[i // args.n_samples], sample_line(s, i % args.n_samples))
                                         for i, s in enumerate(samples)])
         bar.update(min(per_round, len(rows) - start))

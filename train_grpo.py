@@ -480,7 +480,8 @@ def keep_best(run: Run, metrics: dict) -> None:
     if not name:
         return
     if name not in metrics:
-        raise SystemExit(f"--best-metric {name}: this evaluation has no such metric; it has "
+        raise SystemExit(f"--best-metric {name}: this evaluation has no such metric (test pass rates exist only where "
+                         "rewards count tests; pass e.g. --best-metric eval/all/pass@1, or '' to keep none); it has "
                          + ", ".join(sorted(k for k in metrics if not k.startswith("eval/error/"))))
     if not run.best or metrics[name] > run.best["value"]:
         run.best = {"step": run.step, "metric": name, "value": metrics[name]}

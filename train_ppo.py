@@ -9,8 +9,9 @@ A step (`train_step()`): rollouts -> rewards -> old/reference logprobs and value
 last policy token, minus the KL penalty) -> GAE -> advantages whitened over the global batch -> minibatch updates of
 the critic and, after its warm-up, the actor. Values and advantages exist on loss-masked tokens only, so multi-turn
 samples work unchanged. Evaluation (pass@1, mean test pass rate and its bands, overall and by difficulty) goes to
-metrics.jsonl and eval_report.json/.md/.png (the picture: the last evaluation's bands per difficulty); the best policy so far is kept as a Hugging Face folder in <output_dir>/best (step and metrics in best.json). The
-critic's checkpoints sit in <output_dir>/critic/checkpoints/, under the policy's step names.
+metrics.jsonl and eval_report.json/.md/.png (the picture: the last evaluation's bands per difficulty); the best policy
+so far is kept as a Hugging Face folder in <output_dir>/best (step and metrics in best.json). The critic's checkpoints
+sit in <output_dir>/critic/checkpoints/, under the policy's step names.
 """
 from __future__ import annotations
 
