@@ -583,6 +583,8 @@ class GenerateArgs:
     """rows per rank in one engine call (the progress bar moves by batch_size x ranks)"""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """weights on GPUs (the HF engine on CPU always computes in float32)"""
+    end_of_turn: str | None = None
+    """token that closes an assistant turn (default: found in the chat template, e.g. <|im_end|>, <|eot_id|>)"""
     tools: Literal["none", "python"] = "none"
     """multi-turn agent rollouts with these tools, as in training (python: a sandboxed interpreter per trajectory)"""
     max_turns: int = 4
@@ -658,7 +660,7 @@ def generate_lines(engine: Engine, tokenizer, rows: list[dict], args: GenerateAr
     for start in range(0, len(rows), per_round):
         positions = list(range(start + rank, min(start + per_round, len(rows)), world))
         samples, _ = collect(engine, tokenizer, [rows[p] for p in positions], args.n_samples, sampling, args.tools,
-                             limits, first_group=start + rank)
+                             limits, first_group=start + rank, eot=args.end_of_turn)
         lines += policy.gather_objects([(positions[i // args.n_samples], sample_line(s, i % args.n_samples))
                                         for i, s in enumerate(samples)])
         bar.update(min(per_round, len(rows) - start))
@@ -694,7 +696,8 @@ def generate(args: GenerateArgs) -> Path:
     rows = load_rows_within(args.data, tokenizer, args.max_prompt_tokens, verbose=rank == 0)
     engine = load_generator(args, tokenizer, device)
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                        stop_token_ids=policy.stop_token_ids(tokenizer, hf_dir))
+                        stop_token_ids=policy.stop_token_ids(tokenizer, hf_dir,
+                                                             end_of_turn(tokenizer, args.end_of_turn)))
     seconds["load"] = time.perf_counter() - start
     lines = generate_lines(engine, tokenizer, rows, args, sampling)
     seconds["generate"] = time.perf_counter() - start - seconds["load"]
