@@ -29,12 +29,16 @@ ROLE = "kiln.role"  # "agent" or "grade"
 EXPIRES = "kiln.expires"  # unix time after which any sweep removes the container
 # The SDK's HTTP read timeout bounds every API call, exec included: it must exceed the longest command timeout.
 API_TIMEOUT = 3900
-# The wrapper every command runs in: $1 = seconds, $2 = output cap in bytes, $3 = the command. Output goes to a file on
-# the tmpfs (bounded by its size), so a background job that keeps the pipe open cannot hold the exec; more than CAP
-# bytes keep their first and last CAP/2 and say how much was cut.
+# The wrapper every command runs in: $1 = seconds, $2 = output cap in bytes, $3 = the command. `timeout` leads its own
+# process group, which is SIGKILLed when the time is up and again when the command ends, so nothing a command starts
+# (background jobs, a fork bomb) outlives it. Output goes to a file on the tmpfs (bounded by its size), so a job that
+# keeps the pipe open cannot hold the exec; more than CAP bytes keep their first and last CAP/2 and say how much was cut.
 GUARD = r"""out=$(mktemp /tmp/.kiln.XXXXXX)
-timeout -s KILL "$1" bash -c "$3" </dev/null >"$out" 2>&1
+timeout -s KILL "$1" bash -c "$3" </dev/null >"$out" 2>&1 &
+group=$!
+wait $group
 rc=$?
+while kill -9 -- -$group 2>/dev/null; do :; done
 size=$(stat -c %s "$out")
 if [ "$size" -gt "$2" ]; then
   half=$(($2 / 2)); head -c "$half" "$out"; printf '\n[... %s bytes cut ...]\n' $((size - 2 * half)); tail -c "$half" "$out"
@@ -147,7 +151,8 @@ class Container:
 
     def exec(self, command: str, timeout: float | None = None, cap: int | None = None,
              workdir: str | None = None) -> ExecResult:
-        """Run `command` with bash, SIGKILLed after `timeout` seconds (its process group with it), output capped."""
+        """Run `command` with bash, SIGKILLed after `timeout` seconds, output capped; whatever it started in the
+        background is killed when it ends (only files persist between commands)."""
         timeout = self.limits.timeout if timeout is None else timeout
         cap = self.limits.output_cap if cap is None else cap
         if not 0 < timeout < API_TIMEOUT - 60:
@@ -162,7 +167,10 @@ class Container:
                           truncated=b"truncated" in (err or b""))
 
     def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        """Write `data` to the absolute `path` in the container (its directory must exist)."""
+        """Write `data` to the absolute `path` in the container (its directory must exist, and not be the tmpfs /tmp:
+        archives go to the container's own filesystem, beneath any tmpfs mounted over it)."""
+        if path == "/tmp" or path.startswith("/tmp/"):
+            raise ValueError(f"{path}: files cannot be copied into the tmpfs /tmp; use another directory")
         directory, _, name = path.rpartition("/")
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w") as tar:
@@ -173,7 +181,7 @@ class Container:
             raise OSError(f"{self.name}: could not write {path}")
 
     def get_file(self, path: str) -> bytes:
-        """The bytes of the regular file at `path` in the container."""
+        """The bytes of the regular file at `path` in the container (not under the tmpfs /tmp; see put_file)."""
         stream, _ = self._container.get_archive(path)
         with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
             member = tar.next()

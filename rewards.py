@@ -6,6 +6,7 @@ grades completions alone (one JSON object per line: {"task_id": "<data_source>/<
 `python rollout.py generate` writes) and prints, overall, by data source and by difficulty: pass@1 and unbiased pass@k,
 the mean test pass rate (passed tests / total tests) and its distribution in five bands (0.0-0.2 very poor ... 0.8-1.0
 excellent), error categories and throughput; `--json`, `--markdown` and `--plot` write the same report to files.
+For swebench rows the completion is the patch (a git diff), graded in Docker by swebench's own grading.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import logging
 import re
 import statistics
 import sys
+import tempfile
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -24,8 +26,13 @@ from typing import Callable, Sequence
 
 import tyro
 from matplotlib.figure import Figure
+from swebench.harness.constants import FAIL_TO_PASS, PASS_TO_PASS, EvalType, ResolvedStatus
+from swebench.harness.grading import get_eval_tests_report, get_logs_eval, get_resolution_status
+from swebench.harness.log_parsers import PARSER_REGISTRY
+from swebench.harness.utils import make_test_spec
 from tqdm import tqdm
 
+import containers
 import data_prep
 import sandbox
 
@@ -127,12 +134,127 @@ REWARDS: dict[str, Callable[[str, dict, sandbox.Limits], Reward]] = {
 }
 
 
+# --- SWE-bench: the agent's changes to the repository, graded by swebench 5.x in a fresh container -------------------
+
+# Files the policy must not change, whatever its diff says: pytest loads them while grading (conftest.py, test
+# configuration), the interpreter runs them at start-up (sitecustomize, usercustomize, .pth), or they are tests. A root
+# conftest.py that marks every test passed is graded "resolved" by the official harness.
+PROTECTED_NAMES = {"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "noxfile.py",
+                   "sitecustomize.py", "usercustomize.py"}
+TEST_DIRS = {"tests", "testing"}  # not "test": Django's source has django/test/
+TEST_FILE = re.compile(r"(^test_.*|.*_test|^tests)\.py$")
+# The official harness's order; git apply is all-or-nothing, so only --3way can leave a half-applied tree behind.
+APPLY = ("git apply --verbose {p}", "git apply --verbose --3way {p}", "patch --batch --forward --fuzz=5 -p1 -i {p}")
+DIFF_HEADER = re.compile(rb"^diff --git a/(.+?) b/(.+?)$", re.M)
+
+
+@dataclass(frozen=True)
+class SweConfig:
+    eval_timeout: float = 1800.0
+    """wall seconds for the instance's eval script (the tests) before it is killed and scored -1"""
+    require_p2p: bool = True
+    """resolved needs every PASS_TO_PASS test to still pass, as in SWE-bench; False: the FAIL_TO_PASS tests only"""
+    log_cap: int = 32_000_000
+    """most bytes of test log kept (head and tail)"""
+    limits: containers.ContainerLimits = containers.ContainerLimits()
+    """the grading container's limits"""
+
+
+def diff_files(diff: bytes) -> list[tuple[list[str], bytes]]:
+    """A git diff split per file: ([old path, new path], that file's section). Bytes throughout: binary patches and
+    file names in any encoding pass through unchanged."""
+    starts = [m.start() for m in DIFF_HEADER.finditer(diff)]
+    sections = [diff[a:b] for a, b in zip(starts, starts[1:] + [len(diff)])]
+    return [([p.decode(errors="replace") for p in DIFF_HEADER.match(s).groups()], s) for s in sections]
+
+
+def is_protected(path: str, test_patch_files: set[str]) -> bool:
+    parts = path.split("/")
+    return (path in test_patch_files or parts[-1] in PROTECTED_NAMES or parts[-1].endswith(".pth")
+            or bool(TEST_DIRS.intersection(parts[:-1])) or bool(TEST_FILE.match(parts[-1])))
+
+
+def filter_diff(diff: bytes, test_patch: str) -> tuple[bytes, list[str]]:
+    """The diff without protected files (see PROTECTED_NAMES; the test patch's files and test files too), and the
+    paths dropped. A rename counts as touching both of its paths."""
+    test_patch_files = {p for paths, _ in diff_files(test_patch.encode()) for p in paths}
+    kept, dropped = [], []
+    for paths, section in diff_files(diff):
+        if any(is_protected(p, test_patch_files) for p in paths):
+            dropped.extend(dict.fromkeys(p for p in paths if p != "/dev/null"))
+        else:
+            kept.append(section)
+    return b"".join(kept), dropped
+
+
+def container_diff(container: containers.Container, base_commit: str) -> bytes:
+    """Everything the agent changed in /testbed since `base_commit`, new and binary files included, as a git diff
+    (external diff drivers and textconv off, so repository config cannot rewrite it)."""
+    result = container.exec(f"git add -A && git diff --cached --binary --no-ext-diff --no-textconv {base_commit} "
+                            "> /kiln.diff", timeout=120, cap=4000)
+    if result.exit_code != 0:
+        raise RuntimeError(f"git diff in {container.name} failed ({result.exit_code}): {result.output[-500:]}")
+    return container.get_file("/kiln.diff")
+
+
+def swebench_reward(truth: dict, patch: bytes, client=None, config: SweConfig = SweConfig()) -> Reward:
+    """+1 when the patch resolves the instance (every FAIL_TO_PASS test passes and, with require_p2p, every
+    PASS_TO_PASS test still does), else -1. Protected files are dropped first (reported in info["dropped"]); the rest
+    is applied in a fresh container from the instance image, the row's eval script runs, and swebench 5.x grades the
+    log with the row's parser. A missing image or an unreachable daemon raises: it is never the patch's fault."""
+    if truth["log_parser"] not in PARSER_REGISTRY:
+        raise ValueError(f"{truth['instance_id']}: unknown log_parser {truth['log_parser']!r} for swebench")
+    spec = make_test_spec(truth)
+    git_diff = bool(diff_files(patch)) or not patch.strip()
+    patch, dropped = filter_diff(patch, truth["test_patch"])
+    info = {"instance_id": spec.instance_id, "dropped": dropped, "f2p": [0, len(spec.FAIL_TO_PASS)],
+            "p2p": [0, len(spec.PASS_TO_PASS)], "status": ResolvedStatus.NO.value, "error": None}
+    if not git_diff:
+        return Reward(-1.0, info | {"error": "patch_apply", "reason": "not a git diff (no `diff --git` header)"})
+    if not patch.strip():
+        return Reward(-1.0, info | {"error": "empty_patch"})
+    start = time.perf_counter()
+    with containers.Container(client or containers.connect(), spec.image, role="grade", run=spec.instance_id,
+                              limits=config.limits) as container:
+        container.put_file("/kiln.patch", patch)
+        for command in APPLY:
+            applied = container.exec(command.format(p="/kiln.patch"), timeout=120, cap=4000)
+            if applied.exit_code == 0:
+                info["applied_with"] = command.split(" -")[0] + (" --3way" if "3way" in command else "")
+                break
+            container.exec("git reset --hard -q", timeout=60)
+        else:
+            return Reward(-1.0, info | {"error": "patch_apply", "reason": applied.output[-2000:]})
+        container.put_file("/kiln_eval.sh", spec.eval_script.encode())
+        run = container.exec("bash /kiln_eval.sh", timeout=config.eval_timeout, cap=config.log_cap)
+    info["seconds"] = time.perf_counter() - start
+    if run.timed_out:
+        return Reward(-1.0, info | {"error": "eval_timeout"})
+    with tempfile.NamedTemporaryFile("w", suffix=".log") as log:
+        log.write(run.output)
+        log.flush()
+        status_map, ran = get_logs_eval(spec, log.name)
+    if not ran:
+        return Reward(-1.0, info | {"error": "tests_not_run", "log_tail": run.output[-2000:]})
+    report = get_eval_tests_report(status_map, {FAIL_TO_PASS: spec.FAIL_TO_PASS, PASS_TO_PASS: spec.PASS_TO_PASS},
+                                   eval_type=EvalType(spec.eval_type))
+    info |= {"f2p": [len(report[FAIL_TO_PASS]["success"]), len(spec.FAIL_TO_PASS)],
+             "p2p": [len(report[PASS_TO_PASS]["success"]), len(spec.PASS_TO_PASS)],
+             "status": get_resolution_status(report)}
+    f2p_ok = not report[FAIL_TO_PASS]["failure"] and info["f2p"][0] == info["f2p"][1]
+    p2p_ok = not report[PASS_TO_PASS]["failure"]
+    resolved = f2p_ok and (p2p_ok or not config.require_p2p)
+    return Reward(1.0 if resolved else -1.0, info | {"resolved": resolved})
+
+
 def score(row: dict, completion: str, limits: sandbox.Limits = sandbox.Limits()) -> Reward:
     """The reward of one completion for one row (kiln's row schema); tests run in the sandbox. Whatever the program
     does, this returns: a failure of the grading itself (a supervisor that died) is a Reward of 0 with error
     "grader_error" and its reason, logged and counted (`reward/grader_errors`). Broken tests (a data problem the
     program cannot cause) raise ValueError naming the task."""
     source = row["data_source"]
+    if source == "swebench":  # the completion is the patch; grading errors raise (never scored -1)
+        return swebench_reward(json.loads(row["reward_model"]["ground_truth"]), completion.encode())
     if source not in REWARDS:
         raise KeyError(f"no reward function for data_source {source!r}; known: {sorted(REWARDS)}")
     truth = json.loads(row["reward_model"]["ground_truth"])

@@ -1,0 +1,224 @@
+"""SWE-bench rewards and containers against the real Docker daemon and real SWE-bench instances built offline
+(tests/swe_instances.py): the verdicts, the hacks that must not pay, and commands that must be contained."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import docker.errors
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import containers  # noqa: E402
+import rewards  # noqa: E402
+import swe_instances  # noqa: E402
+
+M1343, M1359 = "marshmallow-code__marshmallow-1343", "marshmallow-code__marshmallow-1359"
+# A root conftest.py that turns every test report into a pass: the official harness grades it "resolved".
+CONFTEST_HACK = """diff --git a/conftest.py b/conftest.py
+new file mode 100644
+--- /dev/null
++++ b/conftest.py
+@@ -0,0 +1,7 @@
++import pytest
++
++
++@pytest.hookimpl(hookwrapper=True)
++def pytest_runtest_makereport(item, call):
++    outcome = yield
++    outcome.get_result().outcome = "passed"
+"""
+# The same trick from a test helper module that tests/conftest.py imports (not a conftest.py itself).
+TEST_FILE_HACK = '''diff --git a/tests/base.py b/tests/base.py
+--- a/tests/base.py
++++ b/tests/base.py
+@@ -1,2 +1,9 @@
+ """Test utilities and fixtures."""
++import _pytest.reports
++_make_report = _pytest.reports.TestReport.from_item_and_call
++def _passed(cls, item, call):
++    report = _make_report(item, call)
++    report.outcome = "passed"
++    return report
++_pytest.reports.TestReport.from_item_and_call = classmethod(_passed)
+ import datetime as dt
+'''
+NOOP = """diff --git a/README.rst b/README.rst
+--- a/README.rst
++++ b/README.rst
+@@ -1,1 +1,2 @@
++A line that fixes nothing.
+ ********************************************
+"""
+
+
+def truth_of(row: dict) -> dict:
+    return json.loads(row["reward_model"]["ground_truth"])
+
+
+def test_filter_drops_test_infrastructure_and_keeps_the_rest_byte_for_byte():
+    def section(path: str, body: bytes = b"@@ -1 +1 @@\n-a\n+b\n") -> bytes:
+        return f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n".encode() + body
+    binary = (b"diff --git a/pkg/blob.bin b/pkg/blob.bin\nnew file mode 100644\nindex 0000000..e69de29\n"
+              b"GIT binary patch\nliteral 3\nKcmZQzWMT#Y01f~H\n\nliteral 0\nHcmV?d00001\n\n")
+    kept_paths = ["src/pkg/fields.py", "django/test/utils.py", "docs/\xe9t\xe9.txt", "src/pkg/contest.py"]
+    dropped_paths = ["conftest.py", "src/pkg/tests/conftest.py", "tests/base.py", "testing/helpers.py",
+                     "src/pkg/test_fields.py", "pkg/fields_test.py", "setup.cfg", "tox.ini", "pytest.ini",
+                     "pyproject.toml", "sitecustomize.py", "lib/usercustomize.py", "evil.pth", "docs/changes.py"]
+    test_patch = section("docs/changes.py").decode()  # whatever the test patch touches is the tests' business
+    diff = b"".join(section(p) for p in kept_paths) + binary + b"".join(section(p) for p in dropped_paths)
+    rename = b"diff --git a/src/pkg/a.py b/tests/a.py\nsimilarity index 100%\nrename from src/pkg/a.py\nrename to tests/a.py\n"
+    kept, dropped = rewards.filter_diff(diff + rename, test_patch)
+    assert kept == b"".join(section(p) for p in kept_paths) + binary
+    assert dropped == dropped_paths + ["src/pkg/a.py", "tests/a.py"]
+
+
+def test_unreachable_daemon_is_an_error_not_a_reward(monkeypatch, tmp_path):
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no.sock")
+    truth = {"instance_id": "x__y-1", "image": "kiln-swe/x:offline", "eval_script": "true", "log_parser":
+             "parse_log_pytest", "eval_type": "pass_and_fail", "repo": "x/y", "version": "1", "FAIL_TO_PASS": ["t"],
+             "PASS_TO_PASS": [], "test_patch": "", "base_commit": "0" * 40}
+    with pytest.raises(containers.DockerUnavailable, match="cannot reach the Docker daemon"):
+        rewards.swebench_reward(truth, NOOP.encode())
+
+
+def test_under_ci_a_missing_daemon_fails_the_docker_tests(tmp_path):
+    def outcome(ci: str) -> str:
+        env = os.environ | {"DOCKER_HOST": f"unix://{tmp_path}/no.sock", "CI": ci}
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA",
+                                 f"{__file__}::test_missing_image_is_an_error"], env=env, cwd=ROOT,
+                                capture_output=True, text=True, timeout=300)
+        return result.stdout
+    assert "1 error" in outcome("true") and "CI=true and no Docker daemon" in outcome("true")
+    assert "1 skipped" in outcome("")
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("instance", [M1343, M1359])
+def test_gold_resolves_and_empty_noop_garbage_do_not(docker_client, swe_rows, instance):
+    row = swe_rows[instance]
+    gold = rewards.score(row, truth_of(row)["patch"])
+    assert gold.score == 1.0 and gold.info["resolved"] and gold.info["status"] == "RESOLVED_FULL"
+    assert gold.info["f2p"] == [1, 1] and gold.info["p2p"][0] == gold.info["p2p"][1] > 20
+    noop = rewards.score(row, NOOP)  # applies, the tests run, the F2P test still fails
+    assert noop.score == -1.0 and noop.info["f2p"] == [0, 1] and noop.info["error"] is None
+    assert noop.info["p2p"] == gold.info["p2p"]
+    empty = rewards.score(row, "")
+    assert empty.score == -1.0 and empty.info["error"] == "empty_patch"
+    garbage = rewards.score(row, "diff --git a/src/x.py b/src/x.py\n--- a/src/x.py\n+++ b/src/x.py\n@@ nonsense\n")
+    assert garbage.score == -1.0 and garbage.info["error"] == "patch_apply" and garbage.info["reason"]
+    prose = rewards.score(row, "I fixed it, trust me.")
+    assert prose.score == -1.0 and prose.info["error"] == "patch_apply"
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("hack, paths", [(CONFTEST_HACK, ["conftest.py"]), (TEST_FILE_HACK, ["tests/base.py"])])
+def test_test_infrastructure_hacks_are_dropped_and_reported(docker_client, swe_rows, monkeypatch, hack, paths):
+    row = swe_rows[M1359]
+    filtered = rewards.score(row, hack)
+    assert filtered.score == -1.0 and filtered.info["dropped"] == paths and filtered.info["error"] == "empty_patch"
+    with_gold = rewards.score(row, hack + truth_of(row)["patch"])  # the fix still counts, the hack is dropped
+    assert with_gold.score == 1.0 and with_gold.info["dropped"] == paths
+    monkeypatch.setattr(rewards, "is_protected", lambda path, test_files: False)
+    unfiltered = rewards.score(row, hack)  # what the filter prevents: the hack alone would be graded resolved
+    assert unfiltered.score == 1.0 and unfiltered.info["dropped"] == []
+
+
+@pytest.mark.docker
+def test_agent_container_diff_new_binary_files_and_a_p2p_break(docker_client, swe_rows):
+    truth = truth_of(swe_rows[M1359])
+    with containers.Container(docker_client, truth["image"], role="agent", run="test") as agent:
+        agent.put_file("/gold.diff", truth["patch"].encode())
+        assert agent.exec("git apply /gold.diff && rm /gold.diff").exit_code == 0
+        agent.put_file("/testbed/src/marshmallow/blob.bin", bytes(range(256)) * 4)
+        assert agent.exec("printf 'X = 1\\n' > src/marshmallow/extra.py && printf 'import pytest\\n' > conftest.py"
+                          ).exit_code == 0
+        diff = rewards.container_diff(agent, truth["base_commit"])
+        assert agent.exec("sed -i 's/^Int = Integer$/Int = Number/' src/marshmallow/fields.py && "
+                          "grep -c '^Int = Number$' src/marshmallow/fields.py").output.strip() == "1"
+        broken = rewards.container_diff(agent, truth["base_commit"])
+    assert b"GIT binary patch" in diff and b"b/src/marshmallow/extra.py\nnew file mode" in diff
+    resolved = rewards.swebench_reward(truth, diff, docker_client)
+    assert resolved.score == 1.0 and resolved.info["dropped"] == ["conftest.py"]
+    p2p_broken = rewards.swebench_reward(truth, broken, docker_client)
+    assert p2p_broken.score == -1.0 and p2p_broken.info["f2p"] == [1, 1]
+    assert p2p_broken.info["p2p"][0] < p2p_broken.info["p2p"][1]
+    relaxed = rewards.swebench_reward(truth, broken, docker_client, rewards.SweConfig(require_p2p=False))
+    assert relaxed.score == 1.0
+
+
+@pytest.mark.docker
+def test_missing_image_is_an_error(docker_client, swe_rows):
+    truth = truth_of(swe_rows[M1343]) | {"image": "kiln-swe/no-such-image:offline"}
+    with pytest.raises(containers.ImageMissing, match="kiln-swe/no-such-image:offline"):
+        rewards.swebench_reward(truth, truth["patch"].encode(), docker_client)
+
+
+@pytest.mark.docker
+def test_commands_are_contained(docker_client):
+    limits = containers.ContainerLimits(pids=64, memory="256m", timeout=30)
+    with containers.Container(docker_client, swe_instances.BASE_IMAGE, role="agent", limits=limits,
+                              workdir="/") as box:
+        assert box._container.labels[containers.OWNER] == containers.owner_label()
+        hang = box.exec("sleep 600", timeout=2)
+        assert hang.timed_out and hang.exit_code == 137
+        background = box.exec("sleep 600 & echo started")
+        assert background.output == "started\n" and not background.timed_out and background.exit_code == 0
+        assert box.exec("cat /proc/[0-9]*/comm | grep -c sleep").output == "1\n"  # PID 1's `sleep TTL` only
+        flood = box.exec("head -c 50000000 /dev/zero | tr '\\0' a", cap=10_000)
+        assert flood.truncated and flood.exit_code == 0 and len(flood.output) < 10_100
+        assert flood.output.startswith("a" * 5000) and "49990000 bytes cut" in flood.output
+        bomb = box.exec("bomb() { bomb | bomb & }; bomb; sleep 3", timeout=20)
+        assert "fork: retry: Resource temporarily unavailable" in bomb.output  # held at the pids limit
+        assert box.exec("echo alive").output == "alive\n"
+        assert int(box.exec("ls -d /proc/[0-9]* | wc -l").output) < 10  # and nothing of it left running
+        pids_max = box.exec("cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids.max")
+        assert pids_max.output.strip() == "64"
+        memory = box.exec("python3 -c 'x = bytearray(600 * 2**20)'")
+        assert memory.exit_code == 137 and not memory.timed_out
+        network = box.exec("ls /sys/class/net; python3 -c \"import socket; "
+                           "socket.create_connection(('1.1.1.1', 53), timeout=3)\"")
+        assert network.output.split()[0] == "lo" and network.exit_code != 0
+        box.put_file("/root/data.bin", bytes(range(256)))
+        assert box.get_file("/root/data.bin") == bytes(range(256))
+        with pytest.raises(ValueError, match="tmpfs"):
+            box.put_file("/tmp/x", b"")
+        name = box.name
+    with pytest.raises(docker.errors.NotFound):
+        docker_client.containers.get(name)
+
+
+@pytest.mark.docker
+def test_sweep_removes_a_killed_runs_containers_and_ttl_expires_them(docker_client):
+    script = ("import sys, time; sys.path.insert(0, sys.argv[1]); import containers\n"
+              "client = containers.connect()\n"
+              "boxes = [containers.Container(client, sys.argv[2], role='agent', run='killed') for _ in range(2)]\n"
+              "print(' '.join(b.name for b in boxes), flush=True)\n"
+              "time.sleep(600)\n")
+    child = subprocess.Popen([sys.executable, "-c", script, str(ROOT), swe_instances.BASE_IMAGE],
+                             stdout=subprocess.PIPE, text=True)
+    names = child.stdout.readline().split()
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert len(names) == 2 and all(docker_client.containers.get(n).status == "running" for n in names)
+    with containers.Container(docker_client, swe_instances.BASE_IMAGE, role="agent", run="alive") as mine:
+        removed = containers.sweep(docker_client)
+        assert set(names) <= set(removed) and mine.name not in removed  # a live owner's containers stay
+        assert docker_client.containers.get(mine.name).status == "running"
+    for name in names:
+        with pytest.raises(docker.errors.NotFound):
+            docker_client.containers.get(name)
+    short = containers.Container(docker_client, swe_instances.BASE_IMAGE, role="agent",
+                                 limits=containers.ContainerLimits(ttl=2))
+    for _ in range(60):  # PID 1 is `sleep 2`, auto-removed: gone without kiln doing anything
+        try:
+            docker_client.containers.get(short.name)
+        except docker.errors.NotFound:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"{short.name} outlived its TTL")
