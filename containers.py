@@ -110,12 +110,20 @@ def sweep(client: docker.DockerClient) -> list[str]:
         expired = float(labels.get(EXPIRES, "inf")) < time.time()
         orphaned = owner_host == host and pid.isdigit() and not _alive(int(pid))
         if expired or orphaned:
-            try:
-                container.remove(force=True)
-                removed.append(container.name)
-            except docker.errors.NotFound:
-                pass  # it removed itself (TTL) meanwhile
+            _remove(container)
+            removed.append(container.name)
     return removed
+
+
+def _remove(container) -> None:
+    """SIGKILL and delete; no error if it is gone or going already (auto-remove at its TTL)."""
+    try:
+        container.remove(force=True)
+    except docker.errors.NotFound:
+        pass
+    except docker.errors.APIError as e:
+        if "already in progress" not in str(e):
+            raise
 
 
 def _alive(pid: int) -> bool:
@@ -190,14 +198,8 @@ class Container:
             return tar.extractfile(member).read()
 
     def remove(self) -> None:
-        """SIGKILL and delete; no error if it is already gone."""
-        try:
-            self._container.remove(force=True)
-        except docker.errors.NotFound:
-            pass
-        except docker.errors.APIError as e:
-            if "already in progress" not in str(e):  # auto-remove racing us
-                raise
+        """SIGKILL and delete, never `stop` (it waits for PID 1 to exit)."""
+        _remove(self._container)
 
     def __enter__(self) -> Container:
         return self

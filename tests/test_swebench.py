@@ -1,5 +1,10 @@
 """SWE-bench rewards and containers against the real Docker daemon and real SWE-bench instances built offline
-(tests/swe_instances.py): the verdicts, the hacks that must not pay, and commands that must be contained."""
+(tests/swe_instances.py): the verdicts, the hacks that must not pay, and commands that must be contained.
+
+Without a daemon the docker tests skip, except under CI=true, where a missing daemon fails them: CI must run them.
+The instances are built once per session; KILN_SWE_DIR keeps their downloads and rows between sessions, and images
+already on the host are reused.
+"""
 import json
 import os
 import signal
@@ -13,7 +18,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 import containers  # noqa: E402
+import data_prep  # noqa: E402
 import rewards  # noqa: E402
 import swe_instances  # noqa: E402
 
@@ -54,6 +61,26 @@ NOOP = """diff --git a/README.rst b/README.rst
 +A line that fixes nothing.
  ********************************************
 """
+
+
+@pytest.fixture(scope="session")
+def docker_client():
+    try:
+        client = containers.connect()
+    except containers.DockerUnavailable as e:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true and no Docker daemon: {e}")
+        pytest.skip(str(e))
+    containers.sweep(client)
+    return client
+
+
+@pytest.fixture(scope="session")
+def swe_rows(docker_client, tmp_path_factory) -> dict[str, dict]:
+    """The kiln rows of the offline instances, by instance id."""
+    out = Path(os.environ["KILN_SWE_DIR"]) if os.environ.get("KILN_SWE_DIR") else tmp_path_factory.mktemp("swe")
+    rows = data_prep.load_rows(swe_instances.main(swe_instances.Args(out=out)))
+    return {row["extra_info"]["index"]: row for row in rows}
 
 
 def truth_of(row: dict) -> dict:
