@@ -2,7 +2,8 @@
 
     python tests/swe_instances.py --out DIR [--instances ID ...] [--rebuild]
 
-For each instance of the Lite-dev file: the project's sdist at the instance's version becomes a git repository with
+The two marshmallow instances of the Lite-dev file, and a Django-shaped one (django-11099's bug on the Django 2.2
+sdist, graded with swebench's Django parser). For each: the project's sdist at the instance's version becomes a git repository with
 one fixed-date commit (its sha is the row's base_commit, the same on every build), installed into a debootstrap
 Debian image with wheels from PyPI, built by the legacy builder without network. DIR/instances.json holds the
 SWE-bench 5.x rows (image, eval_script in the official shape, log_parser, eval_type) and DIR/rows.parquet the kiln
@@ -36,13 +37,100 @@ log = logging.getLogger("kiln.swe_instances")
 LITE_DEV = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "swebench" / "swe-bench-lite-dev.json"
 SUITE = "bullseye"  # python 3.9, the version SWE-bench's marshmallow specs use (2.20 breaks on 3.10+)
 BASE_IMAGE = f"kiln-swe/base:{SUITE}"
-# instance -> (PyPI project, sdist version, packages its tests need besides pytest), pinned so builds repeat
-INSTANCES = {
-    "marshmallow-code__marshmallow-1343": ("marshmallow", "2.20.0", ["pytz==2026.6", "simplejson==4.3.0",
-                                                                     "python-dateutil==2.9.0.post0"]),
-    "marshmallow-code__marshmallow-1359": ("marshmallow", "3.0.0", ["pytz==2026.6", "simplejson==4.3.0",
-                                                                    "python-dateutil==2.9.0.post0"]),
+
+
+@dataclass(frozen=True)
+class Recipe:
+    project: str
+    """PyPI project whose sdist is the repository"""
+    version: str
+    """its version (the instance's)"""
+    needs: tuple[str, ...]
+    """wheels the tests need besides pytest, pinned so builds repeat"""
+    log_parser: str
+    """swebench's parser for the test log"""
+    test_command: str
+    """the tests the eval script runs ({tests}: the test patch's files)"""
+
+
+MARSHMALLOW_NEEDS = ("pytz==2026.6", "simplejson==4.3.0", "python-dateutil==2.9.0.post0")
+RECIPES = {
+    "marshmallow-code__marshmallow-1343": Recipe("marshmallow", "2.20.0", MARSHMALLOW_NEEDS, "parse_log_marshmallow",
+                                                 "pytest -rA {tests}"),
+    "marshmallow-code__marshmallow-1359": Recipe("marshmallow", "3.0.0", MARSHMALLOW_NEEDS, "parse_log_marshmallow",
+                                                 "pytest -rA {tests}"),
+    "django__django-11099": Recipe("Django", "2.2", ("pytz==2026.6", "sqlparse==0.5.3"), "parse_log_django",
+                                   "./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1 "
+                                   "auth_tests.test_validators"),
 }
+# Django-shaped: not a Lite-dev row. The 2.2 sdist still has the django-11099 bug (`$` also matches before a trailing
+# newline); the issue text, test patch and fix below are kiln's own.
+DJANGO_ISSUE = """Usernames that end with a newline pass the username validators.
+
+ASCIIUsernameValidator and UnicodeUsernameValidator in django.contrib.auth.validators match usernames with
+r'^[\\w.@+-]+$'. In a Python regex `$` also matches just before a final newline, so "joe\\n" is accepted as a
+valid username. A username with a trailing newline should be rejected like any other invalid character."""
+DJANGO_FIX = r"""diff --git a/django/contrib/auth/validators.py b/django/contrib/auth/validators.py
+--- a/django/contrib/auth/validators.py
++++ b/django/contrib/auth/validators.py
+@@ -7,7 +7,7 @@ from django.utils.translation import gettext_lazy as _
+ 
+ @deconstructible
+ class ASCIIUsernameValidator(validators.RegexValidator):
+-    regex = r'^[\w.@+-]+$'
++    regex = r'^[\w.@+-]+\Z'
+     message = _(
+         'Enter a valid username. This value may contain only English letters, '
+         'numbers, and @/./+/-/_ characters.'
+@@ -17,7 +17,7 @@ class ASCIIUsernameValidator(validators.RegexValidator):
+ 
+ @deconstructible
+ class UnicodeUsernameValidator(validators.RegexValidator):
+-    regex = r'^[\w.@+-]+$'
++    regex = r'^[\w.@+-]+\Z'
+     message = _(
+         'Enter a valid username. This value may contain only letters, '
+         'numbers, and @/./+/-/_ characters.'
+"""
+DJANGO_TESTS = r"""diff --git a/tests/auth_tests/test_validators.py b/tests/auth_tests/test_validators.py
+--- a/tests/auth_tests/test_validators.py
++++ b/tests/auth_tests/test_validators.py
+@@ -237,7 +237,7 @@ class UsernameValidatorsTests(SimpleTestCase):
+         invalid_usernames = [
+             "o'connell", "عبد ال",
+             "zerowidth\u200Bspace", "nonbreaking\u00A0space",
+-            "en\u2013dash",
++            "en\u2013dash", "joe\n",
+         ]
+         v = validators.UnicodeUsernameValidator()
+         for valid in valid_usernames:
+@@ -250,7 +250,7 @@ class UsernameValidatorsTests(SimpleTestCase):
+ 
+     def test_ascii_validator(self):
+         valid_usernames = ['glenn', 'GLEnN', 'jean-marc']
+-        invalid_usernames = ["o'connell", 'Éric', 'jean marc', "أحمد"]
++        invalid_usernames = ["o'connell", 'Éric', 'jean marc', "أحمد", "glenn\n"]
+         v = validators.ASCIIUsernameValidator()
+         for valid in valid_usernames:
+             with self.subTest(valid=valid):
+"""
+DJANGO_ROW = {"instance_id": "django__django-11099", "repo": "django/django", "version": "2.2",
+              "problem_statement": DJANGO_ISSUE, "patch": DJANGO_FIX, "test_patch": DJANGO_TESTS,
+              "FAIL_TO_PASS": [f"test_{kind}_validator (auth_tests.test_validators.UsernameValidatorsTests)"
+                               for kind in ("ascii", "unicode")],
+              "PASS_TO_PASS": [f"{test} (auth_tests.test_validators.{case})" for case, tests in {
+                  "PasswordValidationTest": [
+                      "test_empty_password_validator_help_text_html", "test_get_default_password_validators",
+                      "test_get_password_validators_custom", "test_password_changed",
+                      "test_password_changed_with_custom_validator", "test_password_validators_help_text_html",
+                      "test_password_validators_help_text_html_escaping", "test_password_validators_help_texts",
+                      "test_validate_password"],
+                  "CommonPasswordValidatorTest": ["test_help_text", "test_validate", "test_validate_custom_list",
+                                                  "test_validate_django_supplied_file"],
+                  "MinimumLengthValidatorTest": ["test_help_text", "test_validate"],
+                  "NumericPasswordValidatorTest": ["test_help_text", "test_validate"],
+                  "UserAttributeSimilarityValidatorTest": ["test_help_text", "test_validate",
+                                                           "test_validate_property"]}.items() for test in tests]}
 # pytest 8.4 is the last for python 3.9; the backports are named because pip evaluates markers on the host
 TOOL_WHEELS = ["pip==26.0.1", "setuptools==80.9.0", "wheel==0.45.1", "pytest==8.4.2", "exceptiongroup==1.3.0",
                "tomli==2.2.1"]
@@ -68,7 +156,7 @@ EXCLUDE = "*.egg-info/\n__pycache__/\n*.pyc\n.pytest_cache/\nbuild/\n"
 class Args:
     out: Path
     """where instances.json and rows.parquet go (and the downloads, under DIR/cache)"""
-    instances: tuple[str, ...] = tuple(INSTANCES)
+    instances: tuple[str, ...] = tuple(RECIPES)
     """which of the known instances to build"""
     source: Path = LITE_DEV
     """the SWE-bench Lite-dev rows (classic fields; the 5.x ones are added here)"""
@@ -123,16 +211,16 @@ def make_repo(sdist: Path, repo: Path) -> str:
            "GIT_COMMITTER_EMAIL": "kiln@localhost", "GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE,
            "PATH": "/usr/bin:/bin"}
     for command in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
-        run(["git", "-C", str(repo), *command], env=env)
+        run(["git", "-c", "safe.directory=*", "-C", str(repo), *command], env=env)  # the sdist's owner is not ours
     (repo / ".git" / "info" / "exclude").write_text(EXCLUDE)
-    return run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return run(["git", "-c", "safe.directory=*", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
 def patch_files(patch: str) -> list[str]:
     return list(dict.fromkeys(re.findall(r"^diff --git a/(\S+) b/", patch, re.M)))
 
 
-def eval_script(row: dict, base: str) -> str:
+def eval_script(row: dict, base: str, test_command: str) -> str:
     """The official 5.x shape (reset the test files, apply the test patch, run them between the markers), minus the
     conda and install lines (the environment is the image's)."""
     tests = " ".join(patch_files(row["test_patch"]))
@@ -140,17 +228,17 @@ def eval_script(row: dict, base: str) -> str:
         "#!/bin/bash", "set -uxo pipefail", "cd /testbed", "git config --global --add safe.directory /testbed",
         "git status", "git show", f"git -c core.fileMode=false diff {base}", f"git checkout {base} {tests}",
         "git apply -v - <<'EOF_114329324912'", row["test_patch"].rstrip("\n"), "EOF_114329324912",
-        ": '>>>>> Start Test Output'", f"pytest -rA {tests}", ": '>>>>> End Test Output'",
+        ": '>>>>> Start Test Output'", test_command.format(tests=tests), ": '>>>>> End Test Output'",
         f"git checkout {base} {tests}"]) + "\n"
 
 
 def build_instance(client, row: dict, cache: Path, rebuild: bool) -> dict:
     """The instance's image (unless it exists) and its 5.x row."""
-    project, version, needs = INSTANCES[row["instance_id"]]
+    recipe = RECIPES[row["instance_id"]]
     tag = image_tag(row["instance_id"])
     with tempfile.TemporaryDirectory(dir=cache) as context:
         context = Path(context)
-        sdist = next(download(cache, [f"{project}=={version}"], sdist=True).iterdir())
+        sdist = next(download(cache, [f"{recipe.project}=={recipe.version}"], sdist=True).iterdir())
         (context / "src").mkdir()
         base = make_repo(sdist, context / "src" / "repo")
         (context / "src" / "repo").rename(context / "repo")
@@ -161,8 +249,9 @@ def build_instance(client, row: dict, cache: Path, rebuild: bool) -> dict:
             present = False
         if rebuild or not present:
             start = time.perf_counter()
-            run(["cp", "-r", str(download(cache, TOOL_WHEELS + needs, sdist=False)), str(context / "wheels")])
-            packages = " ".join(w.split("==")[0] for w in TOOL_WHEELS + needs)
+            wheels = TOOL_WHEELS + list(recipe.needs)
+            run(["cp", "-r", str(download(cache, wheels, sdist=False)), str(context / "wheels")])
+            packages = " ".join(w.split("==")[0] for w in wheels)
             (context / "Dockerfile").write_text(DOCKERFILE.format(base=BASE_IMAGE, packages=packages))
             try:
                 client.images.build(path=str(context), tag=tag, network_mode="none", rm=True, forcerm=True)
@@ -170,14 +259,14 @@ def build_instance(client, row: dict, cache: Path, rebuild: bool) -> dict:
                 lines = "".join(step.get("stream", "") for step in e.build_log).splitlines()
                 raise RuntimeError(f"building {tag} failed: {e.msg}\n" + "\n".join(lines[-15:])) from None
             log.info("built %s: %.0fs", tag, time.perf_counter() - start)
-    return {**row, "base_commit": base, "image": tag, "eval_script": eval_script(row, base),
-            "log_parser": "parse_log_marshmallow", "eval_type": "pass_and_fail"}
+    return {**row, "base_commit": base, "image": tag, "eval_script": eval_script(row, base, recipe.test_command),
+            "log_parser": recipe.log_parser, "eval_type": "pass_and_fail"}
 
 
 def main(args: Args) -> Path:
-    unknown = sorted(set(args.instances) - set(INSTANCES))
+    unknown = sorted(set(args.instances) - set(RECIPES))
     if unknown:
-        raise SystemExit(f"unknown instances {unknown}; known: {sorted(INSTANCES)}")
+        raise SystemExit(f"unknown instances {unknown}; known: {sorted(RECIPES)}")
     client = containers.connect()
     cache = args.out / "cache"
     cache.mkdir(parents=True, exist_ok=True)
@@ -185,7 +274,7 @@ def main(args: Args) -> Path:
         client.images.get(BASE_IMAGE)
     except docker.errors.ImageNotFound:
         build_base(client, cache)
-    rows = {r["instance_id"]: r for r in json.loads(args.source.read_text())}
+    rows = {r["instance_id"]: r for r in json.loads(args.source.read_text())} | {DJANGO_ROW["instance_id"]: DJANGO_ROW}
     instances = [build_instance(client, rows[i], cache, args.rebuild) for i in args.instances]
     (args.out / "instances.json").write_text(json.dumps(instances, indent=1))
     data_prep.swebench(args.out / "rows.parquet", source=str(args.out / "instances.json"))

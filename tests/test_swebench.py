@@ -25,6 +25,7 @@ import rewards  # noqa: E402
 import swe_instances  # noqa: E402
 
 M1343, M1359 = "marshmallow-code__marshmallow-1343", "marshmallow-code__marshmallow-1359"
+DJANGO = "django__django-11099"
 # A root conftest.py that turns every test report into a pass: the official harness grades it "resolved".
 CONFTEST_HACK = """diff --git a/conftest.py b/conftest.py
 new file mode 100644
@@ -54,12 +55,12 @@ TEST_FILE_HACK = '''diff --git a/tests/base.py b/tests/base.py
 +_pytest.reports.TestReport.from_item_and_call = classmethod(_passed)
  import datetime as dt
 '''
-NOOP = """diff --git a/README.rst b/README.rst
---- a/README.rst
-+++ b/README.rst
-@@ -1,1 +1,2 @@
-+A line that fixes nothing.
- ********************************************
+NOOP = """diff --git a/NOTES.txt b/NOTES.txt
+new file mode 100644
+--- /dev/null
++++ b/NOTES.txt
+@@ -0,0 +1 @@
++A note that fixes nothing.
 """
 
 
@@ -125,14 +126,14 @@ def test_under_ci_a_missing_daemon_fails_the_docker_tests(tmp_path):
 
 
 @pytest.mark.docker
-@pytest.mark.parametrize("instance", [M1343, M1359])
-def test_gold_resolves_and_empty_noop_garbage_do_not(docker_client, swe_rows, instance):
+@pytest.mark.parametrize("instance, f2p", [(M1343, 1), (M1359, 1), (DJANGO, 2)])
+def test_gold_resolves_and_empty_noop_garbage_do_not(docker_client, swe_rows, instance, f2p):
     row = swe_rows[instance]
     gold = rewards.score(row, truth_of(row)["patch"])
     assert gold.score == 1.0 and gold.info["resolved"] and gold.info["status"] == "RESOLVED_FULL"
-    assert gold.info["f2p"] == [1, 1] and gold.info["p2p"][0] == gold.info["p2p"][1] > 20
-    noop = rewards.score(row, NOOP)  # applies, the tests run, the F2P test still fails
-    assert noop.score == -1.0 and noop.info["f2p"] == [0, 1] and noop.info["error"] is None
+    assert gold.info["f2p"] == [f2p, f2p] and gold.info["p2p"][0] == gold.info["p2p"][1] >= 20
+    noop = rewards.score(row, NOOP)  # applies, the tests run, the F2P tests still fail
+    assert noop.score == -1.0 and noop.info["f2p"] == [0, f2p] and noop.info["error"] is None
     assert noop.info["p2p"] == gold.info["p2p"]
     empty = rewards.score(row, "")
     assert empty.score == -1.0 and empty.info["error"] == "empty_patch"
