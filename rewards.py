@@ -10,6 +10,7 @@ For swebench rows the completion is the patch (a git diff), graded in Docker by 
 """
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import re
@@ -145,7 +146,11 @@ TEST_DIRS = {"tests", "testing"}  # not "test": Django's source has django/test/
 TEST_FILE = re.compile(r"(^test_.*|.*_test|^tests)\.py$")
 # The official harness's order; git apply is all-or-nothing, so only --3way can leave a half-applied tree behind.
 APPLY = ("git apply --verbose {p}", "git apply --verbose --3way {p}", "patch --batch --forward --fuzz=5 -p1 -i {p}")
-DIFF_HEADER = re.compile(rb"^diff --git a/(.+?) b/(.+?)$", re.M)
+DIFF_HEADER = re.compile(rb"^diff --git ", re.M)
+HEADER_PATHS = re.compile(rb'(?:"a/((?:[^"\\]|\\.)*)"|a/(.*?)) (?:"b/((?:[^"\\]|\\.)*)"|b/(.*))')
+# Every line that can name a file to git apply or GNU patch (the last fallback, which also reads Index: lines and
+# context diffs). A hunk line never starts like these, so no file can hide behind another's header.
+NAME_LINE = re.compile(rb"^(--- |\+\+\+ |\*\*\* |Index: |rename from |rename to |copy from |copy to )(.*)$", re.M)
 
 
 @dataclass(frozen=True)
@@ -161,17 +166,36 @@ class SweConfig:
 
 
 def diff_files(diff: bytes) -> list[tuple[list[str], bytes]]:
-    """A git diff split per file: ([old path, new path], that file's section). Bytes throughout: binary patches and
-    file names in any encoding pass through unchanged."""
+    """A git diff split per `diff --git` section: (every path the section names, the section). Bytes throughout:
+    binary patches and file names in any encoding pass through unchanged. A header that cannot be read names
+    the path "?" (which is protected)."""
     starts = [m.start() for m in DIFF_HEADER.finditer(diff)]
     sections = [diff[a:b] for a, b in zip(starts, starts[1:] + [len(diff)])]
-    return [([p.decode(errors="replace") for p in DIFF_HEADER.match(s).groups()], s) for s in sections]
+    return [(_section_paths(section), section) for section in sections]
+
+
+def _section_paths(section: bytes) -> list[str]:
+    header = HEADER_PATHS.fullmatch(section.split(b"\n", 1)[0][len(b"diff --git "):].rstrip(b"\r"))
+    paths = [(_unquote(q) if q is not None else p) for q, p in ((header[1], header[2]), (header[3], header[4]))] \
+        if header else [b"?"]
+    for kind, name in NAME_LINE.findall(section):
+        name = name.split(b"\t")[0].rstrip(b"\r")
+        name = _unquote(name[1:-1]) if name[:1] == name[-1:] == b'"' else name
+        if kind in (b"--- ", b"+++ ", b"*** ") and name != b"/dev/null":  # -p1: the first component goes
+            name = name.partition(b"/")[2] or name
+        paths.append(name)
+    return list(dict.fromkeys(p.decode(errors="replace") for p in paths if p != b"/dev/null"))
+
+
+def _unquote(name: bytes) -> bytes:
+    """Git's C-style quoting of unusual file names ("a/t\\303\\251st.py") undone."""
+    return codecs.escape_decode(name)[0]
 
 
 def is_protected(path: str, test_patch_files: set[str]) -> bool:
     parts = path.split("/")
     return (path in test_patch_files or parts[-1] in PROTECTED_NAMES or parts[-1].endswith(".pth")
-            or bool(TEST_DIRS.intersection(parts[:-1])) or bool(TEST_FILE.match(parts[-1])))
+            or bool(TEST_DIRS.intersection(parts[:-1])) or bool(TEST_FILE.match(parts[-1])) or path == "?")
 
 
 def filter_diff(diff: bytes, test_patch: str) -> tuple[bytes, list[str]]:
@@ -181,7 +205,7 @@ def filter_diff(diff: bytes, test_patch: str) -> tuple[bytes, list[str]]:
     kept, dropped = [], []
     for paths, section in diff_files(diff):
         if any(is_protected(p, test_patch_files) for p in paths):
-            dropped.extend(dict.fromkeys(p for p in paths if p != "/dev/null"))
+            dropped.extend(p for p in paths if p not in dropped)
         else:
             kept.append(section)
     return b"".join(kept), dropped

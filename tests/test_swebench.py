@@ -105,6 +105,23 @@ def test_filter_drops_test_infrastructure_and_keeps_the_rest_byte_for_byte():
     assert dropped == dropped_paths + ["src/pkg/a.py", "tests/a.py"]
 
 
+@pytest.mark.parametrize("smuggled", [
+    # git quotes unusual names: the path must be read through the quotes
+    b'diff --git "a/tests/\\303\\251/conftest.py" "b/tests/\\303\\251/conftest.py"\nnew file mode 100644\n'
+    b'--- /dev/null\n+++ "b/tests/\\303\\251/conftest.py"\n@@ -0,0 +1 @@\n+import os\n',
+    # an innocent header over file lines that name conftest.py (GNU patch, the last fallback, reads those)
+    b"diff --git a/src/ok.py b/src/ok.py\n--- a/conftest.py\n+++ b/conftest.py\n@@ -0,0 +1 @@\n+import os\n",
+    # a second file inside one section, with no header of its own
+    b"diff --git a/src/ok.py b/src/ok.py\n--- a/src/ok.py\n+++ b/src/ok.py\n@@ -1 +1 @@\n-a\n+b\n"
+    b"Index: conftest.py\n--- conftest.py\n+++ conftest.py\n@@ -0,0 +1 @@\n+import os\n",
+    # a header that cannot be read
+    b"diff --git conftest.py\n@@ -0,0 +1 @@\n+import os\n",
+])
+def test_filter_reads_every_name_a_patch_tool_would(smuggled):
+    kept, dropped = rewards.filter_diff(smuggled, "")
+    assert kept == b"" and dropped and any(p.endswith("conftest.py") or p == "?" for p in dropped)
+
+
 def test_unreachable_daemon_is_an_error_not_a_reward(monkeypatch, tmp_path):
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no.sock")
     truth = {"instance_id": "x__y-1", "image": "kiln-swe/x:offline", "eval_script": "true", "log_parser":
