@@ -577,10 +577,10 @@ def _swebench_row(record: dict, where: str) -> dict:
         raise RowError(f"{where}: not a SWE-bench row (missing {absent})")
     old = [k for k in SWEBENCH_5X_FIELDS if not record.get(k)]
     if old:
-        raise RowError(f"{where}: missing swebench 5.x fields {old}: this is a classic (4.x) row. Get 5.x rows (each "
-                       "with its image, eval_script, log_parser and eval_type) from the SWE-bench datasets of "
-                       "swebench>=5 (e.g. SWE-bench/SWE-bench_Verified saved to a file), or convert classic rows "
-                       "with swebench 4.x's make_test_spec")
+        raise RowError(f"{where}: missing swebench 5.x fields {old}: this is a classic (4.x) row. Get 5.x rows, "
+                       "which carry their image, eval_script, log_parser and eval_type, on a machine with the hub: "
+                       "pip install 'swebench>=5,<6', then save swebench.harness.utils.load_swebench_dataset("
+                       "'SWE-bench/SWE-bench_Verified') to a .jsonl file and pass that as --source")
     truth = {k: record[k] for k in SWEBENCH_FIELDS + SWEBENCH_5X_FIELDS if k != "problem_statement"}
     truth["version"] = str(truth["version"])
     for key in ("FAIL_TO_PASS", "PASS_TO_PASS"):
