@@ -23,7 +23,7 @@ import docker
 import docker.errors
 import requests.exceptions
 
-OWNER = "kiln.owner"  # every kiln container has this label; its value is "<hostname>:<pid>" of the process that started it
+OWNER = "kiln.owner"  # on every kiln container: "<hostname>:<pid>" of the process that started it
 RUN = "kiln.run"
 ROLE = "kiln.role"  # "agent" or "grade"
 EXPIRES = "kiln.expires"  # unix time after which any sweep removes the container
@@ -31,8 +31,8 @@ EXPIRES = "kiln.expires"  # unix time after which any sweep removes the containe
 API_TIMEOUT = 3900
 # The wrapper every command runs in: $1 = seconds, $2 = output cap in bytes, $3 = the command. `timeout` leads its own
 # process group, which is SIGKILLed when the time is up and again when the command ends, so nothing a command starts
-# (background jobs, a fork bomb) outlives it. Output goes to a file on the tmpfs (bounded by its size), so a job that
-# keeps the pipe open cannot hold the exec; more than CAP bytes keep their first and last CAP/2 and say how much was cut.
+# (background jobs, a fork bomb) outlives it. Output goes to a file on the tmpfs (bounded by its size); more than CAP
+# bytes keep their first and last CAP/2 and say how much was cut.
 GUARD = r"""out=$(mktemp /tmp/.kiln.XXXXXX)
 timeout -s KILL "$1" bash -c "$3" </dev/null >"$out" 2>&1 &
 group=$!
@@ -41,7 +41,8 @@ rc=$?
 for _ in $(seq 100); do kill -9 -- -$group 2>/dev/null || break; done
 size=$(stat -c %s "$out")
 if [ "$size" -gt "$2" ]; then
-  half=$(($2 / 2)); head -c "$half" "$out"; printf '\n[... %s bytes cut ...]\n' $((size - 2 * half)); tail -c "$half" "$out"
+  half=$(($2 / 2))
+  head -c "$half" "$out"; printf '\n[... %s bytes cut ...]\n' $((size - 2 * half)); tail -c "$half" "$out"
   echo truncated >&2
 else
   cat "$out"

@@ -161,6 +161,8 @@ class SweConfig:
     """resolved needs every PASS_TO_PASS test to still pass, as in SWE-bench; False: the FAIL_TO_PASS tests only"""
     log_cap: int = 32_000_000
     """most bytes of test log kept (head and tail)"""
+    max_patch_bytes: int = 20_000_000
+    """an agent's diff over this is -1 (error "diff"), not graded"""
     limits: containers.ContainerLimits = containers.ContainerLimits()
     """the grading container's limits"""
 
@@ -211,14 +213,35 @@ def filter_diff(diff: bytes, test_patch: str) -> tuple[bytes, list[str]]:
     return b"".join(kept), dropped
 
 
-def container_diff(container: containers.Container, base_commit: str) -> bytes:
+class DiffError(RuntimeError):
+    """An agent's container yields no usable diff (its repository broken, changes over the cap): the agent's doing."""
+
+
+def container_diff(container: containers.Container, base_commit: str, max_bytes: int = 20_000_000) -> bytes:
     """Everything the agent changed in /testbed since `base_commit`, new and binary files included, as a git diff
-    (external diff drivers and textconv off, so repository config cannot rewrite it)."""
+    (external diff drivers and textconv off, so repository config cannot rewrite it). DiffError when git fails or
+    the diff is over `max_bytes`."""
     result = container.exec(f"git add -A && git diff --cached --binary --no-ext-diff --no-textconv {base_commit} "
-                            "> /kiln.diff", timeout=120, cap=4000)
+                            "> /kiln.diff && stat -c %s /kiln.diff", timeout=120, cap=4000)
     if result.exit_code != 0:
-        raise RuntimeError(f"git diff in {container.name} failed ({result.exit_code}): {result.output[-500:]}")
+        raise DiffError(f"git diff in {container.name} failed ({result.exit_code}): {result.output[-500:]}")
+    size = int(result.output.split()[-1])
+    if size > max_bytes:
+        raise DiffError(f"the diff is {size} bytes, over the {max_bytes} allowed")
     return container.get_file("/kiln.diff")
+
+
+def swebench_container_reward(truth: dict, container: containers.Container, client=None,
+                              config: SweConfig = SweConfig()) -> Reward:
+    """The reward of an agent's finished container: its diff since the base commit, graded by swebench_reward. No
+    usable diff (see DiffError) is -1 with error "diff"."""
+    try:
+        patch = container_diff(container, truth["base_commit"], config.max_patch_bytes)
+    except DiffError as e:
+        return Reward(-1.0, {"instance_id": truth["instance_id"], "dropped": [], "f2p": [0, len(truth["FAIL_TO_PASS"])],
+                             "p2p": [0, len(truth["PASS_TO_PASS"])], "status": ResolvedStatus.NO.value,
+                             "error": "diff", "reason": str(e)})
+    return swebench_reward(truth, patch, client, config)
 
 
 def swebench_reward(truth: dict, patch: bytes, client=None, config: SweConfig = SweConfig()) -> Reward:

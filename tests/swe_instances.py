@@ -3,11 +3,11 @@
     python tests/swe_instances.py --out DIR [--instances ID ...] [--rebuild]
 
 The two marshmallow instances of the Lite-dev file, and a Django-shaped one (django-11099's bug on the Django 2.2
-sdist, graded with swebench's Django parser). For each: the project's sdist at the instance's version becomes a git repository with
-one fixed-date commit (its sha is the row's base_commit, the same on every build), installed into a debootstrap
-Debian image with wheels from PyPI, built by the legacy builder without network. DIR/instances.json holds the
-SWE-bench 5.x rows (image, eval_script in the official shape, log_parser, eval_type) and DIR/rows.parquet the kiln
-rows `data_prep.py swebench` makes of them. Images already on the host are kept unless --rebuild.
+sdist, graded with swebench's Django parser). For each: the project's sdist at the instance's version becomes a git
+repository with one fixed-date commit (its sha is the row's base_commit, the same on every build), installed into a
+debootstrap Debian image with wheels from PyPI, built by the legacy builder without network. DIR/instances.json
+holds the SWE-bench 5.x rows (image, eval_script in the official shape, log_parser, eval_type) and DIR/rows.parquet
+the kiln rows `data_prep.py swebench` makes of them. Images already on the host are kept unless --rebuild.
 
 The sdist of marshmallow 2.20.0 has the same src/ and tests/ as marshmallow-1343's base commit; 3.0.0 differs
 from marshmallow-1359's only cosmetically in two test files (checked against the upstream history).
@@ -139,7 +139,8 @@ DOCKERFILE = """FROM {base}
 COPY wheels /tmp/wheels
 ENV PIP_NO_INDEX=1 PIP_BREAK_SYSTEM_PACKAGES=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN ln -sf /usr/bin/python3 /usr/bin/python \\
- && pip_wheel=$(ls /tmp/wheels/pip-*.whl) && python3 "$pip_wheel/pip" install -q --no-cache-dir --find-links /tmp/wheels {packages} \\
+ && pip_wheel=$(ls /tmp/wheels/pip-*.whl) \\
+ && python3 "$pip_wheel/pip" install -q --no-cache-dir --find-links /tmp/wheels {packages} \\
  && rm -rf /tmp/wheels
 COPY repo /testbed
 WORKDIR /testbed
@@ -193,7 +194,8 @@ def download(cache: Path, what: list[str], sdist: bool) -> Path:
     """pip download into a cache folder named after the request (so a second build downloads nothing)."""
     folder = cache / re.sub(r"[^\w.=-]+", "_", "-".join(what))
     if not folder.exists():
-        flags = ["--no-deps", "--no-binary", ":all:"] if sdist else ["--only-binary", ":all:", "--python-version", "3.9"]
+        flags = (["--no-deps", "--no-binary", ":all:"] if sdist
+                 else ["--only-binary", ":all:", "--python-version", "3.9"])
         run([sys.executable, "-m", "pip", "download", "-q", "-d", f"{folder}.part", *flags, *what])
         Path(f"{folder}.part").rename(folder)
     return folder
@@ -213,7 +215,8 @@ def make_repo(sdist: Path, repo: Path) -> str:
     for command in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
         run(["git", "-c", "safe.directory=*", "-C", str(repo), *command], env=env)  # the sdist's owner is not ours
     (repo / ".git" / "info" / "exclude").write_text(EXCLUDE)
-    return run(["git", "-c", "safe.directory=*", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    head = run(["git", "-c", "safe.directory=*", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return head.stdout.strip()
 
 
 def patch_files(patch: str) -> list[str]:

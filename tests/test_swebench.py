@@ -99,7 +99,8 @@ def test_filter_drops_test_infrastructure_and_keeps_the_rest_byte_for_byte():
                      "pyproject.toml", "sitecustomize.py", "lib/usercustomize.py", "evil.pth", "docs/changes.py"]
     test_patch = section("docs/changes.py").decode()  # whatever the test patch touches is the tests' business
     diff = b"".join(section(p) for p in kept_paths) + binary + b"".join(section(p) for p in dropped_paths)
-    rename = b"diff --git a/src/pkg/a.py b/tests/a.py\nsimilarity index 100%\nrename from src/pkg/a.py\nrename to tests/a.py\n"
+    rename = (b"diff --git a/src/pkg/a.py b/tests/a.py\nsimilarity index 100%\nrename from src/pkg/a.py\n"
+              b"rename to tests/a.py\n")
     kept, dropped = rewards.filter_diff(diff + rename, test_patch)
     assert kept == b"".join(section(p) for p in kept_paths) + binary
     assert dropped == dropped_paths + ["src/pkg/a.py", "tests/a.py"]
@@ -174,7 +175,7 @@ def test_test_infrastructure_hacks_are_dropped_and_reported(docker_client, swe_r
 
 
 @pytest.mark.docker
-def test_agent_container_diff_new_binary_files_and_a_p2p_break(docker_client, swe_rows):
+def test_agent_container_diff_binary_and_new_files_a_p2p_break_and_unusable_diffs(docker_client, swe_rows):
     truth = truth_of(swe_rows[M1359])
     with containers.Container(docker_client, truth["image"], role="agent", run="test") as agent:
         agent.put_file("/gold.diff", truth["patch"].encode())
@@ -183,12 +184,20 @@ def test_agent_container_diff_new_binary_files_and_a_p2p_break(docker_client, sw
         assert agent.exec("printf 'X = 1\\n' > src/marshmallow/extra.py && printf 'import pytest\\n' > conftest.py"
                           ).exit_code == 0
         diff = rewards.container_diff(agent, truth["base_commit"])
+        resolved = rewards.swebench_container_reward(truth, agent, docker_client)
+        assert resolved.score == 1.0 and resolved.info["dropped"] == ["conftest.py"]
         assert agent.exec("sed -i 's/^Int = Integer$/Int = Number/' src/marshmallow/fields.py && "
                           "grep -c '^Int = Number$' src/marshmallow/fields.py").output.strip() == "1"
         broken = rewards.container_diff(agent, truth["base_commit"])
+        agent.put_file("/testbed/src/marshmallow/huge.bin", os.urandom(2_000_000))
+        small = rewards.SweConfig(max_patch_bytes=10**6)
+        huge = rewards.swebench_container_reward(truth, agent, docker_client, small)
+        assert (huge.score, huge.info["error"]) == (-1.0, "diff") and "over the 1000000" in huge.info["reason"]
+        assert agent.exec("rm -rf .git").exit_code == 0  # the agent broke its repository: its doing, so -1
+        no_repo = rewards.swebench_container_reward(truth, agent, docker_client)
+        assert (no_repo.score, no_repo.info["error"]) == (-1.0, "diff")
+        assert "not a git repository" in no_repo.info["reason"]
     assert b"GIT binary patch" in diff and b"b/src/marshmallow/extra.py\nnew file mode" in diff
-    resolved = rewards.swebench_reward(truth, diff, docker_client)
-    assert resolved.score == 1.0 and resolved.info["dropped"] == ["conftest.py"]
     p2p_broken = rewards.swebench_reward(truth, broken, docker_client)
     assert p2p_broken.score == -1.0 and p2p_broken.info["f2p"] == [1, 1]
     assert p2p_broken.info["p2p"][0] < p2p_broken.info["p2p"][1]
