@@ -8,9 +8,11 @@ HF engine, tiny model) and on 8 GPUs (nccl, vLLM).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -21,6 +23,7 @@ from tqdm import tqdm
 
 import data_prep
 import engines
+import judge as judge_lib
 import losses
 import policy
 import rewards
@@ -164,6 +167,18 @@ class Args:
     """compare every trajectory with the chat template's rendering of its messages; log the drifting fraction
     (tools/tito_drift_frac) and the first drift of each step (tools on)"""
 
+    judge_url: str | None = None
+    """OpenAI-compatible base URL of the LLM judge that vl_agent rows need, e.g. http://judge-node:8000/v1 (bearer
+    token, if any, in $KILN_JUDGE_API_KEY)"""
+    judge_model: str | None = None
+    """the judge's model name (default: the first one the server lists)"""
+    judge_max_concurrency: int = 32
+    """judge requests in flight per rank"""
+    judge_timeout_s: float = 60.0
+    """wall seconds per judge question, retries included"""
+    judge_max_failure_rate: float = 0.2
+    """stop the run when more than this fraction of a step's judge questions fail (errors and unparsable replies)"""
+
     def __post_init__(self):
         for name, value in LOSS_DEFAULTS[self.policy_loss].items():  # unset: the policy loss's own default
             if getattr(self, name) is None:
@@ -193,6 +208,7 @@ class Run:
     data_pos: int = 0
     best: dict = field(default_factory=dict)  # {"step", "metric", "value"} of the policy kept in best/
     evals: list[dict] = field(default_factory=list)  # every eval's rewards.report summary and step, for the report
+    judge: judge_lib.Judge | None = None  # the LLM judge of vl_agent rows (--judge-url)
 
 
 def main(args: Args, score_fn: rewards.ScoreFn = rewards.score_batch) -> Run | None:
@@ -261,6 +277,11 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     rows = rollout.load_rows_within(args.data, tokenizer, prompt_limit(args), verbose=rank == 0, tools=args.tools)
     eval_rows = (rollout.load_rows_within(args.eval_data, tokenizer, prompt_limit(args), verbose=rank == 0,
                                           tools=args.tools) if args.eval_data else [])
+    # A judge the rows need must answer now, before any model is loaded.
+    judge = rewards.make_judge(args.judge_url, args.judge_model, rows + eval_rows, where=args.data,
+                               max_concurrency=args.judge_max_concurrency, timeout_s=args.judge_timeout_s)
+    if judge is not None:
+        score_fn = functools.partial(score_fn, judge=judge)
     # vLLM takes its memory before the FSDP model does (its allocator must see a clean device).
     engine = None
     if args.engine == "vllm":
@@ -297,13 +318,15 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     log = runlog.start(args.output_dir, rank, dataclasses.asdict(args), args.wandb_project,
                        resume=checkpoint is not None)
     return Run(args, rank, world, model, ref_model, optimizer, scheduler, engine, tokenizer, sampling, limits, rows,
-               eval_rows, score_fn, log, step, data_pos, state.get("best", {}), state.get("evals", []))
+               eval_rows, score_fn, log, step, data_pos, state.get("best", {}), state.get("evals", []), judge)
 
 
 def train_step(run: Run) -> dict:
     args, metrics, seconds = run.args, {}, {}
     per_rank = args.prompts_per_step // run.world
     samples, batch, tries = [], [], 0  # all samples of the step, those it trains on, rounds of prompts taken
+    if run.judge is not None:
+        run.judge.stats(reset=True)  # the step's judge metrics start here
     # Steps 1-5 run once; with --dynamic-sampling (DAPO) they run again on fresh prompts until every rank holds its
     # share of groups whose rewards differ, at most --max-sampling-tries times (the condition is the same on all ranks).
     while tries == 0 or (args.dynamic_sampling and tries < args.max_sampling_tries
@@ -324,19 +347,26 @@ def train_step(run: Run) -> dict:
                 first_group=first_group, check=args.check_tito, eot=args.end_of_turn)
             run.engine.sleep()
 
-        # 5. Rewards, in parallel in the sandbox (plus DAPO's overlong punishment, in shaped_rewards).
+        # 5. Rewards, in parallel in the sandbox (plus DAPO's overlong punishment, in shaped_rewards), and from the
+        # LLM judge, which sees the rollout's tool images and messages. A sample the judge could not grade (NaN)
+        # leaves the batch: its group's advantages come from the samples that have a reward.
         with runlog.timed(seconds, "reward"):
-            for s, r in zip(new, run.score_fn([s.row for s in new], [s.text for s in new])):
+            judged = {"sample_infos": [s.info for s in new]} if run.judge is not None else {}
+            for s, r in zip(new, run.score_fn([s.row for s in new], [s.text for s in new], **judged)):
                 s.reward, s.info = r.score, r.info
         samples += new
+        if run.judge is not None:  # stops the run past --judge-max-failure-rate, before any update
+            metrics |= judge_metrics(run, samples)
+        new = [s for s in new if not math.isnan(s.reward)]
         keep = (losses.nonconstant_groups(torch.tensor(shaped_rewards(args, new)), torch.tensor([s.group for s in new]))
                 if args.dynamic_sampling else [True] * len(new))
         batch += [s for s, k in zip(new, keep) if k]
     # The last round's rollout metrics; the rewards of every round's samples.
     tool_metrics = {k: v for k, v in rollout_metrics.items() if k.startswith("tools/")}  # per rank: averaged
     metrics |= rollout_metrics | policy.mean_dicts_over_ranks(tool_metrics) | getattr(run.engine, "last_metrics", {})
-    sources, scores, errors, lengths = zip(*policy.gather_objects(
-        [(s.row["data_source"], s.reward, s.info.get("error"), len(s.completion_ids)) for s in samples]))
+    sources, scores, errors, lengths = zip(*policy.gather_objects(  # judge failures have no score (NaN): left out
+        [(s.row["data_source"], s.reward, s.info.get("error"), len(s.completion_ids)) for s in samples
+         if not math.isnan(s.reward)]))
     metrics |= rewards.batch_metrics(sources, scores, errors, lengths)
     if args.dynamic_sampling:  # each rank trains on its share of groups (a rank may have fewer after the last try)
         metrics["batch/kept_frac"] = policy.sum_over_ranks(len(batch)) / policy.sum_over_ranks(len(samples))
@@ -352,7 +382,7 @@ def train_step(run: Run) -> dict:
     for s, a in zip(batch, advantage[first:]):
         s.advantage = a.item()
     if args.overlong_buffer:
-        penalty = sum(shaped_rewards(args, samples)) - sum(s.reward for s in samples)
+        penalty = sum(r - s.reward for r, s in zip(shaped_rewards(args, samples), samples) if not math.isnan(s.reward))
         metrics["overlong/penalty_mean"] = policy.sum_over_ranks(penalty) / policy.sum_over_ranks(len(samples))
     if args.mask_truncated:  # DAPO overlong filtering: in the advantages above, out of the loss below
         truncated = [s.finish_reason in ("length", "max_total_tokens") for s in batch]
@@ -397,6 +427,28 @@ def shaped_rewards(args: Args, samples: list[rollout.Sample]) -> list[float]:
     penalty = losses.overlong_penalty(torch.tensor([len(s.completion_ids) for s in samples]), args.max_new_tokens,
                                       args.overlong_buffer, args.overlong_penalty)
     return [s.reward + p for s, p in zip(samples, penalty.tolist())]
+
+
+def judge_metrics(run: Run, samples: list[rollout.Sample]) -> dict:
+    """The step's judge/* metrics so far over all ranks (judge.metrics, plus the samples left out because the judge
+    failed) and the vl_agent reward components by data source. Collective. Past --judge-max-failure-rate of failed
+    questions the run stops, naming the judge and its errors: a dead judge must not train the policy."""
+    stats = policy.gather_objects([run.judge.stats()])
+    graded = policy.gather_objects([(s.row["data_source"], {k: s.info.get(k) for k in ("acc_by", "acc", "format",
+                                                                                        "tool", "judge_error")})
+                                    for s in samples])
+    failed = [info["judge_error"] for _, info in graded if info["judge_error"]]
+    metrics = judge_lib.metrics(stats) | rewards.component_metrics([s for s, _ in graded], [i for _, i in graded])
+    metrics |= {"judge/excluded_samples": float(len(failed)), "judge/excluded_frac": len(failed) / len(graded)}
+    if metrics["judge/failure_rate"] > run.args.judge_max_failure_rate:
+        kinds = sum((Counter(s["error_kinds"]) for s in stats), Counter())
+        raise SystemExit(
+            f"judge {run.judge.base_url}: {metrics['judge/failure_rate']:.0%} of this step's "
+            f"{metrics['judge/calls']:.0f} judge questions failed (> --judge-max-failure-rate "
+            f"{run.args.judge_max_failure_rate:.0%}): {metrics['judge/errors']:.0f} errors {dict(kinds)}, "
+            f"{metrics['judge/parse_failures']:.0f} unparsable replies; {len(failed)} samples without a reward, e.g. "
+            f"{failed[0] if failed else '-'}. Stopped before training on them (step {run.step + 1}).")
+    return metrics
 
 
 def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_logprobs: torch.Tensor | None,

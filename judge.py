@@ -1,0 +1,329 @@
+"""LLM-as-a-judge: a client for an OpenAI-compatible chat server (`vllm serve` on another node), its prompts, strict
+parsing, retries, a cache and failure counts.
+
+    python judge.py check --base-url http://judge-node:8000/v1 [--model NAME]
+
+probes the server (GET /models, one equivalence and one rubric question) and prints the client's stats.
+
+A failed call is never an answer: `equivalent` and `rubric` return `ok=None` / `value=None` with the error, and
+rewards.py turns that into a missing reward component (the trainer leaves the sample out), never into 0.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import statistics
+import threading
+import time
+from collections import Counter, OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import requests
+import tyro
+from requests.adapters import HTTPAdapter
+from urllib3.exceptions import MaxRetryError
+from urllib3.util.retry import Retry
+
+EQUIVALENCE_SYSTEM = (
+    "You grade answers to questions. The reference answer is correct. Decide whether the student's final answer "
+    "states the same thing as the reference answer. Differences in wording, formatting, letter case, or an option "
+    "letter versus the option's text do not matter. A different value, a missing or extra item, or several "
+    "candidate answers at once make it wrong. Reply with exactly one word: TRUE or FALSE.")
+RUBRIC_ALLOWED = (0.0, 0.25, 0.5, 0.75, 1.0)
+# Characters a model wraps a one-word reply in (markdown, quotes, final punctuation): stripped before matching.
+DECORATION = " \t\r\n*_`'\".,;:!()[]{}<>"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool | None  # None: no verdict (the call failed, or the reply was neither TRUE nor FALSE)
+    raw: str | None = None  # the judge's reply text, when one came
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Score:
+    value: float | None  # one of the allowed scores; None when the call failed or the reply was not one of them
+    raw: str | None = None
+    error: str | None = None
+
+
+class JudgeUnreachable(RuntimeError):
+    """The judge server did not answer its health check; the message names the URL."""
+
+
+class CallFailed(RuntimeError):
+    """One request failed after its retries (HTTP status, connection, malformed body)."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+
+
+def parse_verdict(text: str) -> bool | None:
+    """TRUE / FALSE from a reply: the whole reply, stripped of markdown and punctuation, must be one of the two words
+    (any case); otherwise its last non-empty line must be. A thinking model's `<think>...</think>` is skipped. Anything
+    else (a sentence, "TRUE or FALSE", a number) is None: never a guess from a word inside the text."""
+    for candidate in _candidates(text):
+        word = candidate.strip(DECORATION).upper()
+        if word in ("TRUE", "FALSE"):
+            return word == "TRUE"
+    return None
+
+
+def parse_score(text: str, allowed: tuple[float, ...] = RUBRIC_ALLOWED) -> float | None:
+    """A rubric score from a reply: the whole reply (or its last non-empty line), stripped of markdown and
+    punctuation, must be a number equal to one of `allowed`. "Score: 0.75", "3/4" or "0.7" are None: never the first
+    number in the text."""
+    for candidate in _candidates(text):
+        token = candidate.strip(DECORATION.replace(".", ""))  # a leading "." belongs to ".5"
+        token = token.removesuffix(".")
+        try:
+            value = float(token)
+        except ValueError:
+            continue
+        for choice in allowed:
+            if abs(value - choice) < 1e-9:
+                return float(choice)
+    return None
+
+
+def _candidates(text: str) -> list[str]:
+    text = text.rsplit("</think>", 1)[-1].strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    return [text] + lines[-1:] if len(lines) > 1 else [text]
+
+
+def image_part(data: bytes) -> dict:
+    """An image as an OpenAI chat `image_url` part holding a data URL (PNG unless the bytes say JPEG/GIF/WebP)."""
+    mime = ("image/jpeg" if data[:3] == b"\xff\xd8\xff" else "image/gif" if data[:4] == b"GIF8"
+            else "image/webp" if data[8:12] == b"WEBP" else "image/png")
+    return {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{base64.b64encode(data).decode()}"}}
+
+
+class Judge:
+    """A thread-safe client: every call runs on a pool of `max_concurrency` workers (each with its own HTTP session),
+    is retried by urllib3 on connection errors and 408/429/5xx (Retry-After respected, exponential backoff with
+    jitter) and bounded by a wall deadline of `timeout_s` (retries included). Requests are deterministic (temperature
+    0, a fixed seed), so identical requests share one answer through an LRU cache that also holds calls in flight.
+
+    Construction checks the server: GET <base_url>/models must answer, and gives the model name unless `model` is set;
+    otherwise JudgeUnreachable names the URL. The bearer token is `api_key`, else $KILN_JUDGE_API_KEY, else none."""
+
+    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None, max_concurrency: int = 32,
+                 timeout_s: float = 60.0, cache: bool = True, cache_size: int = 65536, retries: int = 4,
+                 max_tokens: int = 16, seed: int = 0):
+        self.base_url = base_url.rstrip("/") + ("/v1" if urlparse(base_url).path.strip("/") == "" else "")
+        self.max_concurrency, self.timeout_s, self.max_tokens, self.seed = max_concurrency, timeout_s, max_tokens, seed
+        api_key = api_key or os.environ.get("KILN_JUDGE_API_KEY")  # not an Args field: Args land in logs and wandb
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.retry = Retry(total=retries, backoff_factor=0.5, backoff_jitter=0.5, backoff_max=8,
+                           retry_after_max=max(1, int(timeout_s)), status_forcelist=(408, 429, 500, 502, 503, 504),
+                           allowed_methods={"GET", "POST"},  # urllib3 leaves POST out by default
+                           respect_retry_after_header=True, raise_on_status=False)
+        self.cache_size = cache_size if cache else 0
+        self._cache: OrderedDict[str, Future] = OrderedDict()
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._counts: Counter = Counter()
+        self._error_kinds: Counter = Counter()
+        self._last_error: str | None = None
+        self._latencies: list[float] = []
+        self.model = self._check_server(model)
+        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="judge")
+
+    # ------------------------------------------------------------------------------------------------- questions
+
+    def equivalent(self, question: str, reference: str, answer: str) -> Verdict:
+        """Does `answer` mean the same as `reference` (the correct answer to `question`)?"""
+        messages = [{"role": "system", "content": EQUIVALENCE_SYSTEM},
+                    {"role": "user", "content": f"Question:\n{question}\n\nReference answer:\n{reference}\n\n"
+                                                f"Student answer:\n{answer}"}]
+        raw, error = self._complete(messages)
+        if raw is None:
+            return Verdict(None, None, error)
+        ok = parse_verdict(raw)
+        if ok is None:
+            self._count(parse_failures=1)
+            return Verdict(None, raw, f"parse: not TRUE or FALSE: {raw[:200]!r}")
+        return Verdict(ok, raw)
+
+    def rubric(self, system: str, parts: list[str | bytes], allowed: tuple[float, ...] = RUBRIC_ALLOWED) -> Score:
+        """A score from `allowed` for the content `parts` (text, and images as PNG/JPEG bytes) under the rubric in
+        `system`; the reply format (one of the allowed numbers, nothing else) is appended to the rubric."""
+        choices = ", ".join(f"{a:g}" for a in allowed)
+        content = [{"type": "text", "text": p} if isinstance(p, str) else image_part(p) for p in parts]
+        messages = [{"role": "system", "content": f"{system}\n\nReply with exactly one number from {{{choices}}} "
+                                                  "and nothing else."},
+                    {"role": "user", "content": content}]
+        raw, error = self._complete(messages)
+        if raw is None:
+            return Score(None, None, error)
+        value = parse_score(raw, allowed)
+        if value is None:
+            self._count(parse_failures=1)
+            return Score(None, raw, f"parse: not one of {{{choices}}}: {raw[:200]!r}")
+        return Score(value, raw)
+
+    # ------------------------------------------------------------------------------------------------------ stats
+
+    def stats(self, reset: bool = False) -> dict:
+        """Counts since the last reset: calls (questions asked), cache_hits, requests (HTTP requests made, retries
+        not counted), retries, errors (calls without a reply) and their kinds, parse_failures (replies that were no
+        answer), latency_p50_s/p95_s of the requests that got a reply (and all their latencies, sorted), and the last
+        error's text."""
+        with self._lock:
+            latencies = sorted(self._latencies)
+            stats = {k: self._counts[k] for k in ("calls", "cache_hits", "requests", "retries", "errors",
+                                                   "parse_failures")}
+            stats |= {"error_kinds": dict(self._error_kinds), "last_error": self._last_error,
+                      "latencies": latencies} | latency_quantiles(latencies)
+            if reset:
+                self._counts, self._error_kinds, self._latencies, self._last_error = Counter(), Counter(), [], None
+        return stats
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -------------------------------------------------------------------------------------------------- transport
+
+    def _complete(self, messages: list[dict]) -> tuple[str | None, str | None]:
+        """(reply text, None) or (None, error). The deadline covers waiting for a worker, retries and backoff."""
+        start = time.monotonic()
+        payload = {"model": self.model, "messages": messages, "temperature": 0.0, "seed": self.seed,
+                   "max_tokens": self.max_tokens}
+        key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()  # images are inside, hashed
+        with self._lock:
+            self._counts["calls"] += 1
+            future = self._cache.get(key)
+            if future is not None:
+                self._counts["cache_hits"] += 1
+                self._cache.move_to_end(key)
+            else:
+                future = self._pool.submit(self._post, payload)
+                if self.cache_size:
+                    self._cache[key] = future
+                    while len(self._cache) > self.cache_size:
+                        self._cache.popitem(last=False)
+        try:
+            return future.result(timeout=max(0.0, self.timeout_s - (time.monotonic() - start))), None
+        except FutureTimeout:
+            future.cancel()
+            failure = CallFailed("timeout", f"no reply within {self.timeout_s:g}s")
+        except CallFailed as e:
+            failure = e
+        with self._lock:
+            if self._cache.get(key) is future:  # a failure is not an answer: the next identical call asks again
+                del self._cache[key]
+            self._counts["errors"] += 1
+            self._error_kinds[failure.kind] += 1
+            self._last_error = str(failure)
+        return None, f"judge {self.base_url}: {failure}"
+
+    def _post(self, payload: dict) -> str:
+        session = self._session()
+        start = time.monotonic()
+        self._count(requests=1)
+        try:
+            response = session.post(f"{self.base_url}/chat/completions", json=payload, headers=self.headers,
+                                    timeout=(5, self.timeout_s))
+        except requests.exceptions.RequestException as e:
+            if e.args and isinstance(e.args[0], MaxRetryError):  # every retry was spent on it
+                self._count(retries=self.retry.total)
+            raise CallFailed("timeout" if isinstance(e, requests.exceptions.Timeout) else "connection", str(e)) from e
+        retries = response.raw.retries
+        self._count(retries=len(retries.history) if retries is not None else 0)
+        if response.status_code != 200:
+            raise CallFailed(f"http_{response.status_code}", response.text[:200])
+        try:
+            text = response.json()["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise CallFailed("malformed", f"{type(e).__name__}: {response.text[:200]!r}") from e
+        if not isinstance(text, str):
+            raise CallFailed("malformed", f"content is {type(text).__name__}")
+        with self._lock:
+            self._latencies.append(time.monotonic() - start)
+        return text
+
+    def _session(self) -> requests.Session:
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = requests.Session()
+            adapter = HTTPAdapter(max_retries=self.retry, pool_connections=1, pool_maxsize=1)
+            session.mount("http://", adapter)
+            session.mount("https://", adapter)
+        return session
+
+    def _check_server(self, model: str | None) -> str:
+        url = f"{self.base_url}/models"
+        try:
+            response = requests.get(url, headers=self.headers, timeout=(5, self.timeout_s))
+            response.raise_for_status()
+            served = [m["id"] for m in response.json()["data"]]
+        except (requests.exceptions.RequestException, ValueError, KeyError, TypeError) as e:
+            raise JudgeUnreachable(f"judge server {url} does not answer GET /models ({type(e).__name__}: {e}); "
+                                   "start it (e.g. `vllm serve MODEL`) or fix --judge-url") from e
+        if model is not None and model not in served:
+            raise JudgeUnreachable(f"judge server {url} does not serve model {model!r}; it serves {served}")
+        if not served:
+            raise JudgeUnreachable(f"judge server {url} serves no model")
+        return model or served[0]
+
+    def _count(self, **counts: int) -> None:
+        with self._lock:
+            self._counts.update(counts)
+
+
+def metrics(stats: list[dict]) -> dict:
+    """Several ranks' `Judge.stats()` as flat judge/* metrics: summed counts, latency quantiles over all requests."""
+    total = Counter()
+    for s in stats:
+        total.update({k: s[k] for k in ("calls", "cache_hits", "requests", "retries", "errors", "parse_failures")})
+    out = {f"judge/{k}": float(v) for k, v in total.items()}
+    for k in ("calls", "cache_hits", "requests", "retries", "errors", "parse_failures"):
+        out.setdefault(f"judge/{k}", 0.0)
+    out["judge/failure_rate"] = (total["errors"] + total["parse_failures"]) / total["calls"] if total["calls"] else 0.0
+    quantiles = latency_quantiles(sorted(x for s in stats for x in s["latencies"]))
+    return out | {f"judge/{k}": v for k, v in quantiles.items()}
+
+
+def latency_quantiles(latencies: list[float]) -> dict:
+    """p50 and p95 of sorted latencies (nothing when there are none)."""
+    if not latencies:
+        return {}
+    return {"latency_p50_s": statistics.median(latencies),
+            "latency_p95_s": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))]}
+
+
+@dataclass
+class CheckArgs:
+    base_url: str
+    """the judge's OpenAI-compatible base URL, e.g. http://judge-node:8000/v1"""
+    model: str | None = None
+    """model name on the server (default: the first one GET /models lists)"""
+    timeout_s: float = 60.0
+    """wall seconds per question, retries included"""
+
+
+def check(args: CheckArgs) -> dict:
+    """Probe a judge: health check, one equivalence and one rubric question; print replies and stats."""
+    judge = Judge(args.base_url, model=args.model, timeout_s=args.timeout_s)
+    print(f"judge {judge.base_url}: model {judge.model}")
+    verdict = judge.equivalent("What is 6 times 7?", "42", "forty-two")
+    print(f"equivalent('42', 'forty-two') -> {verdict.ok} (raw {verdict.raw!r}, error {verdict.error})")
+    score = judge.rubric("Score how well the response answers the question.",
+                         ["Question: What is 6 times 7?\nResponse: 6 * 7 = 42, so the answer is 42."])
+    print(f"rubric -> {score.value} (raw {score.raw!r}, error {score.error})")
+    stats = judge.stats()
+    judge.close()
+    print(json.dumps(metrics([stats]), indent=2))
+    return stats
+
+
+if __name__ == "__main__":
+    check(tyro.extras.subcommand_cli_from_dict({"check": CheckArgs}))
