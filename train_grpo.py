@@ -513,11 +513,17 @@ def evaluate(run: Run) -> dict:
     samples, _ = rollout.collect(run.engine, run.tokenizer, rows, 1, greedy, run.args.tools, run.limits,
                                  first_group=run.rank * len(rows), check=run.args.check_tito, eot=run.args.end_of_turn)
     run.engine.sleep()
-    results = run.score_fn([s.row for s in samples], [s.text for s in samples])
-    graded = policy.gather_objects([(data_prep.row_id(s.row), rewards.for_report(r)) for s, r in zip(samples, results)])
+    judged = {"sample_infos": [s.info for s in samples]} if run.judge is not None else {}
+    results = run.score_fn([s.row for s in samples], [s.text for s in samples], **judged)
+    graded = policy.gather_objects([(data_prep.row_id(s.row), rewards.for_report(r)) for s, r in zip(samples, results)
+                                    if not rewards.judge_failed(r.info)])
+    # Samples the judge could not grade are left out of the report and counted, never counted as fails.
+    ungraded = {"eval/judge_ungraded": len(run.eval_rows) - len(graded)} if run.judge is not None else {}
+    if not graded:
+        return ungraded
     summary = rewards.report({data_prep.row_id(row): row for row in run.eval_rows}, [task for task, _ in graded],
                              [reward for _, reward in graded])
-    metrics = rewards.report_metrics(summary)
+    metrics = rewards.report_metrics(summary) | ungraded
     run.evals.append({"step": run.step} | summary)
     keep_best(run, metrics)
     if run.rank == 0:

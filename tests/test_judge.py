@@ -344,6 +344,7 @@ def grpo_args(root, model, out, url, **overrides):
     return train_grpo.Args(**{"model": str(model), "data": str(root / "train.parquet"), "output_dir": str(out),
                               "total_steps": 2, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8,
                               "lr": 1e-3, "save_every": 1000, "sample_every": 1, "judge_url": url,
+                              "best_metric": "eval/all/pass@1",
                               "judge_timeout_s": 10.0} | overrides)
 
 
@@ -381,9 +382,16 @@ def test_grpo_leaves_out_judge_failures_and_counts_them(vl_task, tmp_path, monke
     real_update = train_grpo.update_policy
     monkeypatch.setattr(train_grpo, "update_policy", update_policy)
     with serve(make_handler("scripted", answer)) as url:
-        run = train_grpo.main(grpo_args(root, model, tmp_path, url, judge_max_failure_rate=0.9))
+        run = train_grpo.main(grpo_args(root, model, tmp_path, url, judge_max_failure_rate=0.9,
+                                        eval_data=str(root / "train.parquet")))
     run.judge.close()
-    steps = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    evals = [m for m in records if "eval/judge_ungraded" in m]  # before and after: judge failures left out, not fails
+    assert [m["step"] for m in evals] == [0, 2]
+    for m in evals:
+        assert m.get("eval/all/tasks", 0) + m["eval/judge_ungraded"] == 8
+        assert math.isfinite(m.get("eval/reward", 0.0)) and ("eval/reward" in m) == (m["eval/judge_ungraded"] < 8)
+    steps = [m for m in records if "reward/mean" in m]
     samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
     assert [m["step"] for m in steps] == [1, 2] and len(samples) == 16
     failed = 0
