@@ -12,9 +12,13 @@ docker SDK lives there.
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import io
 import os
+import signal
 import socket
+import sys
 import tarfile
 import time
 from dataclasses import dataclass
@@ -59,6 +63,10 @@ class ImageMissing(RuntimeError):
     """The instance image is not on this Docker host."""
 
 
+class DiffError(RuntimeError):
+    """An agent's container yields no usable diff (its repository broken, changes over the cap): the agent's doing."""
+
+
 @dataclass(frozen=True)
 class ContainerLimits:
     cpus: float = 1.0
@@ -97,6 +105,12 @@ def connect() -> docker.DockerClient:
     return client
 
 
+@functools.cache
+def shared_client() -> docker.DockerClient:
+    """One client per process for the agents' containers (connect()'s checks, once)."""
+    return connect()
+
+
 def owner_label() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
@@ -114,6 +128,23 @@ def sweep(client: docker.DockerClient) -> list[str]:
             _remove(container)
             removed.append(container.name)
     return removed
+
+
+def remove_owned(client: docker.DockerClient) -> list[str]:
+    """Remove every container this process started (on exit, Ctrl-C included). Returns the removed names."""
+    removed = []
+    for container in client.containers.list(all=True, filters={"label": f"{OWNER}={owner_label()}"}):
+        _remove(container)
+        removed.append(container.name)
+    return removed
+
+
+def remove_owned_at_exit(client: docker.DockerClient) -> None:
+    """remove_owned when this process exits: normally, on an exception, on Ctrl-C and on SIGTERM (what torchrun sends
+    its workers when the launcher is interrupted; it is turned into SystemExit so exit handlers run). SIGKILL leaves
+    them to their TTL and the next start's sweep."""
+    atexit.register(remove_owned, client)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def _remove(container) -> None:
@@ -207,3 +238,17 @@ class Container:
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+
+def container_diff(container: Container, base_commit: str, max_bytes: int = 20_000_000) -> bytes:
+    """Everything the agent changed in /testbed since `base_commit`, new and binary files included, as a git diff
+    (external diff drivers and textconv off, so repository config cannot rewrite it). DiffError when git fails or
+    the diff is over `max_bytes`."""
+    result = container.exec(f"git add -A && git diff --cached --binary --no-ext-diff --no-textconv {base_commit} "
+                            "> /kiln.diff && stat -c %s /kiln.diff", timeout=120, cap=4000)
+    if result.exit_code != 0:
+        raise DiffError(f"git diff in {container.name} failed ({result.exit_code}): {result.output[-500:]}")
+    size = int(result.output.split()[-1])
+    if size > max_bytes:
+        raise DiffError(f"the diff is {size} bytes, over the {max_bytes} allowed")
+    return container.get_file("/kiln.diff")

@@ -221,31 +221,13 @@ def filter_diff(diff: bytes, test_patch: str) -> tuple[bytes, list[str]]:
     return b"".join(kept), dropped
 
 
-class DiffError(RuntimeError):
-    """An agent's container yields no usable diff (its repository broken, changes over the cap): the agent's doing."""
-
-
-def container_diff(container: containers.Container, base_commit: str, max_bytes: int = 20_000_000) -> bytes:
-    """Everything the agent changed in /testbed since `base_commit`, new and binary files included, as a git diff
-    (external diff drivers and textconv off, so repository config cannot rewrite it). DiffError when git fails or
-    the diff is over `max_bytes`."""
-    result = container.exec(f"git add -A && git diff --cached --binary --no-ext-diff --no-textconv {base_commit} "
-                            "> /kiln.diff && stat -c %s /kiln.diff", timeout=120, cap=4000)
-    if result.exit_code != 0:
-        raise DiffError(f"git diff in {container.name} failed ({result.exit_code}): {result.output[-500:]}")
-    size = int(result.output.split()[-1])
-    if size > max_bytes:
-        raise DiffError(f"the diff is {size} bytes, over the {max_bytes} allowed")
-    return container.get_file("/kiln.diff")
-
-
 def swebench_container_reward(truth: dict, container: containers.Container, client=None,
                               config: SweConfig = SweConfig()) -> Reward:
     """The reward of an agent's finished container: its diff since the base commit, graded by swebench_reward. No
-    usable diff (see DiffError) is -1 with error "diff"."""
+    usable diff (see containers.DiffError) is -1 with error "diff"."""
     try:
-        patch = container_diff(container, truth["base_commit"], config.max_patch_bytes)
-    except DiffError as e:
+        patch = containers.container_diff(container, truth["base_commit"], config.max_patch_bytes)
+    except containers.DiffError as e:
         return Reward(-1.0, {"instance_id": truth["instance_id"], "dropped": [], "f2p": [0, len(truth["FAIL_TO_PASS"])],
                              "p2p": [0, len(truth["PASS_TO_PASS"])], "status": ResolvedStatus.NO.value,
                              "error": "diff", "reason": str(e)})
@@ -535,7 +517,8 @@ def score(row: dict, completion: str, limits: sandbox.Limits = sandbox.Limits(),
         return vl_agent_reward(row, completion, judge, sample_info or {})
     source = row["data_source"]
     if source == "swebench":  # the completion is the patch; grading errors raise (never scored -1)
-        return swebench_reward(json.loads(row["reward_model"]["ground_truth"]), completion.encode())
+        return swebench_reward(json.loads(row["reward_model"]["ground_truth"]),
+                               completion.encode(errors="surrogateescape"))
     if source not in REWARDS:
         raise KeyError(f"no reward function for data_source {source!r}; known: {sorted(REWARDS)}")
     truth = json.loads(row["reward_model"]["ground_truth"])
@@ -580,6 +563,21 @@ def make_judge(url: str | None, model: str | None, rows: list[dict], where: str,
         return judge_lib.Judge(url, model=model, **options)
     except judge_lib.JudgeUnreachable as e:
         raise SystemExit(str(e)) from e
+
+
+def swe_metrics(infos: Sequence[dict]) -> dict:
+    """SWE-bench batch metrics from swebench rewards' infos: the resolve rate; the FAIL_TO_PASS and PASS_TO_PASS pass
+    fractions (mean per sample, over the samples whose tests ran); patches that did not apply; protected files
+    dropped from the diffs."""
+    ran = [info for info in infos if info.get("error") is None]
+    metrics = {"swe/resolve_rate": sum(bool(info.get("resolved")) for info in infos) / max(1, len(infos)),
+               "swe/patch_apply_failures": sum(info.get("error") == "patch_apply" for info in infos),
+               "swe/dropped_files": sum(len(info.get("dropped", [])) for info in infos)}
+    for key in ("f2p", "p2p"):
+        fractions = [info[key][0] / info[key][1] for info in ran if info[key][1]]
+        if fractions:
+            metrics[f"swe/{key}_pass_frac"] = sum(fractions) / len(fractions)
+    return metrics
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -12,6 +12,7 @@ import inspect
 import json
 import os
 import re
+import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,12 +24,15 @@ import torch.distributed as dist
 import tyro
 from tqdm import tqdm
 
+import containers
 import data_prep
 import merge
 import policy
 import sandbox
 from engines import Engine, HFEngine, Sampling, VLLMEngine
 
+SWE_CONTAINER = containers.ContainerLimits(timeout=60.0, output_cap=10_000)  # an agent's container; see README
+SWE_MAX_COMMAND_SECONDS = 600  # the most a `bash` call may ask for (README's budget table)
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 TOOL_OUTPUT_MARK = "\ue000kiln tool output\ue000"  # a private-use character no template or tool writes
 
@@ -181,6 +185,7 @@ def load_rows_within(source: str, tokenizer, max_prompt_tokens: int, verbose: bo
     toolbox `tools`), is longer than `max_prompt_tokens` (counted, and printed when verbose); a source with none left
     is refused."""
     rows = data_prep.load_rows(source)
+    check_swe_rows(rows, tools, source)
     schemas = TOOL_SCHEMAS[tools] if tools != "none" else None
     kept = [r for r in rows if len(tokenizer(render(tokenizer, r["prompt"], schemas, add_generation_prompt=True),
                                              add_special_tokens=False)["input_ids"]) <= max_prompt_tokens]
@@ -252,16 +257,19 @@ class ToolResult:
     text: str
     images: list[bytes] = field(default_factory=list)  # PNG bytes, shown to the model as image parts
     error: bool = False  # the call failed (bad arguments, exception, timeout): counted in the metrics
+    stop: bool = False  # the trajectory ends after this call (swe's `submit`), on the policy's own turn
 
 
 @dataclass
 class ToolBox:
     """One trajectory's tools: name -> function(arguments) -> ToolResult, their JSON signatures for the prompt,
-    and what releases their state when the trajectory ends."""
+    and what releases their state when the trajectory ends. `info` goes into the sample's info once `close` has run;
+    a "completion" there is what the reward grades instead of the assistant's text (swe: the container's diff)."""
 
     tools: dict[str, Callable[[dict], ToolResult]]
     schemas: list[dict]
     close: Callable[[], None] = lambda: None
+    info: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -269,6 +277,7 @@ class AgentLimits:
     max_turns: int = 4  # assistant turns per trajectory
     max_total_tokens: int = 4096  # prompt + everything after it
     max_tool_response_tokens: int = 512  # longer tool outputs are cut and marked
+    max_seconds: float = 1800.0  # wall clock per trajectory, checked before each turn's tools run
 
 
 def parse_tool_calls(text: str, known: set[str]) -> list[dict | str]:
@@ -363,7 +372,10 @@ class Trajectory:
     tool_errors: int = 0
     tool_seconds: float = 0.0
     truncated_responses: int = 0
-    finish_reason: str = ""  # "stop", "length" (a turn ran out of tokens), "max_turns", "max_total_tokens"
+    finish_reason: str = ""  # "stop", "submit", "length" (a turn ran out of tokens), "max_turns", "max_total_tokens",
+    # "max_seconds"
+    started: float = field(default_factory=time.monotonic)
+    seconds: float = 0.0  # wall clock from the start to the end of its last turn
 
     @property
     def length(self) -> int:
@@ -376,8 +388,8 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
     """Multi-turn rollout: each row's prompt `group_size` times; every turn is generated for all live trajectories
     in one engine call, then all their tool calls run concurrently; a turn that ends with the token `eot` (default:
     end_of_turn's) can call tools. Returns samples (info: messages, images, tool schemas, turn and tool counts) and
-    metrics. Toolboxes are always closed. A prompt that leaves no room under max_total_tokens is refused (ValueError)
-    before anything is generated."""
+    metrics. Toolboxes are always closed, each even when another's close fails. A prompt that leaves no room under
+    max_total_tokens is refused (ValueError) before anything is generated."""
     start = time.perf_counter()
     eot = eot or end_of_turn(tokenizer)
     trajectories: list[Trajectory] = []
@@ -396,14 +408,15 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
             while _any_live_anywhere(live := [traj for traj in trajectories if not traj.finish_reason]):
                 _agent_turn(engine, tokenizer, live, sampling, limits, eot, pool)
     finally:
-        for traj in trajectories:
-            traj.box.close()
+        close_all([traj.box for traj in trajectories])
     samples = [Sample(
         prompt_ids=traj.prompt_ids, completion_ids=traj.completion_ids, loss_mask=traj.loss_mask,
         engine_logprobs=traj.logprobs, row=traj.row, group=traj.group, finish_reason=traj.finish_reason,
-        text="\n".join(m["content"] for m in traj.messages[len(traj.row["prompt"]):] if m["role"] == "assistant"),
+        text=traj.box.info.pop("completion", "\n".join(
+            m["content"] for m in traj.messages[len(traj.row["prompt"]):] if m["role"] == "assistant")),
         info={"messages": traj.messages, "images": traj.images, "tools": traj.box.schemas, "turns": traj.turns,
-              "tool_calls": traj.tool_calls, "tool_errors": traj.tool_errors})
+              "tool_calls": traj.tool_calls, "tool_errors": traj.tool_errors, "agent_seconds": traj.seconds}
+        | traj.box.info)
         for traj in trajectories]
     seconds = time.perf_counter() - start
     n = max(1, len(trajectories))  # a rank can run a round without rows of its own
@@ -411,16 +424,33 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
     metrics = {
         "rollout/seconds": seconds,
         "rollout/tokens_per_s": generated / max(seconds, 1e-9),
-        "rollout/truncated_frac": sum(traj.finish_reason != "stop" for traj in trajectories) / n,
+        "rollout/truncated_frac": sum(traj.finish_reason not in ("stop", "submit") for traj in trajectories) / n,
         "tools/turns_mean": sum(traj.turns for traj in trajectories) / n,
         "tools/calls_mean": sum(traj.tool_calls for traj in trajectories) / n,
         "tools/errors_mean": sum(traj.tool_errors for traj in trajectories) / n,
         "tools/seconds": sum(traj.tool_seconds for traj in trajectories),
         "tools/truncated_responses": sum(traj.truncated_responses for traj in trajectories),
+        "tools/agent_seconds_mean": sum(traj.seconds for traj in trajectories) / n,
     }
-    for reason in ("length", "max_turns", "max_total_tokens"):
+    if any("container_seconds" in traj.box.info for traj in trajectories):
+        metrics["swe/container_seconds"] = sum(traj.box.info.get("container_seconds", 0.0) for traj in trajectories)
+        metrics["swe/diff_errors"] = sum("diff_error" in traj.box.info for traj in trajectories)
+    for reason in ("length", "max_turns", "max_total_tokens", "max_seconds", "submit"):
         metrics[f"rollout/finish_{reason}_frac"] = sum(traj.finish_reason == reason for traj in trajectories) / n
     return samples, metrics
+
+
+def close_all(boxes: list[ToolBox]) -> None:
+    """Close every toolbox even when some fail or a Ctrl-C comes (what is still open then: containers' TTL and the
+    next start's sweep); the first failure is raised afterwards."""
+    failure = None
+    for box in boxes:
+        try:
+            box.close()
+        except BaseException as e:  # noqa: B036 -- the rest must still be closed; re-raised below
+            failure = failure or e
+    if failure is not None:
+        raise failure
 
 
 def _any_live_anywhere(live: list) -> bool:
@@ -455,17 +485,21 @@ def _agent_turn(engine: Engine, tokenizer, live: list[Trajectory], sampling: Sam
         content = tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
         traj.messages.append({"role": "assistant", "content": content})
         calls = parse_tool_calls(content, set(traj.box.tools)) if ended else []
+        traj.seconds = time.monotonic() - traj.started
         if not calls:
             cut = len(ids) < len(c.token_ids)
             traj.finish_reason = "stop" if stopped else ("max_total_tokens" if cut else "length")
         elif traj.turns >= limits.max_turns:
             traj.finish_reason = "max_turns"
+        elif traj.seconds >= limits.max_seconds:
+            traj.finish_reason = "max_seconds"
         else:
             pending.append((traj, [pool.submit(call_tool, traj.box, call) for call in calls]))
     for traj, futures in pending:
-        new_messages = []
+        new_messages, submitted = [], False
         for future in futures:
             result, seconds = future.result()
+            submitted |= result.stop
             text, cut = truncate_tool_text(tokenizer, result.text, limits.max_tool_response_tokens)
             result.text = text
             new_messages.append(tool_message(result))
@@ -474,6 +508,10 @@ def _agent_turn(engine: Engine, tokenizer, live: list[Trajectory], sampling: Sam
             traj.tool_errors += result.error
             traj.tool_seconds += seconds
             traj.truncated_responses += cut
+        traj.seconds = time.monotonic() - traj.started
+        if submitted:  # end on the policy's own turn: nothing after it is learned from
+            traj.finish_reason = "submit"
+            continue
         ids = template_suffix_ids(tokenizer, traj.messages, new_messages, traj.box.schemas, eot)
         if traj.length + len(ids) >= limits.max_total_tokens:  # no room left to answer: end on the policy's own turn
             traj.finish_reason = "max_total_tokens"
@@ -547,8 +585,156 @@ def python_toolbox(row: dict) -> ToolBox:
     return ToolBox({"python": python}, [PYTHON_TOOL], close=session.close)
 
 
-TOOLBOXES: dict[str, Callable[[dict], ToolBox]] = {"python": python_toolbox}
-TOOL_SCHEMAS: dict[str, list[dict]] = {"python": [PYTHON_TOOL]}  # what each toolbox shows in the prompt
+SWE_TOOLS = [
+    {"type": "function", "function": {
+        "name": "bash",
+        "description": "Run one bash command in /testbed, without network. It is killed after `timeout` seconds; "
+        "only files persist between calls (no cd, no variables, no background jobs); long output keeps its head and "
+        "tail.",
+        "parameters": {"type": "object", "properties": {
+            "command": {"type": "string", "description": "the command, e.g. grep -rn 'def foo' src"},
+            "timeout": {"type": "integer", "description": f"seconds before it is killed (default 60, at most "
+                        f"{SWE_MAX_COMMAND_SECONDS})"}},
+            "required": ["command"]}}},
+    {"type": "function", "function": {
+        "name": "str_replace_editor",
+        "description": "View, create and edit files. view: a file with line numbers (view_range [first, last] "
+        "optional, last -1 = to the end) or a directory two levels deep; create: write file_text to a new file; "
+        "str_replace: replace old_str, which must occur exactly once in the file, with new_str; insert: insert "
+        "new_str after line insert_line (0 = at the top).",
+        "parameters": {"type": "object", "properties": {
+            "command": {"type": "string", "enum": ["view", "create", "str_replace", "insert"]},
+            "path": {"type": "string", "description": "absolute path, e.g. /testbed/src/module.py"},
+            "file_text": {"type": "string"}, "old_str": {"type": "string"}, "new_str": {"type": "string"},
+            "insert_line": {"type": "integer"}, "view_range": {"type": "array", "items": {"type": "integer"}}},
+            "required": ["command", "path"]}}},
+    {"type": "function", "function": {
+        "name": "submit",
+        "description": "End the episode once you are done: the final state of /testbed is graded.",
+        "parameters": {"type": "object", "properties": {}}}},
+]
+
+
+def swe_toolbox(row: dict, limits: containers.ContainerLimits = SWE_CONTAINER) -> ToolBox:
+    """`bash`, `str_replace_editor` and `submit` in one fresh container from the row's SWE-bench instance image. On
+    close the container's diff since the base commit becomes the sample's completion (what rewards.score grades in a
+    fresh container; "" and info["diff_error"] when the agent left no usable diff) and the container is removed,
+    whatever happens. info["container_seconds"]: time spent in Docker (start, commands, diff, removal)."""
+    truth = json.loads(row["reward_model"]["ground_truth"])
+    start = time.perf_counter()
+    container = containers.Container(containers.shared_client(), truth["image"], role="agent",
+                                     run=truth["instance_id"], limits=limits)
+    info = {"container_seconds": time.perf_counter() - start}
+
+    def timed(tool: Callable[[dict], ToolResult]) -> Callable[[dict], ToolResult]:
+        def run(arguments: dict) -> ToolResult:
+            begin = time.perf_counter()
+            try:
+                return tool(arguments)
+            finally:
+                info["container_seconds"] += time.perf_counter() - begin
+        return run
+
+    def close() -> None:
+        begin = time.perf_counter()
+        try:
+            diff = containers.container_diff(container, truth["base_commit"])
+            info["completion"] = diff.decode(errors="surrogateescape")  # rewards.score encodes it back byte for byte
+        except containers.DiffError as e:
+            info["completion"], info["diff_error"] = "", str(e)
+        finally:
+            container.remove()
+            info["container_seconds"] += time.perf_counter() - begin
+
+    tools = {"bash": timed(lambda arguments: swe_bash(container, arguments)),
+             "str_replace_editor": timed(lambda arguments: swe_editor(container, arguments)),
+             "submit": lambda arguments: ToolResult("Submitted: /testbed will be graded.", stop=True)}
+    return ToolBox(tools, SWE_TOOLS, close=close, info=info)
+
+
+def swe_bash(container: containers.Container, arguments: dict) -> ToolResult:
+    """One command, mini-swe-agent's observation format; a timeout is a tool error, a failing command is not."""
+    command, timeout = arguments.get("command"), arguments.get("timeout", container.limits.timeout)
+    if not isinstance(command, str) or not command.strip():
+        return ToolResult('Error: bash needs {"command": <non-empty string>}', error=True)
+    if not isinstance(timeout, (int, float)) or not 0 < timeout <= SWE_MAX_COMMAND_SECONDS:
+        return ToolResult(f"Error: timeout must be a number of seconds in (0, {SWE_MAX_COMMAND_SECONDS}]", error=True)
+    result = container.exec(command, timeout=timeout)
+    killed = f"<warning>killed after {timeout} s</warning>\n" if result.timed_out else ""
+    return ToolResult(f"<returncode>{result.exit_code}</returncode>\n{killed}<output>\n{result.output}</output>",
+                      error=result.timed_out)
+
+
+def swe_editor(container: containers.Container, arguments: dict) -> ToolResult:
+    """SWE-agent's str_replace_editor (view, create, str_replace, insert) on the container's files."""
+    command, path = arguments.get("command"), arguments.get("path")
+    if not isinstance(path, str) or not path.startswith("/") or path == "/tmp" or path.startswith("/tmp/"):
+        return ToolResult("Error: path must be an absolute path outside /tmp, e.g. /testbed/src/module.py", error=True)
+    quoted = shlex.quote(path)
+    if command == "view":
+        view_range = arguments.get("view_range") or [1, -1]
+        if not (isinstance(view_range, list) and len(view_range) == 2 and all(type(v) is int for v in view_range)):
+            return ToolResult("Error: view_range must be two line numbers [first, last]", error=True)
+        first, last = view_range
+        shown = container.exec(f"if [ -d {quoted} ]; then find {quoted} -maxdepth 2 -not -path '*/.*' | sort; "
+                               f"else awk -v a={first} -v b={last} 'NR >= a && (b < 0 || NR <= b) "
+                               f"{{printf \"%6d\\t%s\\n\", NR, $0}}' {quoted}; fi")
+        return ToolResult(shown.output or "(empty)", error=shown.exit_code != 0)
+    if command == "create":
+        if not isinstance(arguments.get("file_text"), str):
+            return ToolResult("Error: create needs file_text", error=True)
+        made = container.exec(f"test ! -e {quoted} && mkdir -p \"$(dirname {quoted})\"")
+        if made.exit_code != 0:
+            return ToolResult(f"Error: {path} exists already (edit it with str_replace or insert)", error=True)
+        container.put_file(path, arguments["file_text"].encode())
+        return ToolResult(f"Created {path}.")
+    if command not in ("str_replace", "insert"):
+        return ToolResult("Error: command must be one of view, create, str_replace, insert", error=True)
+    mode = container.exec(f"test -f {quoted} && stat -c %a {quoted}")
+    if mode.exit_code != 0:
+        return ToolResult(f"Error: {path} is not a file", error=True)
+    try:
+        text = container.get_file(path).decode()
+    except UnicodeDecodeError:
+        return ToolResult(f"Error: {path} is not UTF-8 text; edit it with bash", error=True)
+    new_str = arguments.get("new_str")
+    if not isinstance(new_str, str):
+        return ToolResult(f"Error: {command} needs new_str", error=True)
+    if command == "str_replace":
+        old_str = arguments.get("old_str")
+        if not isinstance(old_str, str) or not old_str:
+            return ToolResult("Error: str_replace needs a non-empty old_str", error=True)
+        count = text.count(old_str)
+        if count != 1:
+            return ToolResult(f"Error: old_str occurs {count} times in {path}; it must occur exactly once", error=True)
+        text = text.replace(old_str, new_str)
+    else:
+        lines, at = text.splitlines(keepends=True), arguments.get("insert_line")
+        if not isinstance(at, int) or not 0 <= at <= len(lines):
+            return ToolResult(f"Error: insert_line must be a line number in [0, {len(lines)}]", error=True)
+        text = "".join(lines[:at]) + new_str + ("" if new_str.endswith("\n") else "\n") + "".join(lines[at:])
+    container.put_file(path, text.encode(), mode=int(mode.output.split()[-1], 8))
+    return ToolResult(f"Edited {path}.")
+
+
+def check_swe_rows(rows: list[dict], tools: str, source: str) -> None:
+    """swebench rows need the swe toolbox and it needs them; each row's image must be on the Docker host. Checked at
+    load, before any model is."""
+    swe = [r for r in rows if r["data_source"] == "swebench"]
+    if swe and tools != "swe" or tools == "swe" and len(swe) < len(rows):
+        raise SystemExit(f"{source}: swebench rows run with --tools swe and --tools swe runs only swebench rows "
+                         f"({len(swe)} of {len(rows)} rows are swebench, --tools {tools})")
+    if tools == "swe":
+        client = containers.shared_client()
+        missing = sorted({json.loads(r["reward_model"]["ground_truth"])["image"] for r in swe}
+                         - {tag for image in client.images.list() for tag in image.tags})
+        if missing:
+            raise SystemExit(f"{source}: {len(missing)} instance images are not on this Docker host, e.g. "
+                             f"{missing[0]}; pull or `docker load` them first (README, SWE-bench)")
+
+
+TOOLBOXES: dict[str, Callable[[dict], ToolBox]] = {"python": python_toolbox, "swe": swe_toolbox}
+TOOL_SCHEMAS: dict[str, list[dict]] = {"python": [PYTHON_TOOL], "swe": SWE_TOOLS}  # what each shows in the prompt
 
 
 # `python rollout.py generate`: samples of a model (a Hugging Face folder or a kiln checkpoint) for every row of a data
@@ -585,8 +771,9 @@ class GenerateArgs:
     """weights on GPUs (the HF engine on CPU always computes in float32)"""
     end_of_turn: str | None = None
     """token that closes an assistant turn (default: found in the chat template, e.g. <|im_end|>, <|eot_id|>)"""
-    tools: Literal["none", "python"] = "none"
-    """multi-turn agent rollouts with these tools, as in training (python: a sandboxed interpreter per trajectory)"""
+    tools: Literal["none", "python", "swe"] = "none"
+    """multi-turn agent rollouts with these tools, as in training (python: a sandboxed interpreter per trajectory;
+    swe: bash and an editor in a container per trajectory, swebench rows, the completion is its diff)"""
     max_turns: int = 4
     """assistant turns per trajectory (tools on)"""
     max_total_tokens: int = 4096

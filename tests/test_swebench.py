@@ -183,12 +183,12 @@ def test_agent_container_diff_binary_and_new_files_a_p2p_break_and_unusable_diff
         agent.put_file("/testbed/src/marshmallow/blob.bin", bytes(range(256)) * 4)
         assert agent.exec("printf 'X = 1\\n' > src/marshmallow/extra.py && printf 'import pytest\\n' > conftest.py"
                           ).exit_code == 0
-        diff = rewards.container_diff(agent, truth["base_commit"])
+        diff = containers.container_diff(agent, truth["base_commit"])
         resolved = rewards.swebench_container_reward(truth, agent, docker_client)
         assert resolved.score == 1.0 and resolved.info["dropped"] == ["conftest.py"]
         assert agent.exec("sed -i 's/^Int = Integer$/Int = Number/' src/marshmallow/fields.py && "
                           "grep -c '^Int = Number$' src/marshmallow/fields.py").output.strip() == "1"
-        broken = rewards.container_diff(agent, truth["base_commit"])
+        broken = containers.container_diff(agent, truth["base_commit"])
         agent.put_file("/testbed/src/marshmallow/huge.bin", os.urandom(2_000_000))
         small = rewards.SweConfig(max_patch_bytes=10**6)
         huge = rewards.swebench_container_reward(truth, agent, docker_client, small)

@@ -1,0 +1,136 @@
+"""The SWE agent loop against the real Docker daemon and the offline SWE-bench instances (tests/swe_instances.py):
+scripted assistant turns call bash, str_replace_editor and submit in the instance's container through kiln's
+token-in-token-out multi-turn loop; the container's diff is graded by SWE-bench's own grading; no container outlives
+its trajectory, whatever ends it.
+"""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+import containers  # noqa: E402
+import engines  # noqa: E402
+import policy  # noqa: E402
+import rewards  # noqa: E402
+import rollout  # noqa: E402
+import tiny  # noqa: E402
+from test_multiturn import CORPUS, ScriptedEngine  # noqa: E402
+from test_swebench import M1359, docker_client, swe_rows  # noqa: E402,F401 -- fixtures
+
+pytestmark = pytest.mark.docker
+LIMITS = rollout.AgentLimits(max_turns=6, max_total_tokens=200_000, max_tool_response_tokens=2000)
+FIELDS = "/testbed/src/marshmallow/fields.py"
+BUG, FIX = "getattr(schema.opts, self.SCHEMA_OPTS_VAR_NAME)", "getattr(self.root.opts, self.SCHEMA_OPTS_VAR_NAME)"
+
+
+def call(name: str, **arguments) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return policy.load_tokenizer(tiny.make_tiny_model(tmp_path_factory.mktemp("tiny"), CORPUS))
+
+
+def tagged(row: dict, marker: str) -> dict:
+    """The row with `marker` in its user message, so the scripted engine knows which script a trajectory follows."""
+    system, user = row["prompt"]
+    return row | {"prompt": [system, user | {"content": user["content"] + f"\n[{marker}]"}]}
+
+
+def own_containers(client) -> list:
+    return client.containers.list(all=True, filters={"label": f"{containers.OWNER}={containers.owner_label()}"})
+
+
+def test_scripted_agent_fix_resolves_noop_does_not_and_nothing_is_left(docker_client, swe_rows, tokenizer):
+    row = swe_rows[M1359]
+    scripts = {
+        "task-sed": [call("bash", command="grep -n 'schema.opts' src/marshmallow/fields.py"),
+                     call("bash", command=f"sed -i 's/{BUG}/{FIX}/' src/marshmallow/fields.py && git diff --stat"),
+                     "I fixed the lookup of the schema options.\n" + call("submit")],
+        "task-editor": [call("str_replace_editor", command="view", path=FIELDS, view_range=[1110, 1120]),
+                        call("str_replace_editor", command="str_replace", path=FIELDS, old_str=BUG, new_str=FIX),
+                        call("submit")],
+        "task-noop": [call("bash", command="ls src/marshmallow && cat nothing.txt"),
+                      call("str_replace_editor", command="create", path="/testbed/NOTES.txt", file_text="a note\n"),
+                      "Nothing to fix, I think."],
+    }
+    engine = ScriptedEngine(tokenizer, scripts)
+    rows = [tagged(row, marker) for marker in scripts]
+    samples, metrics = rollout.multi_turn(engine, tokenizer, rows, 1, engines.Sampling(max_new_tokens=400),
+                                         rollout.swe_toolbox, LIMITS)
+    assert own_containers(docker_client) == []  # every trajectory's container is gone once its diff is taken
+    by_marker = {marker: s for marker, s in zip(scripts, samples)}
+    for marker, s in by_marker.items():
+        assert rollout.check_tito(tokenizer, s, s.info["messages"], s.info["tools"]) == [], marker
+        assert s.info["turns"] == 3 and s.info["container_seconds"] > 0 and s.info["agent_seconds"] > 0
+    sed, editor, noop = by_marker["task-sed"], by_marker["task-editor"], by_marker["task-noop"]
+    tool_texts = [m["content"] for m in sed.info["messages"] if m["role"] == "tool"]
+    assert tool_texts[0].startswith("<returncode>0</returncode>") and BUG in tool_texts[0]
+    assert "1 file changed" in tool_texts[1]
+    assert sed.finish_reason == editor.finish_reason == "submit" and noop.finish_reason == "stop"
+    assert sed.info["messages"][-1]["role"] == "assistant"  # the submit's result is not part of the trajectory
+    assert FIX in sed.text and sed.text.startswith("diff --git a/src/marshmallow/fields.py")  # the completion: a diff
+    assert editor.text == sed.text
+    noop_tools = [m["content"] for m in noop.info["messages"] if m["role"] == "tool"]
+    assert noop_tools[0].startswith("<returncode>1</returncode>") and "No such file" in noop_tools[0]
+    assert noop_tools[1] == "Created /testbed/NOTES.txt." and "b/NOTES.txt\nnew file mode" in noop.text
+    assert noop.info["tool_errors"] == 0  # a failing command is the model's information, not a tool error
+    graded = [rewards.score(s.row, s.text) for s in samples]
+    assert [g.score for g in graded] == [1.0, 1.0, -1.0]
+    assert graded[0].info["f2p"] == [1, 1] and graded[2].info["f2p"] == [0, 1]
+    assert metrics["rollout/finish_submit_frac"] == pytest.approx(2 / 3) and metrics["rollout/truncated_frac"] == 0
+    assert metrics["swe/container_seconds"] > 0 and metrics["swe/diff_errors"] == 0
+    assert rewards.swe_metrics([g.info for g in graded]) == {
+        "swe/resolve_rate": pytest.approx(2 / 3), "swe/f2p_pass_frac": pytest.approx(2 / 3),
+        "swe/p2p_pass_frac": 1.0, "swe/patch_apply_failures": 0, "swe/dropped_files": 0}
+
+
+def test_editor_refuses_what_it_cannot_do_as_tool_errors(docker_client, swe_rows):
+    box = rollout.swe_toolbox(swe_rows[M1359])
+    try:
+        edit = box.tools["str_replace_editor"]
+        cases = [({"command": "view", "path": "relative.py"}, "absolute path"),
+                 ({"command": "str_replace", "path": FIELDS, "old_str": "self", "new_str": "x"}, "times in"),
+                 ({"command": "create", "path": FIELDS, "file_text": "x"}, "exists already"),
+                 ({"command": "insert", "path": FIELDS, "new_str": "x", "insert_line": 10**6}, "insert_line"),
+                 ({"command": "undo_edit", "path": FIELDS}, "must be one of")]
+        for arguments, message in cases:
+            result = edit(arguments)
+            assert result.error and message in result.text, (arguments, result.text)
+        assert box.tools["bash"]({"command": "ls", "timeout": 10**6}).error
+        slow = box.tools["bash"]({"command": "sleep 30", "timeout": 1})
+        assert slow.error and "killed after 1 s" in slow.text
+        assert not edit({"command": "insert", "path": FIELDS, "new_str": "# top", "insert_line": 0}).error
+        assert edit({"command": "view", "path": FIELDS, "view_range": [1, 1]}).text == "     1\t# top\n"
+    finally:
+        box.close()
+    assert own_containers(docker_client) == [] and box.info["completion"].startswith("diff --git")
+
+
+def test_wall_limit_ends_a_trajectory_and_a_crash_leaves_no_container(docker_client, swe_rows, tokenizer):
+    row = tagged(swe_rows[M1359], "task-slow")
+    engine = ScriptedEngine(tokenizer, {"task-slow": [call("bash", command="sleep 2")] * 6})
+    limits = rollout.AgentLimits(max_turns=6, max_total_tokens=200_000, max_seconds=1.0)
+    samples, metrics = rollout.multi_turn(engine, tokenizer, [row], 1, engines.Sampling(max_new_tokens=400),
+                                         rollout.swe_toolbox, limits)
+    assert samples[0].finish_reason == "max_seconds" and samples[0].info["turns"] == 2
+    assert metrics["rollout/finish_max_seconds_frac"] == 1.0 and own_containers(docker_client) == []
+
+    class Crash(RuntimeError):
+        pass
+
+    def crash_on_second_turn(prompts, sampling, real=engine.generate):
+        if engine.calls == 1:
+            raise Crash("the engine died")
+        return real(prompts, sampling)
+    engine.calls = 0
+    engine.generate = crash_on_second_turn
+    with pytest.raises(Crash):
+        rollout.multi_turn(engine, tokenizer, [row, row], 1, engines.Sampling(max_new_tokens=400),
+                           rollout.swe_toolbox, limits)
+    assert own_containers(docker_client) == []
