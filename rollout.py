@@ -780,6 +780,8 @@ class GenerateArgs:
     """prompt + all turns and tool outputs per trajectory (tools on)"""
     max_tool_response_tokens: int = 512
     """longer tool outputs are cut and marked (tools on)"""
+    max_agent_seconds: float = 1800.0
+    """wall clock per trajectory (tools on)"""
     vllm_gpu_memory_utilization: float = 0.85
     """fraction of GPU memory vLLM may take"""
     vllm_max_model_len: int = 4096
@@ -840,7 +842,7 @@ def generate_lines(engine: Engine, tokenizer, rows: list[dict], args: GenerateAr
     batch_size x world rows, this rank answers every world-th of them, and the lines are gathered. Every rank runs
     every round, with or without rows of its own: multi-turn rounds and tensor-parallel engines are collectives."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    limits = AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens)
+    limits = AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens, args.max_agent_seconds)
     per_round = args.batch_size * world
     lines: list[tuple[int, dict]] = []
     bar = tqdm(total=len(rows), desc="generate", unit="row", disable=rank != 0)

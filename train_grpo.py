@@ -21,6 +21,7 @@ import torch
 import tyro
 from tqdm import tqdm
 
+import containers
 import data_prep
 import engines
 import judge as judge_lib
@@ -155,14 +156,17 @@ class Args:
     dry_run: bool = False
     """print the resolved Args and exit"""
 
-    tools: Literal["none", "python"] = "none"
-    """multi-turn agent rollouts with these tools (python: a stateful sandboxed interpreter per trajectory)"""
+    tools: Literal["none", "python", "swe"] = "none"
+    """multi-turn agent rollouts with these tools (python: a stateful sandboxed interpreter per trajectory; swe: bash,
+    an editor and submit in a Docker container per trajectory, for swebench rows, graded on the container's diff)"""
     max_turns: int = 4
     """assistant turns per trajectory (tools on)"""
     max_total_tokens: int = 2048
     """prompt + all turns and tool outputs per trajectory (tools on)"""
     max_tool_response_tokens: int = 512
     """longer tool outputs are cut and marked (tools on)"""
+    max_agent_seconds: float = 1800.0
+    """wall clock per trajectory; checked before each turn's tools run (tools on; README's SWE budget table)"""
     check_tito: bool = False
     """compare every trajectory with the chat template's rendering of its messages; log the drifting fraction
     (tools/tito_drift_frac) and the first drift of each step (tools on)"""
@@ -305,7 +309,11 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     sampling = engines.Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 stop_token_ids=policy.stop_token_ids(tokenizer, args.model,
                                                                      rollout.end_of_turn(tokenizer, args.end_of_turn)))
-    limits = rollout.AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens)
+    limits = rollout.AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens,
+                                 args.max_agent_seconds)
+    if args.tools == "swe":  # containers of dead kiln processes go; this one's go when it ends, however it ends
+        containers.sweep(containers.shared_client())
+        containers.remove_owned_at_exit(containers.shared_client())
     checkpoint = policy.latest_checkpoint(args.output_dir) if args.resume else None
     step = data_pos = 0
     state = {}
@@ -362,12 +370,14 @@ def train_step(run: Run) -> dict:
                 if args.dynamic_sampling else [True] * len(new))
         batch += [s for s, k in zip(new, keep) if k]
     # The last round's rollout metrics; the rewards of every round's samples.
-    tool_metrics = {k: v for k, v in rollout_metrics.items() if k.startswith("tools/")}  # per rank: averaged
+    tool_metrics = {k: v for k, v in rollout_metrics.items() if k.startswith(("tools/", "swe/"))}  # ranks averaged
     metrics |= rollout_metrics | policy.mean_dicts_over_ranks(tool_metrics) | getattr(run.engine, "last_metrics", {})
     sources, scores, errors, lengths = zip(*policy.gather_objects(  # judge failures have no score (NaN): left out
         [(s.row["data_source"], s.reward, s.info.get("error"), len(s.completion_ids)) for s in samples
          if not math.isnan(s.reward)]))
     metrics |= rewards.batch_metrics(sources, scores, errors, lengths)
+    if args.tools == "swe":
+        metrics |= rewards.swe_metrics(policy.gather_objects([s.info for s in samples]))
     if args.dynamic_sampling:  # each rank trains on its share of groups (a rank may have fewer after the last try)
         metrics["batch/kept_frac"] = policy.sum_over_ranks(len(batch)) / policy.sum_over_ranks(len(samples))
         metrics["batch/sampling_tries"] = tries

@@ -4,6 +4,7 @@ token-in-token-out multi-turn loop; the container's diff is graded by SWE-bench'
 its trajectory, whatever ends it.
 """
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 import containers  # noqa: E402
+import data_prep  # noqa: E402
 import engines  # noqa: E402
 import policy  # noqa: E402
 import rewards  # noqa: E402
@@ -134,3 +136,23 @@ def test_wall_limit_ends_a_trajectory_and_a_crash_leaves_no_container(docker_cli
         rollout.multi_turn(engine, tokenizer, [row, row], 1, engines.Sampling(max_new_tokens=400),
                            rollout.swe_toolbox, limits)
     assert own_containers(docker_client) == []
+
+
+@pytest.mark.slow
+def test_two_rank_grpo_on_swebench_rows_leaves_no_container(docker_client, swe_rows, tmp_path):
+    rows = [swe_rows[i] for i in sorted(swe_rows) if i.startswith("marshmallow")]
+    data_prep.write_rows(rows, tmp_path / "swe.parquet")
+    model = tiny.make_tiny_model(tmp_path / "model", CORPUS, max_position_embeddings=8192)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                    str(ROOT / "train_grpo.py"), "--model", str(model), "--data", str(tmp_path / "swe.parquet"),
+                    "--output-dir", str(tmp_path / "out"), "--prompts-per-step", "2", "--group-size", "2",
+                    "--max-new-tokens", "16", "--total-steps", "1", "--save-every", "0", "--tools", "swe",
+                    "--max-turns", "2", "--max-prompt-tokens", "4000", "--max-total-tokens", "4100",
+                    "--check-tito"], check=True, timeout=900, cwd=tmp_path)
+    step = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert step["step"] == 1 and step["swe/container_seconds"] > 0 and step["tools/agent_seconds_mean"] > 0
+    assert step["swe/resolve_rate"] == 0.0 and step["reward/mean"] == -1.0  # an untrained model changes nothing
+    assert "tools/tito_drift_frac" in step and step["swe/patch_apply_failures"] == step["swe/dropped_files"] == 0
+    kiln = docker_client.containers.list(all=True, filters={"label": containers.OWNER})
+    left = [c.labels[containers.OWNER] for c in kiln if c.labels[containers.OWNER] != containers.owner_label()]
+    assert left == []  # the trainer's agent and grading containers are all gone
