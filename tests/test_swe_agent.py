@@ -4,6 +4,7 @@ token-in-token-out multi-turn loop; the container's diff is graded by SWE-bench'
 its trajectory, whatever ends it.
 """
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -156,3 +157,25 @@ def test_two_rank_grpo_on_swebench_rows_leaves_no_container(docker_client, swe_r
     kiln = docker_client.containers.list(all=True, filters={"label": containers.OWNER})
     left = [c.labels[containers.OWNER] for c in kiln if c.labels[containers.OWNER] != containers.owner_label()]
     assert left == []  # the trainer's agent and grading containers are all gone
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_trainer_interrupted_mid_rollout_removes_its_containers(docker_client, swe_rows, tmp_path, signum):
+    """What train_grpo --tools swe installs at setup: Ctrl-C (SIGINT) and torchrun's SIGTERM remove this process's
+    containers on the way out."""
+    data_prep.write_rows([swe_rows[M1359]], tmp_path / "row.parquet")
+    script = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); import containers, data_prep, rollout\n"
+              "containers.remove_owned_at_exit(containers.shared_client())\n"
+              f"boxes = [rollout.swe_toolbox(data_prep.load_rows({str(tmp_path / 'row.parquet')!r})[0]) "
+              "for _ in range(2)]\n"
+              "print('ready', flush=True)\ntime.sleep(600)\n")
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout.readline() == "ready\n"
+        owner = f"{containers.owner_label().rpartition(':')[0]}:{trainer.pid}"
+        assert len(docker_client.containers.list(filters={"label": f"{containers.OWNER}={owner}"})) == 2
+        trainer.send_signal(signum)
+        assert trainer.wait(timeout=60) != 0
+    finally:
+        trainer.kill()
+    assert docker_client.containers.list(all=True, filters={"label": f"{containers.OWNER}={owner}"}) == []
