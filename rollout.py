@@ -441,8 +441,8 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
 
 
 def close_all(boxes: list[ToolBox]) -> None:
-    """Close every toolbox even when some fail or a Ctrl-C comes (what is still open then: containers' TTL and the
-    next start's sweep); the first failure is raised afterwards."""
+    """Close every toolbox even when some fail or a Ctrl-C interrupts one; the first failure is raised afterwards.
+    (Containers that a second Ctrl-C leaves go at the trainer's exit, their TTL or the next start's sweep.)"""
     failure = None
     for box in boxes:
         try:
