@@ -97,7 +97,7 @@ class ExecResult:
 def connect() -> docker.DockerClient:
     """A client for the daemon that DOCKER_HOST (or the default socket) names; DockerUnavailable if none answers."""
     try:
-        client = docker.from_env(timeout=API_TIMEOUT)
+        client = docker.from_env(timeout=API_TIMEOUT, max_pool_size=64)  # a rank's tool calls run at once
         client.ping()
     except (docker.errors.DockerException, requests.exceptions.RequestException) as e:
         raise DockerUnavailable(f"cannot reach the Docker daemon ({type(e).__name__}: {e}); start dockerd, or set "

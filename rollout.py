@@ -882,7 +882,10 @@ def generate(args: GenerateArgs) -> Path:
     start = time.perf_counter()
     hf_dir = Path(args.model) / "hf" if is_checkpoint(args.model) else args.model
     tokenizer = policy.load_tokenizer(hf_dir)
-    rows = load_rows_within(args.data, tokenizer, args.max_prompt_tokens, verbose=rank == 0)
+    rows = load_rows_within(args.data, tokenizer, args.max_prompt_tokens, verbose=rank == 0, tools=args.tools)
+    if args.tools == "swe":  # containers of dead kiln processes go; this one's go when it ends, however it ends
+        containers.sweep(containers.shared_client())
+        containers.remove_owned_at_exit(containers.shared_client())
     engine = load_generator(args, tokenizer, device)
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                         stop_token_ids=policy.stop_token_ids(tokenizer, hf_dir,
