@@ -155,8 +155,9 @@ KNOWN_ERRORS = (data_prep.RowError, FileNotFoundError, FileExistsError, NotADire
 @contextmanager
 def one_line_errors():
     """`with one_line_errors(): main(args)`: a known error (a SystemExit with a message, a bad row, a missing file)
-    is printed as one line by rank 0 alone and the process exits with status 1: under torchrun no rank prints a
-    traceback above torchrun's own report. Anything else propagates with its traceback (a bug)."""
+    is printed as one line and the process exits with status 1: under torchrun no rank prints a traceback above
+    torchrun's own report, and only rank 0 prints when every rank fails alike (another rank prints only an error of
+    its own). Anything else propagates with its traceback (a bug)."""
     try:
         yield
     except SystemExit as e:
@@ -168,8 +169,10 @@ def one_line_errors():
 
 
 def _exit_with(message: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {message}", file=sys.stderr)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:  # torchrun stops every rank once one exits: rank 0, failing alike, reports and ends this one first
+        time.sleep(5)
+    print(f"error: {message}" if rank == 0 else f"error (rank {rank}): {message}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)  # not the interpreter's teardown: gloo threads may hold the process group (policy.exit_distributed)
