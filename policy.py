@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import create_block_mask
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.nn.utils.rnn import pad_sequence
+import transformers
 from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification,
                           AutoTokenizer, GenerationConfig)
 from transformers.masking_utils import AttentionMaskInterface
@@ -176,6 +177,8 @@ def init_distributed() -> tuple[int, int, torch.device]:
             dist.init_process_group(backend, device_id=device if cuda else None)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_rank() != 0:  # one "Loading weights" bar per job, not per rank
+        transformers.utils.logging.disable_progress_bar()
     return dist.get_rank(), dist.get_world_size(), device
 
 

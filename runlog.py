@@ -12,11 +12,12 @@ import secrets
 import shutil
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import tyro
 import wandb
 from tqdm import tqdm
 
@@ -43,7 +44,7 @@ class RunLog:
         with open(self.output_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record, allow_nan=False) + "\n")
         if self.wandb:
-            wandb.log(record, step=metrics["step"])
+            wandb.log({k: v for k, v in record.items() if k != "timestamp"}, step=metrics["step"])  # wandb stamps its own
 
     def samples(self, records: list[dict]) -> None:
         """Lines of samples.jsonl: every rank's `sample_record`s, gathered by the caller."""
@@ -145,6 +146,14 @@ def timed(seconds: dict, name: str):
     start = time.perf_counter()
     yield
     seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def parse_args(args_class):
+    """`tyro.cli(args_class)`, with --help and argument errors printed by rank 0 alone under torchrun."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        return tyro.cli(args_class)
+    with open(os.devnull, "w") as devnull, redirect_stdout(devnull), redirect_stderr(devnull):
+        return tyro.cli(args_class)
 
 
 # Errors a user acts on (a bad argument, row or path), reported as their message alone.

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import tyro
 from tqdm import tqdm
 
 import data_prep
@@ -587,5 +586,5 @@ def save(run: Run) -> None:
 
 if __name__ == "__main__":
     with runlog.one_line_errors():
-        main(tyro.cli(Args))
+        main(runlog.parse_args(Args))
     policy.exit_distributed()

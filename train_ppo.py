@@ -26,7 +26,6 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-import tyro
 from tqdm import tqdm
 
 import data_prep
@@ -507,5 +506,5 @@ def save(run: Run) -> None:
 
 if __name__ == "__main__":
     with runlog.one_line_errors():
-        main(tyro.cli(Args))
+        main(runlog.parse_args(Args))
     policy.exit_distributed()

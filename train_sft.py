@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import tyro
 from tqdm import tqdm
 
 import data_prep
@@ -182,5 +181,5 @@ def sft_loss(model, micro: list[tuple[list[int], list[int]]], total_tokens: floa
 
 if __name__ == "__main__":
     with runlog.one_line_errors():
-        main(tyro.cli(Args))
+        main(runlog.parse_args(Args))
     policy.exit_distributed()

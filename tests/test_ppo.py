@@ -24,6 +24,7 @@ import policy  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
 import tiny  # noqa: E402
+from test_runs import undocumented  # noqa: E402
 
 APPS_DIR = ROOT.parent / "shared" / "data" / "apps"  # 5 real problems: 2 introductory, 2 interview, 1 competition
 
@@ -241,6 +242,8 @@ def test_step_and_eval_by_difficulty_with_real_apps_rewards(apps, tmp_path):
     assert metrics["critic/score/pass_rate"] == pytest.approx(1 / 5)
     assert metrics["critic/vf_loss"] > 0 and metrics["critic/grad_norm"] > 0 and metrics["actor/grad_norm"] > 0
     assert metrics["critic/returns/mean"] > 0 and metrics["actor/frozen"] == 0
+    evaluation = train_ppo.evaluate(t)
+    assert not undocumented(metrics | evaluation)  # README's metrics table lists every key
 
 
 class ToolThenAnswerEngine:
@@ -314,8 +317,8 @@ def metrics_by_step(out: Path) -> dict[int, dict]:
 
 
 def deterministic(metrics: dict) -> dict:
-    return {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "perf/", "rollout/seconds",
-                                                                    "rollout/tokens_per_s"))}
+    return {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "perf/", "rollout/seconds", "timestamp",
+                                                                  "rollout/tokens_per_s"))}
 
 
 CRITIC_KEYS = ["critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/skipped_step", "critic/values/mean",
@@ -413,5 +416,6 @@ def test_wandb_offline_logs_every_metric_of_every_step(apps, tmp_path, monkeypat
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in records] == [0, 1] and "val-core/all/pass@1" in records[0]
     for record in records:
-        missing = {k: v for k, v in record.items() if k != "step" and not logged(run, k, v)}
+        missing = {k: v for k, v in record.items()
+                   if k not in ("step", "timestamp") and not logged(run, k, v)}  # wandb stamps its own time
         assert not missing, missing

@@ -3,6 +3,7 @@ is refused, a resume cuts the logs back to its checkpoint and keeps its wandb ru
 and the newest one never pruned, a non-finite reward stops the run and a non-finite gradient skips the step, bad
 settings fail before anything loads with one line, and every metric is documented in the README."""
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -327,3 +328,11 @@ def test_curves_label_their_axes_and_smooth_the_train_curves(tmp_path, monkeypat
     assert any("sampled at T=1 (mean of 5 steps)" in t for t in legend)
     smooth = [line for line in ax.get_lines() if line.get_label().startswith("train reward")][0]
     assert list(smooth.get_ydata()) == pytest.approx(demo.smoothed([s / 10 for s in range(1, 8)]))
+
+
+def test_data_prep_says_what_it_wrote_and_documents_every_flag(tmp_path, capsys):
+    data_prep.toy(tmp_path / "toy.parquet", split="test", n_train=5, n_test=2)
+    assert capsys.readouterr().out == f"wrote 2 rows to {tmp_path / 'toy.parquet'} (toy: 2)\n"
+    for command in (data_prep.humaneval, data_prep.mbpp, data_prep.apps, data_prep.toy):
+        for name in inspect.signature(command).parameters:
+            assert re.search(rf"^\s+{name}: \S", command.__doc__, re.M), (command.__name__, name)
