@@ -40,11 +40,10 @@ class RunLog:
         if self.rank != 0:
             return
         record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
-        record["timestamp"] = time.time()
         with open(self.output_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record, allow_nan=False) + "\n")
-        if self.wandb:
-            wandb.log({k: v for k, v in record.items() if k != "timestamp"}, step=metrics["step"])  # wandb stamps its own
+            f.write(json.dumps(record | {"timestamp": time.time()}, allow_nan=False) + "\n")
+        if self.wandb:  # wandb stamps its own time
+            wandb.log(record, step=metrics["step"])
 
     def samples(self, records: list[dict]) -> None:
         """Lines of samples.jsonl: every rank's `sample_record`s, gathered by the caller."""
