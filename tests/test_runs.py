@@ -182,7 +182,7 @@ def test_score_out_is_checked_first_and_written_whole_after_the_report(toy, tmp_
 
 def readme_pattern(key: str) -> str:
     """The README's spelling of a metric key: data sources, difficulties and error kinds are placeholders."""
-    key = re.sub(r"^(critic/score)/(?!mean$|std$|max$|min$|pass_rate$)(error/)?[^/]+(/mean)?$",
+    key = re.sub(r"^(critic/score)/(?!mean$|std$|max$|min$|pass_rate$|grader_errors$)(error/)?[^/]+(/mean)?$",
                  lambda m: f"{m.group(1)}/{'error/<kind>' if m.group(2) else '<source>/mean'}", key)
     key = re.sub(r"^val-aux/error/.+$", "val-aux/error/<kind>", key)
     key = re.sub(r"^val-aux/(?!error/).+?/band/[^/]+$", "val-aux/<group>/band/<band>", key)
@@ -194,6 +194,7 @@ def test_readme_patterns():
     assert readme_pattern("critic/score/toy/mean") == "critic/score/<source>/mean"
     assert readme_pattern("critic/score/error/no_code") == "critic/score/error/<kind>"
     assert readme_pattern("critic/score/pass_rate") == "critic/score/pass_rate"
+    assert readme_pattern("critic/score/grader_errors") == "critic/score/grader_errors"
     assert readme_pattern("val-core/apps/interview/pass@1") == "val-core/<group>/pass@<k>"
     assert readme_pattern("val-aux/all/tasks") == "val-aux/<group>/tasks"
     assert readme_pattern("val-core/all/reward/mean") == "val-core/all/reward/mean"
