@@ -828,6 +828,8 @@ class ScoreArgs:
 
 
 def main(args: ScoreArgs) -> dict:
+    if (args.workers is not None and args.workers < 1) or args.timeout <= 0:
+        raise SystemExit(f"--workers and --timeout must be > 0, got {args.workers} and {args.timeout}")
     for path in (args.out, args.json, args.markdown, args.plot):
         if path and not Path(path).parent.is_dir():
             raise SystemExit(f"{path}: its folder does not exist (checked before grading)")

@@ -262,7 +262,8 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     if score_fn is rewards.score_batch:  # a caller's own score function decides which sources it knows
         rewards.check_sources(rows, args.data)
         rewards.check_sources(eval_rows, args.eval_data)
-    total_steps = args.total_steps or max(1, args.epochs * len(rows) // args.prompts_per_step)
+    total_steps = (args.total_steps if args.total_steps is not None  # 0: evaluate only
+                   else max(1, args.epochs * len(rows) // args.prompts_per_step))
     # vLLM takes its memory before the FSDP models do (its allocator must see a clean device).
     engine = None
     if args.engine == "vllm":

@@ -167,6 +167,9 @@ def test_score_out_is_checked_first_and_written_whole_after_the_report(toy, tmp_
     samples = tmp_path / "samples.jsonl"
     samples.write_text("".join(json.dumps({"task_id": data_prep.row_id(r), "completion": "```python\n"
                                            + r["extra_info"]["solution"] + "\n```"}) + "\n" for r in rows))
+    for bad in (dict(workers=0), dict(timeout=0.0), dict(timeout=-1.0)):
+        with pytest.raises(SystemExit, match="--workers and --timeout must be > 0"):
+            rewards.main(rewards.ScoreArgs(samples=str(samples), data=str(root / "test.parquet"), **bad))
     for out, message in ((tmp_path, "is a directory"), (tmp_path / "nodir" / "x.jsonl", "does not exist")):
         with pytest.raises(SystemExit, match=message):
             rewards.main(rewards.ScoreArgs(samples=str(samples), data=str(root / "test.parquet"), out=str(out)))
