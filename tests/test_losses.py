@@ -391,4 +391,4 @@ def test_log_ratio_is_clamped_so_a_huge_ratio_stays_finite(dual_clip):
         first = 3.0 if dual_clip else math.exp(20)
         close(loss.double(), [[first, 1.0 if fn is losses.clipped_policy_loss else 0.0]], atol=first * 1e-6)
         loss.sum().backward()
-        assert torch.isfinite(logprobs.grad).all() and math.isfinite(stats["approx_kl"]), (fn, logprobs.grad, stats)
+        assert torch.isfinite(logprobs.grad).all() and math.isfinite(stats["ppo_kl"]), (fn, logprobs.grad, stats)
