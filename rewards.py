@@ -660,7 +660,8 @@ def pass_rate_bands(rates: list[float | None]) -> dict:
 
 def report_metrics(summary: dict) -> dict:
     """A `report` as flat metrics (verl's val-core/val-aux families): val-core/<group>/pass@k and /test_pass_rate,
-    val-core/all/reward/mean; val-aux/<group>/tasks, val-aux/<group>/band/<band> and val-aux/error/<kind> (fractions)."""
+    val-core/all/reward/mean; val-aux/<group>/tasks, val-aux/<group>/band/<band> and val-aux/error/<kind>
+    (fractions)."""
     metrics = {f"val-{'aux' if k == 'tasks' else 'core'}/{group}/{k}": v
                for group, table in summary["pass"].items() for k, v in table.items()}
     for group, tests in summary.get("tests", {}).items():

@@ -280,8 +280,8 @@ def check_args(args: Args, world: int) -> None:
         raise SystemExit(f"--minibatches {args.minibatches} needs as many prompts per rank; --prompts-per-step "
                          f"{args.prompts_per_step} over {world} ranks gives {args.prompts_per_step // world}")
     if args.best_metric and not args.best_metric.startswith(("val-core/", "val-aux/")):
-        raise SystemExit(f"--best-metric {args.best_metric}: must be an evaluation metric (val-core/... or val-aux/...), e.g. "
-                         "val-core/all/test_pass_rate or val-core/all/pass@1")
+        raise SystemExit(f"--best-metric {args.best_metric}: must be an evaluation metric (val-core/... or "
+                         "val-aux/...), e.g. val-core/all/test_pass_rate or val-core/all/pass@1")
     runlog.check_output_dir(args.output_dir, args.resume, args.overwrite)
     policy.check_model_path(args.model)
     engines.check_engine(args.engine)
@@ -567,7 +567,8 @@ def keep_best(run: Run, metrics: dict) -> None:
         return
     if name not in metrics:
         raise SystemExit(f"--best-metric {name}: this evaluation has no such metric (test pass rates exist only where "
-                         "rewards count tests; pass e.g. --best-metric val-core/all/pass@1, or '' to keep none); it has "
+                         "rewards count tests; pass e.g. --best-metric val-core/all/pass@1, or '' to keep none); it "
+                         "has "
                          + ", ".join(sorted(k for k in metrics if not k.startswith("val-aux/error/"))))
     if not run.best or metrics[name] > run.best["value"]:
         run.best = {"step": run.step, "metric": name, "value": metrics[name]}
