@@ -334,7 +334,7 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     checkpoint, state = (policy.load_newest_checkpoint(args.output_dir, lambda path: policy.load_checkpoint(
         path, model, optimizer)) if args.resume else (None, None))
     step = data_pos = 0
-    state = {}
+    state = state or {}  # a fresh run: no best policy or evaluations yet
     if checkpoint is not None:
         scheduler.load_state_dict(state["scheduler"])
         step, data_pos = state["step"], state["data_pos"]
