@@ -516,12 +516,12 @@ def judge_failed(info: dict) -> bool:
 
 def component_metrics(data_sources: Sequence[str], infos: Sequence[dict]) -> dict:
     """Means of the reward components (vl_agent: acc, format, tool) by data source, over the samples that have them:
-    reward/<source>/<component>."""
+    critic/score/<source>/<component>."""
     values = defaultdict(list)
     for source, info in zip(data_sources, infos):
         for name in VL_AGENT_WEIGHTS:
             if "acc_by" in info and info.get(name) is not None:
-                values[f"reward/{source}/{name}"].append(info[name])
+                values[f"critic/score/{source}/{name}"].append(info[name])
     return {k: statistics.fmean(v) for k, v in values.items()}
 
 

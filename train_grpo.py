@@ -546,7 +546,7 @@ def evaluate(run: Run) -> dict:
     graded = policy.gather_objects([(data_prep.row_id(s.row), rewards.for_report(r)) for s, r in zip(samples, results)
                                     if not rewards.judge_failed(r.info)])
     # Samples the judge could not grade are left out of the report and counted, never counted as fails.
-    ungraded = {"eval/judge_ungraded": len(run.eval_rows) - len(graded)} if run.judge is not None else {}
+    ungraded = {"val-aux/judge_ungraded": len(run.eval_rows) - len(graded)} if run.judge is not None else {}
     if not graded:
         return ungraded
     summary = rewards.report({data_prep.row_id(row): row for row in run.eval_rows}, [task for task, _ in graded],
