@@ -136,7 +136,11 @@ def eval_line(step: int, metrics: dict) -> str:
     groups = [k.split("/")[1] for k in metrics if k.startswith("val-core/") and k.endswith("/pass@1")
               and k.count("/") == 2]
     cells = [f"{g} pass@1 {metrics[f'val-core/{g}/pass@1']:.3f}" for g in sorted(groups, key=lambda g: (g != "all", g))]
-    return f"eval step {step}: " + " | ".join(cells + [f"reward {metrics['val-core/all/reward/mean']:.3f}"])
+    if "val-core/all/reward/mean" in metrics:  # absent when a judge graded none of the samples
+        cells.append(f"reward {metrics['val-core/all/reward/mean']:.3f}")
+    if "val-aux/judge_ungraded" in metrics:
+        cells.append(f"ungraded by the judge {metrics['val-aux/judge_ungraded']}")
+    return f"eval step {step}: " + " | ".join(cells)
 
 
 @contextmanager
