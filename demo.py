@@ -58,6 +58,9 @@ class Args:
     """held-out evaluation every N GRPO steps (and before and after)"""
 
 
+HELD_OUT = "val-core/all/pass@1"  # the held-out pass rate in metrics.jsonl
+
+
 def run(cmd: list[str], what: str) -> None:
     print(f"\n== {what}\n$ {' '.join(cmd)}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
@@ -88,18 +91,20 @@ def main(args: Args) -> dict:
 
     run(torchrun(args.nproc, "train_sft.py", "--model", str(model_dir), "--data", str(out / "sft.jsonl"),
                  "--output-dir", str(out / "sft"), "--steps", str(args.sft_steps), "--lr", "3e-3",
-                 "--warmup-steps", str(args.sft_warmup_steps), "--batch-size", "32", "--seed", str(args.seed)),
+                 "--warmup-steps", str(args.sft_warmup_steps), "--batch-size", "32", "--seed", str(args.seed),
+                 "--overwrite"),
         "SFT warm start")
     run(torchrun(args.nproc, "train_grpo.py", "--model", str(out / "sft" / "hf"), "--data", str(out / "train.parquet"),
                  "--eval-data", str(out / "test.parquet"), "--output-dir", str(out / "grpo"),
                  "--total-steps", str(args.grpo_steps), "--lr", str(args.grpo_lr), "--eval-every", str(args.eval_every),
                  "--prompts-per-step", "16", "--group-size", "8", "--max-new-tokens", "128",
                  "--warmup-steps", "5",  # Adam's first, sign-like steps knock a tiny model off its warm start
-                 "--save-every", str(args.grpo_steps), "--sample-every", "5", "--seed", str(args.seed)), "GRPO")
+                 "--save-every", str(args.grpo_steps), "--sample-every", "5", "--seed", str(args.seed), "--overwrite"),
+        "GRPO")
 
-    evals = [m for m in map(json.loads, open(out / "grpo" / "metrics.jsonl")) if "eval/all/pass@1" in m]
-    before, after = evals[0]["eval/all/pass@1"], evals[-1]["eval/all/pass@1"]
-    png = plot(out / "grpo" / "metrics.jsonl", out / "curves.png")
+    evals = [m for m in map(json.loads, open(out / "grpo" / "metrics.jsonl")) if HELD_OUT in m]
+    before, after = evals[0][HELD_OUT], evals[-1][HELD_OUT]
+    png = plot(out / "grpo" / "metrics.jsonl", out / "curves.png", args.seed)
     minutes = (time.perf_counter() - start) / 60
     print(f"\nheld-out pass rate: {before:.1%} before GRPO -> {after:.1%} after ({(after - before) * 100:+.1f} points)")
     print(f"seed {args.seed}, wall time {minutes:.1f} min; metrics {out / 'grpo' / 'metrics.jsonl'}, samples "
@@ -108,19 +113,31 @@ def main(args: Args) -> dict:
     return {"before": before, "after": after, "minutes": minutes}
 
 
-def plot(metrics_path: Path, png: Path) -> Path:
+def smoothed(values: list[float], window: int = 5) -> list[float]:
+    """Trailing mean over the last `window` values (fewer at the start): train curves are noisy step to step."""
+    return [sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
+
+
+def plot(metrics_path: Path, png: Path, seed: int) -> Path:
     records = [json.loads(line) for line in open(metrics_path)]
-    train = [m for m in records if "reward/mean" in m]
-    evals = [m for m in records if "eval/all/pass@1" in m]
+    train = [m for m in records if "critic/score/mean" in m]
+    evals = [m for m in records if HELD_OUT in m]
     fig = Figure(figsize=(7, 4))  # no pyplot: nothing to display, no backend to pick
     ax = fig.subplots()
-    ax.plot([m["step"] for m in train], [m["reward/mean"] for m in train], label="train reward (mean)")
-    ax.plot([m["step"] for m in train], [m["reward/pass_rate"] for m in train], label="train pass rate", alpha=0.6)
-    ax.plot([m["step"] for m in evals], [m["eval/all/pass@1"] for m in evals], "o-", label="held-out pass rate")
-    ax.set_xlabel("GRPO step")
+    steps = [m["step"] for m in train]
+    for key, label, color in (("critic/score/mean", "train reward, sampled at T=1", "C0"),
+                              ("critic/score/pass_rate", "train pass rate, sampled at T=1", "C1")):
+        values = [m[key] for m in train]
+        ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
+        ax.plot(steps, smoothed(values), color=color, label=f"{label} (mean of 5 steps)")
+    tasks = evals[0].get("val-aux/all/tasks", 0) if evals else 0
+    ax.plot([m["step"] for m in evals], [m[HELD_OUT] for m in evals], "o--", color="C2",
+            label=f"held-out pass@1, greedy ({tasks} tasks; measured at the dots only)")
+    ax.set_xlabel("GRPO step (step 0: the SFT warm start)")
+    ax.set_ylabel("reward / pass rate")
     ax.set_ylim(0, 1)
-    ax.legend()
-    ax.set_title("kiln demo: tiny model, toy code tasks, 2 CPU ranks")
+    ax.legend(loc="lower right", fontsize="small")
+    ax.set_title(f"kiln demo: tiny model, toy code tasks, 2 CPU ranks, seed {seed}")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     return png

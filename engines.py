@@ -8,6 +8,7 @@ sampled (after temperature, top-k, top-p). Nothing is decoded here.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 import sys
 import time
@@ -344,6 +345,13 @@ def completion_from_vllm(output) -> Completion:
     if out.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM request {output.request_id} ended with {out.finish_reason!r}, not stop/length")
     return Completion(token_ids, values, out.finish_reason)
+
+
+def check_engine(name: str) -> None:
+    """Refuse, before anything loads, an engine that cannot start here."""
+    if name == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise SystemExit("--engine vllm: vllm is not installed (GPU machines: pip install -r requirements-vllm.txt); "
+                         "on CPU pass --engine hf")
 
 
 class VLLMEngine:

@@ -187,16 +187,17 @@ def _clipped_objective(ratio: torch.Tensor, log_ratio: torch.Tensor, advantages:
     with torch.no_grad():
         r, lr = ratio.detach(), log_ratio.detach()
         stats = {
-            "clip_frac_low": masked_mean(((advantages < 0) & (r < 1 - clip_low)).float(), mask),
-            "clip_frac_high": masked_mean(((advantages > 0) & (r > 1 + clip_high)).float(), mask),
-            "dual_clip_frac": masked_mean(dual.float(), mask),
-            "approx_kl": masked_mean(lr.exp() - 1 - lr, mask),  # k3 of KL(old || new), >= 0
+            "pg_clipfrac_low": masked_mean(((advantages < 0) & (r < 1 - clip_low)).float(), mask),
+            "pg_clipfrac_high": masked_mean(((advantages > 0) & (r > 1 + clip_high)).float(), mask),
+            "pg_clipfrac_dual": masked_mean(dual.float(), mask),
+            "ppo_kl": masked_mean(lr.exp() - 1 - lr, mask),  # k3 of KL(old || new), >= 0
             "ratio_mean": masked_mean(r, mask),
         }
         if tis_weight is not None:
             stats["tis_weight_mean"] = masked_mean(tis_weight, mask)
-    values = torch.stack([v.float() for v in stats.values()]).tolist()  # one device sync for all stats
-    return torch.where(mask.bool(), loss, 0), dict(zip(stats, values))
+    values = dict(zip(stats, torch.stack([v.float() for v in stats.values()]).tolist()))  # one device sync for all
+    values["pg_clipfrac"] = values["pg_clipfrac_low"] + values["pg_clipfrac_high"]  # disjoint: A < 0 or A > 0
+    return torch.where(mask.bool(), loss, 0), values
 
 
 def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -207,8 +208,8 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
 
     Separate clip_low/clip_high is DAPO's clip-higher (arXiv 2503.14476, e.g. 0.2/0.28). dual_clip = c > 1 bounds the
     loss of A < 0 tokens at -c A when r is huge (arXiv 1912.09729). tis_cap = C multiplies by min(exp(old - engine), C).
-    Returns (token loss [B, T], 0 off-mask; stats: clip_frac_low/high, dual_clip_frac, approx_kl, ratio_mean as floats,
-    token means over this call's mask)."""
+    Returns (token loss [B, T], 0 off-mask; stats: pg_clipfrac (low + high), pg_clipfrac_low/high, pg_clipfrac_dual,
+    ppo_kl, ratio_mean as floats, token means over this call's mask)."""
     log_ratio = torch.where(mask.bool(), (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), 0)
     return _clipped_objective(log_ratio.exp(), log_ratio, advantages, mask, clip_low, clip_high, dual_clip,
                               _truncated_is_weight(old_logprobs, engine_logprobs, tis_cap, mask))

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -19,7 +20,7 @@ import sys
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Iterator, NoReturn
+from typing import Callable, Iterator, NoReturn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # kiln never downloads a model; read by huggingface_hub at import
 
@@ -27,7 +28,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from huggingface_hub import save_torch_state_dict, snapshot_download
+from huggingface_hub import save_torch_state_dict, snapshot_download, try_to_load_from_cache
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -36,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import create_block_mask
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.nn.utils.rnn import pad_sequence
+import transformers
 from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification,
                           AutoTokenizer, GenerationConfig)
 from transformers.masking_utils import AttentionMaskInterface
@@ -103,6 +106,23 @@ def load_model(path, dtype: torch.dtype = torch.float32, attn_implementation: st
                                                 local_files_only=True)
 
 
+def check_model_path(path: str, flag: str = "--model") -> None:
+    """Refuse, before anything loads, a model that is neither a folder nor a hub model in the local cache (kiln never
+    downloads one), naming it."""
+    if Path(path).is_dir():
+        return
+    try:
+        cached = try_to_load_from_cache(path, "config.json")
+    except ValueError:  # not a hub name either (e.g. an absolute path)
+        cached = None
+    if isinstance(cached, str):
+        return
+    if path.count("/") == 1 and not path.startswith((".", "~")):  # a hub name or a relative folder: say both
+        raise SystemExit(f"{flag} {path}: no such model folder, nor a Hugging Face model in the local cache (kiln "
+                         f"never downloads: fetch it first, e.g. `hf download {path}`)")
+    raise SystemExit(f"{flag} {path}: model folder does not exist")
+
+
 def load_tokenizer(path):
     """The tokenizer saved next to the model (left padding for generation comes from its config)."""
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -157,6 +177,8 @@ def init_distributed() -> tuple[int, int, torch.device]:
             dist.init_process_group(backend, device_id=device if cuda else None)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_rank() != 0:  # one "Loading weights" bar per job, not per rank
+        transformers.utils.logging.disable_progress_bar()
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -633,6 +655,17 @@ def clip_grad_norm(model, max_norm: float) -> float:
     return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
 
+def step_if_finite(optimizer, grad_norm: float, family: str) -> dict:
+    """optimizer.step() unless the (global, so every rank agrees) gradient norm is inf or NaN: that step would write
+    NaN into every weight, so it is skipped and counted. Returns {family/grad_norm, family/skipped_step}."""
+    finite = math.isfinite(grad_norm)
+    if finite:
+        optimizer.step()
+    elif _rank() == 0:
+        print(f"warning: {family} gradient norm is {grad_norm}: optimizer step skipped", flush=True)
+    return {f"{family}/grad_norm": grad_norm, f"{family}/skipped_step": float(not finite)}
+
+
 def _hf_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
@@ -703,7 +736,8 @@ def save_checkpoint(output_dir, step: int, model, optimizer, trainer_state: dict
     """<output_dir>/checkpoints/step_XXXXXXXX: a DCP checkpoint of {"model", "optimizer"} (sharded, any world size
     can read it), trainer_state.json, rng/rank{r}.pt and hf/ (config + tokenizer files of `hf_source_dir`). Written
     into a temp dir that rank 0 renames once every rank is done, so a crash mid-save leaves the last good checkpoint
-    as the newest. keep_last: delete older checkpoints beyond this many. Collective: call on every rank."""
+    as the newest. keep_last: how many checkpoints stay, the one just written always among them (older ones beyond
+    that are deleted). Collective: call on every rank."""
     root = Path(output_dir) / "checkpoints"
     final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
     rank = _rank()
@@ -728,16 +762,26 @@ def save_checkpoint(output_dir, step: int, model, optimizer, trainer_state: dict
             shutil.rmtree(old)
         else:
             tmp.rename(final)
+        found = _complete_checkpoints(root)
+        older = [p for p in found if _step_of(p) < step]
+        # A later step than this one was left by a run this one resumed before it (an unreadable checkpoint was
+        # skipped): kept, it would be the one a resume picks.
+        stale = [p for p in found if _step_of(p) > step]
         if keep_last:
-            for stale in _complete_checkpoints(root)[:-keep_last]:
-                shutil.rmtree(stale)
+            stale += older[: max(0, len(older) - (keep_last - 1))]
+        for path in stale:
+            shutil.rmtree(path)
     _barrier()
     return final
 
 
+def _step_of(checkpoint: Path) -> int:
+    return int(_CHECKPOINT.fullmatch(checkpoint.name).group(1))
+
+
 def _complete_checkpoints(root: Path) -> list[Path]:
     found = [p for p in root.glob("step_*") if _CHECKPOINT.fullmatch(p.name) and (p / "trainer_state.json").is_file()]
-    return sorted(found, key=lambda p: int(_CHECKPOINT.fullmatch(p.name).group(1)))
+    return sorted(found, key=_step_of)
 
 
 def latest_checkpoint(output_dir) -> Path | None:
@@ -747,10 +791,32 @@ def latest_checkpoint(output_dir) -> Path | None:
     return found[-1] if found else None
 
 
+def load_newest_checkpoint(output_dir, load: Callable[[Path], dict]) -> tuple[Path | None, dict | None]:
+    """(checkpoint, trainer state) of the newest checkpoint under <output_dir>/checkpoints that `load` (e.g. a call of
+    load_checkpoint) reads without error; an unreadable one (a truncated or missing file) is skipped with a warning
+    naming it and the error, and the one before it is tried. (None, None) when there is none. Collective."""
+    for path in reversed(_complete_checkpoints(Path(output_dir) / "checkpoints")):
+        try:
+            return path, load(path)
+        except (OSError, EOFError, ValueError, RuntimeError, AssertionError, KeyError, pickle.UnpicklingError,
+                CheckpointException) as e:
+            if _rank() == 0:
+                reason = (str(e).strip().splitlines() or [""])[0]
+                print(f"warning: checkpoint {path} is unreadable ({type(e).__name__}: {reason}); trying the one "
+                      f"before it", flush=True)
+    return None, None
+
+
 def load_checkpoint(path, model, optimizer=None) -> dict:
     """Restores model (and optimizer) state and this rank's RNG streams from `path`; returns the trainer state.
     Collective: call on every rank, after `shard_model` and before the first step."""
     path = Path(path)
+    try:  # read first: a checkpoint whose state is cut short fails before any weight changes
+        trainer_state = json.loads((path / "trainer_state.json").read_text())
+    except ValueError as e:
+        raise ValueError(f"{path / 'trainer_state.json'}: {e}") from e
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{path / '.metadata'}: missing")
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
@@ -762,8 +828,9 @@ def load_checkpoint(path, model, optimizer=None) -> dict:
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
     else:
-        print(f"warning: {rng_file} missing (saved with a smaller world size?): rank {_rank()} keeps its RNG streams")
-    return json.loads((path / "trainer_state.json").read_text())
+        print(f"warning: {rng_file} missing (saved by fewer ranks, or removed): rank {_rank()} keeps its own RNG "
+              f"streams, so sampling from here on differs from the run that was interrupted")
+    return trainer_state
 
 
 def save_hf(model, hf_source_dir, out_dir) -> Path:

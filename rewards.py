@@ -15,6 +15,7 @@ import io
 import json
 import logging
 import math
+import os
 import re
 import statistics
 import sys
@@ -497,12 +498,12 @@ def judge_failed(info: dict) -> bool:
 
 def component_metrics(data_sources: Sequence[str], infos: Sequence[dict]) -> dict:
     """Means of the reward components (vl_agent: acc, format, tool) by data source, over the samples that have them:
-    reward/<source>/<component>."""
+    critic/score/<source>/<component>."""
     values = defaultdict(list)
     for source, info in zip(data_sources, infos):
         for name in VL_AGENT_WEIGHTS:
             if "acc_by" in info and info.get(name) is not None:
-                values[f"reward/{source}/{name}"].append(info[name])
+                values[f"critic/score/{source}/{name}"].append(info[name])
     return {k: statistics.fmean(v) for k, v in values.items()}
 
 
@@ -511,8 +512,8 @@ def score(row: dict, completion: str, limits: sandbox.Limits = sandbox.Limits(),
     """The reward of one completion for one row (kiln's row schema); tests run in the sandbox, vl_agent rows go to
     `judge` (sample_info: the rollout's Sample.info, whose tool images and messages the rubric judge sees). Whatever
     the program does, this returns: a failure of the grading itself (a supervisor that died) is a Reward of 0 with
-    error "grader_error" and its reason, logged and counted (`reward/grader_errors`). Broken tests (a data problem the
-    program cannot cause) raise ValueError naming the task."""
+    error "grader_error" and its reason, logged and counted (`critic/score/grader_errors`). Broken tests (a data
+    problem the program cannot cause) raise ValueError naming the task."""
     if is_vl_agent(row):
         return vl_agent_reward(row, completion, judge, sample_info or {})
     source = row["data_source"]
@@ -656,14 +657,16 @@ def pass_rate_bands(rates: list[float | None]) -> dict:
 
 
 def report_metrics(summary: dict) -> dict:
-    """A `report` as flat metrics: eval/<group>/pass@k and /tasks, eval/<group>/test_pass_rate and
-    /band/<band> (a fraction), eval/reward, eval/error/<kind> (a fraction)."""
-    metrics = {f"eval/{group}/{k}": v for group, table in summary["pass"].items() for k, v in table.items()}
+    """A `report` as flat metrics (verl's val-core/val-aux families): val-core/<group>/pass@k and /test_pass_rate,
+    val-core/all/reward/mean; val-aux/<group>/tasks, val-aux/<group>/band/<band> and val-aux/error/<kind>
+    (fractions)."""
+    metrics = {f"val-{'aux' if k == 'tasks' else 'core'}/{group}/{k}": v
+               for group, table in summary["pass"].items() for k, v in table.items()}
     for group, tests in summary.get("tests", {}).items():
-        metrics[f"eval/{group}/test_pass_rate"] = tests["test_pass_rate"]
-        metrics |= {f"eval/{group}/band/{name}": b["fraction"] for name, b in tests["bands"].items()}
-    metrics["eval/reward"] = summary["mean_reward"]
-    return metrics | {f"eval/error/{kind}": n / summary["samples"] for kind, n in summary["errors"].items()}
+        metrics[f"val-core/{group}/test_pass_rate"] = tests["test_pass_rate"]
+        metrics |= {f"val-aux/{group}/band/{name}": b["fraction"] for name, b in tests["bands"].items()}
+    metrics["val-core/all/reward/mean"] = summary["mean_reward"]
+    return metrics | {f"val-aux/error/{kind}": n / summary["samples"] for kind, n in summary["errors"].items()}
 
 
 def report_markdown(summary: dict, title: str = "") -> str:
@@ -741,20 +744,39 @@ def write_eval_report(out_dir, evals: list[dict], best: dict, eval_data: str) ->
 
 def batch_metrics(data_sources: Sequence[str], scores: Sequence[float], errors: Sequence[str | None],
                   response_lengths: Sequence[int]) -> dict:
-    """A training batch's rewards (mean, std, pass rate, mean by data source, fraction of each error kind) and response
-    lengths, over every rank's samples."""
-    metrics = {"reward/mean": statistics.fmean(scores),
-               "reward/std": statistics.stdev(scores) if len(scores) > 1 else 0.0,
-               "reward/pass_rate": sum(s >= 1.0 for s in scores) / len(scores),
-               "response/length_mean": statistics.fmean(response_lengths),
-               "response/length_max": float(max(response_lengths))}
+    """A training batch's scores (critic/score/: mean, std, max, min, pass rate, mean by data source, fraction of each
+    error kind) and response lengths (response_length/: mean, max, min), over every rank's samples; verl's names."""
+    metrics = {"critic/score/mean": statistics.fmean(scores),
+               "critic/score/std": statistics.stdev(scores) if len(scores) > 1 else 0.0,
+               "critic/score/max": max(scores), "critic/score/min": min(scores),
+               "critic/score/pass_rate": sum(s >= 1.0 for s in scores) / len(scores),
+               "response_length/mean": statistics.fmean(response_lengths),
+               "response_length/max": float(max(response_lengths)),
+               "response_length/min": float(min(response_lengths))}
     by_source = defaultdict(list)
     for source, score in zip(data_sources, scores):
         by_source[source].append(score)
-    metrics |= {f"reward/{source}/mean": sum(v) / len(v) for source, v in by_source.items()}
+    metrics |= {f"critic/score/{source}/mean": sum(v) / len(v) for source, v in by_source.items()}
     kinds = Counter(error for error in errors if error)
-    metrics["reward/grader_errors"] = float(kinds["grader_error"])  # a count, always logged: it should stay 0
-    return metrics | {f"reward/error/{kind}": n / len(scores) for kind, n in kinds.items()}
+    metrics["critic/score/grader_errors"] = float(kinds["grader_error"])  # a count, always logged: it should stay 0
+    return metrics | {f"critic/score/error/{kind}": n / len(scores) for kind, n in kinds.items()}
+
+
+def refuse_nonfinite(offenders: list[tuple[str, float]], step: int) -> None:
+    """Stop a run at a non-finite reward (a judge that failed to parse, a reward bug), naming the task: one NaN in
+    the advantages turns every parameter into NaN. `offenders`: (task id, reward) of every rank, gathered."""
+    if offenders:
+        task, value = offenders[0]
+        raise SystemExit(f"step {step}: non-finite reward {value} for task {task} ({len(offenders)} sample(s) in "
+                         f"all); the reward function must return a finite number")
+
+
+def check_sources(rows: list[dict], where: str) -> None:
+    """Refuse rows whose data_source has no reward function, naming the source and `where`, before any work."""
+    unknown = sorted({row["data_source"] for row in rows if not is_vl_agent(row)} - REWARDS.keys() - {"swebench"})
+    if unknown:
+        raise SystemExit(f"{where}: no reward function for data_source {', '.join(map(repr, unknown))}; known: "
+                         f"{', '.join(sorted(REWARDS))} (rewards.REWARDS)")
 
 
 def read_samples(path: str, rows_by_id: dict[str, dict]) -> tuple[list[str], list[str]]:
@@ -805,10 +827,20 @@ class ScoreArgs:
 
 
 def main(args: ScoreArgs) -> dict:
+    if (args.workers is not None and args.workers < 1) or args.timeout <= 0:
+        raise SystemExit(f"--workers and --timeout must be > 0, got {args.workers} and {args.timeout}")
     for path in (args.out, args.json, args.markdown, args.plot):
         if path and not Path(path).parent.is_dir():
             raise SystemExit(f"{path}: its folder does not exist (checked before grading)")
-    rows_by_id = {data_prep.row_id(r): r for r in data_prep.load_rows(args.data)}
+    if args.out:  # checked before any grading: a result file that cannot be written would lose all of it
+        out = Path(args.out)
+        if out.is_dir():
+            raise SystemExit(f"--out {args.out}: is a directory")
+        if not os.access(out.parent, os.W_OK):
+            raise SystemExit(f"--out {args.out}: the directory {out.parent} is not writable")
+    rows = data_prep.load_rows(args.data)
+    check_sources(rows, args.data)
+    rows_by_id = {data_prep.row_id(r): r for r in rows}
     task_ids, completions = read_samples(args.samples, rows_by_id)
     judge = make_judge(args.judge_url, args.judge_model, [rows_by_id[t] for t in set(task_ids)], where=args.samples)
     limits = sandbox.Limits(timeout=args.timeout)
@@ -831,17 +863,21 @@ def main(args: ScoreArgs) -> dict:
         raise SystemExit("no sample could be graded")
     task_ids, results = [t for t, _ in graded], [r for _, r in graded]
     summary = report(rows_by_id, task_ids, results) | {"seconds": seconds, "samples_per_s": len(results) / seconds}
-    if args.out:
-        with open(args.out, "w") as f:
+    print_report(summary)
+    if args.out:  # a temp file beside it, then a rename: a concurrent run's file is replaced whole, never mixed
+        with tempfile.NamedTemporaryFile("w", dir=Path(args.out).parent, prefix=f".{Path(args.out).name}.",
+                                         delete=False) as f:
             for task_id, r in zip(task_ids, results):
                 f.write(json.dumps({"task_id": task_id, "score": r.score, "info": r.info}) + "\n")
+        os.chmod(f.name, 0o644)  # a temp file is made private; the results are not
+        os.replace(f.name, args.out)
+        print(f"results: {args.out}")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
     if args.markdown:
         Path(args.markdown).write_text(report_markdown(summary, f"{args.samples} on {args.data}"))
     if args.plot:
         plot_report(summary, args.plot, f"{Path(args.samples).name}: test pass rate (passed / total tests)")
-    print_report(summary)
     return summary
 
 

@@ -24,7 +24,7 @@ PYTHON=${PYTHON:-python}
 # frees all of that, and training packs 8k tokens per micro batch with activation checkpointing.
 defaults=(
     --model Qwen/Qwen2.5-Coder-7B-Instruct
-    --data data/apps_train.parquet
+    --data data/apps_train.parquet --eval-data data/apps_test.parquet
     --output-dir runs/grpo-apps-a100
     --engine vllm
     --prompts-per-step 64 --group-size 8

@@ -1,17 +1,31 @@
 """What a training run leaves beside its checkpoints: metrics.jsonl (mirrored to wandb when asked), samples.jsonl, and
-the wall time of each phase of a step. Rank 0 writes; every other rank's calls do nothing.
+the wall time of each phase of a step; the output-dir policy the trainers share (a fresh run never mixes with an old
+one, a resumed run continues its files and its wandb run); known errors as one line. Rank 0 writes; every other
+rank's calls do nothing.
 """
 from __future__ import annotations
 
 import json
+import math
+import os
+import secrets
+import shutil
+import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+import tyro
 import wandb
+from tqdm import tqdm
 
 import data_prep
+
+# What a trainer writes into its output dir: --overwrite removes these (and nothing else) before a fresh run.
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "checkpoints", "critic", "best", ".best_tmp", "hf", "eval_report.json",
+             "eval_report.md", "wandb", "wandb_id")
 
 
 @dataclass
@@ -21,13 +35,15 @@ class RunLog:
     wandb: bool = False  # mirror every metrics line to the wandb run `start` opened
 
     def metrics(self, metrics: dict) -> None:
-        """One line of metrics.jsonl (and a wandb log entry at metrics["step"])."""
+        """One line of metrics.jsonl, stamped with the wall-clock time (and a wandb log entry at metrics["step"]).
+        A non-finite number is written as null, so every line stays valid JSON."""
         if self.rank != 0:
             return
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
         with open(self.output_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        if self.wandb:
-            wandb.log(metrics, step=metrics["step"])
+            f.write(json.dumps(record | {"timestamp": time.time()}, allow_nan=False) + "\n")
+        if self.wandb:  # wandb stamps its own time
+            wandb.log(record, step=metrics["step"])
 
     def samples(self, records: list[dict]) -> None:
         """Lines of samples.jsonl: every rank's `sample_record`s, gathered by the caller."""
@@ -41,25 +57,90 @@ class RunLog:
             wandb.finish()
 
 
-def start(output_dir: str, rank: int, config: dict, wandb_project: str | None, resume: bool) -> RunLog:
-    """The RunLog of a run: on rank 0 the output dir exists, a fresh run (not `resume`) starts metrics.jsonl and
-    samples.jsonl anew, and with `wandb_project` a wandb run is opened (WANDB_MODE=offline works without network)."""
+def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
+    """Refuse, before anything loads, an output dir that is a file, or that holds an earlier run's files when this run
+    neither resumes it (--resume) nor replaces it (--overwrite). Every rank checks; none writes."""
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"--output-dir {output_dir} is a file")
+    if resume and overwrite:
+        raise SystemExit("--resume and --overwrite exclude each other")
+    earlier = [name for name in RUN_FILES if (out / name).exists()]
+    if earlier and not resume and not overwrite:
+        raise SystemExit(f"--output-dir {output_dir} holds an earlier run ({', '.join(earlier)}): pass --resume to "
+                         f"continue it, --overwrite to replace it, or another --output-dir")
+
+
+def start(output_dir: str, rank: int, config: dict, wandb_project: str | None, resume_step: int | None) -> RunLog:
+    """The RunLog of a run, on rank 0 with the output dir made. A fresh run (`resume_step` None) removes an earlier
+    run's files (check_output_dir let it only with --overwrite). A resumed run cuts metrics.jsonl and samples.jsonl
+    back to its checkpoint's step, so the steps after it are not recorded twice, and reopens its wandb run by the id
+    kept in <output_dir>/wandb_id (WANDB_MODE=offline works without network)."""
     log = RunLog(Path(output_dir), rank, wandb=wandb_project is not None)
     if rank != 0:
         return log
     log.output_dir.mkdir(parents=True, exist_ok=True)
-    if not resume:
+    if resume_step is None:
+        for name in RUN_FILES:
+            path = log.output_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    else:
         for name in ("metrics.jsonl", "samples.jsonl"):
-            (log.output_dir / name).unlink(missing_ok=True)
+            truncate_to_step(log.output_dir / name, resume_step)
     if wandb_project:
-        wandb.init(project=wandb_project, config=config, dir=output_dir, resume="allow" if resume else None)
+        id_file = log.output_dir / "wandb_id"
+        if not id_file.is_file():
+            id_file.write_text(secrets.token_hex(4))  # wandb ids: lower-case letters and digits
+        wandb.init(project=wandb_project, config=config, dir=output_dir, id=id_file.read_text().strip(),
+                   resume="allow")
     return log
 
 
+def truncate_to_step(path: Path, step: int) -> None:
+    """Keep the lines of a JSONL log whose "step" is at most `step` (the records of a checkpointed step); rewritten
+    through a temp file and a rename, so a crash leaves the old file or the new one."""
+    if not path.is_file():
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
+
+
 def sample_record(step: int, sample) -> dict:
-    """One line of samples.jsonl for a scored rollout.Sample."""
-    return {"step": step, "task_id": data_prep.row_id(sample.row), "reward": sample.reward, "completion": sample.text,
-            "error": sample.info.get("error")}
+    """One line of samples.jsonl for a scored rollout.Sample (a multi-turn one keeps its messages, tool output
+    included)."""
+    record = {"step": step, "task_id": data_prep.row_id(sample.row), "reward": sample.reward,
+              "completion": sample.text, "error": sample.info.get("error")}
+    if "messages" in sample.info:
+        record["messages"] = sample.info["messages"]
+    return record
+
+
+def announced_eval(evaluate: Callable, run) -> dict:
+    """`evaluate(run)` of a trainer's Run with a line on rank 0 before it (the step and the task count) and after it
+    (`eval_line`): an evaluation is never a silent wait."""
+    if run.rank == 0:
+        tqdm.write(f"eval step {run.step}: {len(run.eval_rows)} tasks ...")
+    start = time.perf_counter()
+    metrics = evaluate(run)
+    if run.rank == 0:
+        tqdm.write(eval_line(run.step, metrics) + f" ({time.perf_counter() - start:.1f}s)")
+    return metrics
+
+
+def eval_line(step: int, metrics: dict) -> str:
+    """`eval step N: all pass@1 0.430 | toy pass@1 0.430 | reward 0.512` from rewards.report_metrics' metrics: every
+    data source's pass@1 (not its difficulties) and the mean reward."""
+    groups = [k.split("/")[1] for k in metrics if k.startswith("val-core/") and k.endswith("/pass@1")
+              and k.count("/") == 2]
+    cells = [f"{g} pass@1 {metrics[f'val-core/{g}/pass@1']:.3f}" for g in sorted(groups, key=lambda g: (g != "all", g))]
+    if "val-core/all/reward/mean" in metrics:  # absent when a judge graded none of the samples
+        cells.append(f"reward {metrics['val-core/all/reward/mean']:.3f}")
+    if "val-aux/judge_ungraded" in metrics:
+        cells.append(f"ungraded by the judge {metrics['val-aux/judge_ungraded']}")
+    return f"eval step {step}: " + " | ".join(cells)
 
 
 @contextmanager
@@ -68,3 +149,42 @@ def timed(seconds: dict, name: str):
     start = time.perf_counter()
     yield
     seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def parse_args(args_class):
+    """`tyro.cli(args_class)`, with --help and argument errors printed by rank 0 alone under torchrun."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        return tyro.cli(args_class)
+    with open(os.devnull, "w") as devnull, redirect_stdout(devnull), redirect_stderr(devnull):
+        return tyro.cli(args_class)
+
+
+# Errors a user acts on (a bad argument, row or path), reported as their message alone.
+KNOWN_ERRORS = (data_prep.RowError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+                PermissionError)
+
+
+@contextmanager
+def one_line_errors():
+    """`with one_line_errors(): main(args)`: a known error (a SystemExit with a message, a bad row, a missing file)
+    is printed as one line and the process exits with status 1: under torchrun no rank prints a traceback above
+    torchrun's own report, and only rank 0 prints when every rank fails alike (another rank prints only an error of
+    its own). Anything else propagates with its traceback (a bug)."""
+    try:
+        yield
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        _exit_with(e.code)
+    except KNOWN_ERRORS as e:
+        _exit_with(f"{type(e).__name__}: {e}")
+
+
+def _exit_with(message: str) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:  # torchrun stops every rank once one exits: rank 0, failing alike, reports and ends this one first
+        time.sleep(5)
+    print(f"error: {message}" if rank == 0 else f"error (rank {rank}): {message}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)  # not the interpreter's teardown: gloo threads may hold the process group (policy.exit_distributed)

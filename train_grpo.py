@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import tyro
 from tqdm import tqdm
 
 import containers
@@ -144,13 +143,15 @@ class Args:
     """how many recent checkpoints to keep"""
     eval_every: int = 0
     """evaluate on eval_data every N steps (0 = only before and after training)"""
-    best_metric: str = "eval/all/test_pass_rate"
+    best_metric: str = "val-core/all/test_pass_rate"
     """evaluation metric (higher is better) that picks the policy kept as a Hugging Face folder in <output_dir>/best
-    (e.g. eval/all/pass@1, eval/apps/interview/test_pass_rate); "" = keep none"""
+    (e.g. val-core/all/pass@1, val-core/apps/interview/test_pass_rate); "" = keep none"""
     sample_every: int = 10
     """write sample completions to samples.jsonl every N steps"""
     resume: bool = False
     """continue from the newest checkpoint in output_dir"""
+    overwrite: bool = False
+    """replace an earlier run in output_dir (without it or --resume, a non-empty output_dir is refused)"""
     wandb_project: str | None = None
     """log to wandb too (WANDB_MODE=offline works without network)"""
     dry_run: bool = False
@@ -221,24 +222,24 @@ def main(args: Args, score_fn: rewards.ScoreFn = rewards.score_batch) -> Run | N
         return None
     run = setup(args, score_fn)
     if run.step == 0 and run.eval_rows:
-        run.log.metrics(evaluate(run) | {"step": 0})
+        run.log.metrics(runlog.announced_eval(evaluate, run) | {"step": 0})
     bar = tqdm(total=args.total_steps, initial=run.step, desc="grpo", disable=run.rank != 0)
     while run.step < args.total_steps:
         metrics = train_step(run)
         run.step += 1
         if args.eval_every and run.step % args.eval_every == 0 and run.step < args.total_steps and run.eval_rows:
-            metrics |= evaluate(run)
+            metrics |= runlog.announced_eval(evaluate, run)
         run.log.metrics(metrics | {"step": run.step})
         bar.update(1)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+        bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}")
         if run.step % (args.save_every or args.total_steps) == 0 or run.step == args.total_steps:
             save(run)
     bar.close()
-    if run.eval_rows:
-        run.log.metrics(evaluate(run) | {"step": run.step})
+    if run.eval_rows and run.step > 0:  # step 0 was evaluated above
+        run.log.metrics(runlog.announced_eval(evaluate, run) | {"step": run.step})
     if run.rank == 0:
-        print(f"done: metrics in {run.log.output_dir / 'metrics.jsonl'}, checkpoints in "
-              f"{run.log.output_dir / 'checkpoints'}")
+        print(f"done: metrics in {run.log.output_dir / 'metrics.jsonl'}"
+              + (f", checkpoints in {run.log.output_dir / 'checkpoints'}" if run.step > 0 else ""))
     run.log.finish()
     return run
 
@@ -264,23 +265,47 @@ def prompt_limit(args: Args) -> int:
     return args.max_prompt_tokens if args.tools == "none" else min(args.max_prompt_tokens, args.max_total_tokens - 1)
 
 
-def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
-    check_variants(args)
-    rank, world, device = policy.init_distributed()
+def check_args(args: Args, world: int) -> None:
+    """Refuse settings that would fail or train nothing, before anything loads (vLLM start-up and model loads take
+    minutes on GPUs)."""
+    for name in ("prompts_per_step", "group_size", "max_new_tokens", "minibatches", "epochs_per_step"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.total_steps < 0:
+        raise SystemExit(f"--total-steps must be >= 0, got {args.total_steps}")
+    if args.temperature <= 0:
+        raise SystemExit(f"--temperature must be > 0 (the trainer scores tokens under it), got {args.temperature}")
+    if args.group_size < 2 and args.advantage != "reinforce++":  # a group of one is its own baseline: advantage 0
+        raise SystemExit(f"--advantage {args.advantage} compares samples of a group: --group-size must be >= 2, got "
+                         f"{args.group_size} (or use --advantage reinforce++)")
     if args.prompts_per_step % world:
         raise SystemExit(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world}")
     if args.prompts_per_step // world < args.minibatches:  # a minibatch takes whole groups
         raise SystemExit(f"--minibatches {args.minibatches} needs as many prompts per rank; --prompts-per-step "
                          f"{args.prompts_per_step} over {world} ranks gives {args.prompts_per_step // world}")
-    if args.best_metric and not args.best_metric.startswith("eval/"):
-        raise SystemExit(f"--best-metric {args.best_metric}: must be an evaluation metric (eval/...), e.g. "
-                         "eval/all/test_pass_rate or eval/all/pass@1")
+    if args.best_metric and not args.best_metric.startswith(("val-core/", "val-aux/")):
+        raise SystemExit(f"--best-metric {args.best_metric}: must be an evaluation metric (val-core/... or "
+                         "val-aux/...), e.g. val-core/all/test_pass_rate or val-core/all/pass@1")
+    runlog.check_output_dir(args.output_dir, args.resume, args.overwrite)
+    policy.check_model_path(args.model)
+    engines.check_engine(args.engine)
+
+
+def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
+    check_variants(args)
+    rank, world, device = policy.init_distributed()
+    check_args(args, world)
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     tokenizer = policy.load_tokenizer(args.model)
     rows = rollout.load_rows_within(args.data, tokenizer, prompt_limit(args), verbose=rank == 0, tools=args.tools)
     eval_rows = (rollout.load_rows_within(args.eval_data, tokenizer, prompt_limit(args), verbose=rank == 0,
                                           tools=args.tools) if args.eval_data else [])
+    if 0 < len(eval_rows) < world:  # a rank without eval rows would leave the others' collectives hanging
+        raise SystemExit(f"{args.eval_data}: {len(eval_rows)} eval rows for {world} ranks; need at least one each")
+    if score_fn is rewards.score_batch:  # a caller's own score function decides which sources it knows
+        rewards.check_sources(rows, args.data)
+        rewards.check_sources(eval_rows, args.eval_data)
     # A judge the rows need must answer now, before any model is loaded.
     judge = rewards.make_judge(args.judge_url, args.judge_model, rows + eval_rows, where=args.data,
                                max_concurrency=args.judge_max_concurrency, timeout_s=args.judge_timeout_s)
@@ -314,17 +339,17 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     if args.tools == "swe":  # containers of dead kiln processes go; this one's go when it ends, however it ends
         containers.sweep(containers.shared_client())
         containers.remove_owned_at_exit(containers.shared_client())
-    checkpoint = policy.latest_checkpoint(args.output_dir) if args.resume else None
+    checkpoint, state = (policy.load_newest_checkpoint(args.output_dir, lambda path: policy.load_checkpoint(
+        path, model, optimizer)) if args.resume else (None, None))
     step = data_pos = 0
-    state = {}
+    state = state or {}  # a fresh run: no best policy or evaluations yet
     if checkpoint is not None:
-        state = policy.load_checkpoint(checkpoint, model, optimizer)
         scheduler.load_state_dict(state["scheduler"])
         step, data_pos = state["step"], state["data_pos"]
         if rank == 0:
             print(f"resumed from {checkpoint} at step {step}")
     log = runlog.start(args.output_dir, rank, dataclasses.asdict(args), args.wandb_project,
-                       resume=checkpoint is not None)
+                       resume_step=step if args.resume else None)
     return Run(args, rank, world, model, ref_model, optimizer, scheduler, engine, tokenizer, sampling, limits, rows,
                eval_rows, score_fn, log, step, data_pos, state.get("best", {}), state.get("evals", []), judge)
 
@@ -361,7 +386,10 @@ def train_step(run: Run) -> dict:
         with runlog.timed(seconds, "reward"):
             judged = {"sample_infos": [s.info for s in new]} if run.judge is not None else {}
             for s, r in zip(new, run.score_fn([s.row for s in new], [s.text for s in new], **judged)):
-                s.reward, s.info = r.score, r.info
+                s.reward, s.info = r.score, s.info | r.info  # the rollout's info (multi-turn messages) stays
+        rewards.refuse_nonfinite(policy.gather_objects(  # every rank gets every offender: all stop together
+            [(data_prep.row_id(s.row), s.reward) for s in new
+             if not math.isfinite(s.reward) and not rewards.judge_failed(s.info)]), run.step + 1)
         samples += new
         if run.judge is not None:  # stops the run past --judge-max-failure-rate, before any update
             metrics |= judge_metrics(run, samples)
@@ -421,9 +449,9 @@ def train_step(run: Run) -> dict:
     metrics |= {k: sum(v) / len(v) for k, v in update_metrics.items()}
 
     # 9. Metrics and sample completions.
-    metrics |= {f"time/{k}": v for k, v in seconds.items()}
+    metrics |= {f"timing_s/{k}": v for k, v in seconds.items()}
     metrics["perf/tokens_per_s"] = policy.sum_over_ranks(sum(len(s.ids) for s in samples)) / sum(seconds.values())
-    metrics["lr"] = run.scheduler.get_last_lr()[0]
+    metrics["actor/lr"] = run.scheduler.get_last_lr()[0]
     if args.sample_every and (run.step + 1) % args.sample_every == 0:  # every sample of the step, trained on or not
         run.log.samples(policy.gather_objects([runlog.sample_record(run.step + 1, s) for s in samples]))
     return metrics
@@ -494,22 +522,22 @@ def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_log
             token_loss, loss_stats = losses.clipped_policy_loss(
                 logprobs, old, micro_advantages, micro_mask, clip_low=args.clip_low, clip_high=args.clip_high,
                 dual_clip=args.dual_clip, engine_logprobs=micro_engine if args.tis_cap else None, tis_cap=args.tis_cap)
-        if ref_logprobs is not None:
-            kl = losses.kl_penalty(logprobs, policy.rows_of(ref_logprobs, micro, logprobs), args.kl_estimator)
-            token_loss = token_loss + args.kl_coef * kl
-            stats["kl"] += losses.masked_sum(kl.detach(), micro_mask).item() / global_tokens
         loss = losses.aggregate(token_loss, micro_mask, args.loss_agg, num_tokens=global_tokens,
                                 num_seqs=global_seqs, max_len=args.max_new_tokens) * run.world
+        stats["actor/pg_loss"] += loss.item() / run.world
+        if ref_logprobs is not None:  # aggregate is linear: the KL term adds to the loss on its own
+            kl = losses.kl_penalty(logprobs, policy.rows_of(ref_logprobs, micro, logprobs), args.kl_estimator)
+            loss = loss + args.kl_coef * losses.aggregate(kl, micro_mask, args.loss_agg, num_tokens=global_tokens,
+                                                          num_seqs=global_seqs, max_len=args.max_new_tokens) * run.world
+            stats["actor/kl_loss"] += losses.masked_sum(kl.detach(), micro_mask).item() / global_tokens
         loss.backward()
         share = micro_mask.sum().item() / global_tokens  # this micro-batch's share of the global tokens
-        stats["loss"] += loss.item() / run.world
-        stats["entropy"] += losses.masked_sum(entropy.detach(), micro_mask).item() / global_tokens
+        stats["actor/entropy"] += losses.masked_sum(entropy.detach(), micro_mask).item() / global_tokens
         stats["mismatch/engine_abs"] += losses.masked_sum((old - micro_engine).abs(), micro_mask).item() / global_tokens
         for k, v in loss_stats.items():
-            stats[k] += v * share
+            stats[f"actor/{k}"] += v * share
     grad_norm = policy.clip_grad_norm(run.model, args.max_grad_norm)
-    run.optimizer.step()
-    return policy.sum_dicts_over_ranks(stats) | {"grad_norm": grad_norm}
+    return policy.sum_dicts_over_ranks(stats) | policy.step_if_finite(run.optimizer, grad_norm, "actor")
 
 
 def evaluate(run: Run) -> dict:
@@ -528,7 +556,7 @@ def evaluate(run: Run) -> dict:
     graded = policy.gather_objects([(data_prep.row_id(s.row), rewards.for_report(r)) for s, r in zip(samples, results)
                                     if not rewards.judge_failed(r.info)])
     # Samples the judge could not grade are left out of the report and counted, never counted as fails.
-    ungraded = {"eval/judge_ungraded": len(run.eval_rows) - len(graded)} if run.judge is not None else {}
+    ungraded = {"val-aux/judge_ungraded": len(run.eval_rows) - len(graded)} if run.judge is not None else {}
     if not graded:
         return ungraded
     summary = rewards.report({data_prep.row_id(row): row for row in run.eval_rows}, [task for task, _ in graded],
@@ -549,8 +577,9 @@ def keep_best(run: Run, metrics: dict) -> None:
         return
     if name not in metrics:
         raise SystemExit(f"--best-metric {name}: this evaluation has no such metric (test pass rates exist only where "
-                         "rewards count tests; pass e.g. --best-metric eval/all/pass@1, or '' to keep none); it has "
-                         + ", ".join(sorted(k for k in metrics if not k.startswith("eval/error/"))))
+                         "rewards count tests; pass e.g. --best-metric val-core/all/pass@1, or '' to keep none); it "
+                         "has "
+                         + ", ".join(sorted(k for k in metrics if not k.startswith("val-aux/error/"))))
     if not run.best or metrics[name] > run.best["value"]:
         run.best = {"step": run.step, "metric": name, "value": metrics[name]}
         policy.save_best(run.model, run.args.model, Path(run.args.output_dir) / "best",
@@ -567,5 +596,6 @@ def save(run: Run) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    with runlog.one_line_errors():
+        main(runlog.parse_args(Args))
     policy.exit_distributed()

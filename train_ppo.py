@@ -26,7 +26,6 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-import tyro
 from tqdm import tqdm
 
 import data_prep
@@ -151,6 +150,8 @@ class Args:
     """write sample completions to samples.jsonl every N steps"""
     resume: bool = False
     """continue from the newest checkpoint in output_dir"""
+    overwrite: bool = False
+    """replace an earlier run in output_dir (without it or --resume, a non-empty output_dir is refused)"""
     wandb_project: str | None = None
     """log to wandb too (WANDB_MODE=offline works without network)"""
     dry_run: bool = False
@@ -203,28 +204,36 @@ def main(args: Args, score_fn: rewards.ScoreFn = rewards.score_batch) -> Run | N
         return None
     run = setup(args, score_fn)
     if run.step == 0 and run.eval_rows:
-        run.log.metrics(evaluate(run) | {"step": 0})
+        run.log.metrics(runlog.announced_eval(evaluate, run) | {"step": 0})
     bar = tqdm(total=run.total_steps, initial=run.step, desc="ppo", disable=run.rank != 0)
     while run.step < run.total_steps:
         metrics = train_step(run)
         run.step += 1
         last = run.step == run.total_steps
         if run.eval_rows and (last or (args.eval_every and run.step % args.eval_every == 0)):
-            metrics |= evaluate(run)
+            metrics |= runlog.announced_eval(evaluate, run)
         run.log.metrics(metrics | {"step": run.step})
         bar.update(1)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+        bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}")
         if last or (args.save_every and run.step % args.save_every == 0):
             save(run)
     bar.close()
     if run.rank == 0:
-        print(f"done: metrics, eval report and best/ in {args.output_dir}")
+        print(f"done: metrics" + (", eval report and best/" if run.eval_rows else "") + f" in {args.output_dir}")
     run.log.finish()
     return run
 
 
-def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
-    rank, world, device = policy.init_distributed()
+def check_args(args: Args, world: int) -> None:
+    """Refuse settings that would fail or train nothing, before anything loads (vLLM start-up and model loads take
+    minutes on GPUs)."""
+    for name in ("prompts_per_step", "group_size", "max_new_tokens", "minibatches", "epochs_per_step", "eval_samples"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.total_steps is not None and args.total_steps < 0:
+        raise SystemExit(f"--total-steps must be >= 0, got {args.total_steps}")
+    if args.temperature <= 0:
+        raise SystemExit(f"--temperature must be > 0 (the trainer scores tokens under it), got {args.temperature}")
     if args.prompts_per_step % world:
         raise SystemExit(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world}")
     if args.prompts_per_step // world < args.minibatches:  # a minibatch takes whole groups
@@ -232,6 +241,16 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
                          f"{args.prompts_per_step} over {world} ranks gives {args.prompts_per_step // world}")
     if args.kl_target is not None and args.kl_coef <= 0:
         raise SystemExit("--kl-target needs a starting --kl-coef > 0")
+    runlog.check_output_dir(args.output_dir, args.resume, args.overwrite)
+    policy.check_model_path(args.model)
+    if args.critic_model:
+        policy.check_model_path(args.critic_model, "--critic-model")
+    engines.check_engine(args.engine)
+
+
+def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
+    rank, world, device = policy.init_distributed()
+    check_args(args, world)
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     tokenizer = policy.load_tokenizer(args.model)
@@ -240,7 +259,11 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
                  if args.eval_data else [])
     if 0 < len(eval_rows) < world:  # a rank without eval rows would leave the others' collectives hanging
         raise SystemExit(f"{args.eval_data}: {len(eval_rows)} eval rows for {world} ranks; need at least one each")
-    total_steps = args.total_steps or max(1, args.epochs * len(rows) // args.prompts_per_step)
+    if score_fn is rewards.score_batch:  # a caller's own score function decides which sources it knows
+        rewards.check_sources(rows, args.data)
+        rewards.check_sources(eval_rows, args.eval_data)
+    total_steps = (args.total_steps if args.total_steps is not None  # 0: evaluate only
+                   else max(1, args.epochs * len(rows) // args.prompts_per_step))
     # vLLM takes its memory before the FSDP models do (its allocator must see a clean device).
     engine = None
     if args.engine == "vllm":
@@ -270,18 +293,20 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
                                 stop_token_ids=policy.stop_token_ids(tokenizer, args.model,
                                                                      rollout.end_of_turn(tokenizer)))
     limits = rollout.AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens)
-    checkpoint = policy.latest_checkpoint(args.output_dir) if args.resume else None
-    state = {"step": 0, "data_pos": 0, "kl_coef": args.kl_coef, "best": {}, "evals": []}
-    if checkpoint is not None:
-        critic_checkpoint = Path(args.output_dir) / "critic" / "checkpoints" / checkpoint.name  # saved first
+    def load_both(checkpoint: Path) -> dict:  # the critic's checkpoint of the step, saved before the policy's
+        critic_checkpoint = Path(args.output_dir) / "critic" / "checkpoints" / checkpoint.name
         if not (critic_checkpoint / "trainer_state.json").is_file():
-            raise SystemExit(f"{checkpoint} has no critic checkpoint at {critic_checkpoint}")
+            raise FileNotFoundError(f"{checkpoint} has no critic checkpoint at {critic_checkpoint}")
         policy.load_checkpoint(critic_checkpoint, value_model, critic_optimizer)
-        state = policy.load_checkpoint(checkpoint, model, optimizer)
-        if rank == 0:
-            print(f"resumed from {checkpoint} at step {state['step']}")
+        return policy.load_checkpoint(checkpoint, model, optimizer)
+
+    checkpoint, state = policy.load_newest_checkpoint(args.output_dir, load_both) if args.resume else (None, None)
+    if checkpoint is None:
+        state = {"step": 0, "data_pos": 0, "kl_coef": args.kl_coef, "best": {}, "evals": []}
+    elif rank == 0:
+        print(f"resumed from {checkpoint} at step {state['step']}")
     log = runlog.start(args.output_dir, rank, dataclasses.asdict(args), args.wandb_project,
-                       resume=checkpoint is not None)
+                       resume_step=state["step"] if args.resume else None)
     return Run(args, rank, world, total_steps, model, value_model, ref_model, optimizer, critic_optimizer, engine,
                tokenizer, sampling, limits, rows, eval_rows, score_fn, log, state["step"], state["data_pos"],
                state["kl_coef"], state["best"], state["evals"])
@@ -310,7 +335,9 @@ def train_step(run: Run) -> dict:
     # 5. Rewards, in parallel in the sandbox.
     with runlog.timed(seconds, "reward"):
         for s, r in zip(samples, run.score_fn([s.row for s in samples], [s.text for s in samples])):
-            s.reward, s.info = r.score, r.info
+            s.reward, s.info = r.score, s.info | r.info  # the rollout's info (multi-turn messages) stays
+    rewards.refuse_nonfinite(policy.gather_objects(  # every rank gets every offender: all stop together
+        [(data_prep.row_id(s.row), s.reward) for s in samples if not math.isfinite(s.reward)]), run.step + 1)
     sources, scores, errors, lengths = zip(*policy.gather_objects(
         [(s.row["data_source"], s.reward, s.info.get("error"), len(s.completion_ids)) for s in samples]))
     metrics |= rewards.batch_metrics(sources, scores, errors, lengths)
@@ -330,13 +357,13 @@ def train_step(run: Run) -> dict:
                 for k, v in stats.items():
                     update_metrics[k].append(v)
     metrics |= {k: sum(v) / len(v) for k, v in update_metrics.items()}
-    metrics |= {"actor/frozen": float(frozen), "kl/coef": run.kl_coef}
+    metrics |= {"actor/frozen": float(frozen), "actor/reward_kl_penalty_coeff": run.kl_coef}
     if args.kl_target is not None:  # adaptive KL: nudge the coefficient toward the target, at most 20% per horizon
-        error = max(-0.2, min(0.2, metrics["kl/ref"] / args.kl_target - 1))
+        error = max(-0.2, min(0.2, metrics["actor/reward_kl_penalty"] / args.kl_target - 1))
         run.kl_coef *= 1 + error * len(samples) * run.world / args.kl_horizon
 
     # 9. Metrics and sample completions.
-    metrics |= {f"time/{k}": v for k, v in seconds.items()}
+    metrics |= {f"timing_s/{k}": v for k, v in seconds.items()}
     metrics["perf/tokens_per_s"] = policy.sum_over_ranks(sum(len(s.ids) for s in samples)) / sum(seconds.values())
     if args.sample_every and (run.step + 1) % args.sample_every == 0:
         run.log.samples(policy.gather_objects([runlog.sample_record(run.step + 1, s) for s in samples]))
@@ -366,11 +393,11 @@ def make_experience(run: Run, samples: list[rollout.Sample]) -> tuple[Experience
     _, error_var = global_mean_var(returns - values, mask)
     engine_logprobs = policy.padded([s.engine_logprobs for s in samples])
     metrics = {
-        "critic/values_mean": global_mean_var(values, mask)[0],
-        "critic/returns_mean": returns_mean,
-        "critic/explained_var": 1 - error_var / returns_var if returns_var > 0 else 0.0,
-        "advantages/mean": adv_mean, "advantages/std": math.sqrt(adv_var),
-        "kl/ref": global_mean_var(kl, mask)[0],
+        "critic/values/mean": global_mean_var(values, mask)[0],
+        "critic/returns/mean": returns_mean,
+        "critic/vf_explained_var": 1 - error_var / returns_var if returns_var > 0 else 0.0,
+        "critic/advantages/mean": adv_mean, "critic/advantages/std": math.sqrt(adv_var),
+        "actor/reward_kl_penalty": global_mean_var(kl, mask)[0],
         "mismatch/engine_abs": global_mean_var((old - engine_logprobs).abs(), mask)[0],
     }
     return Experience(samples, mask, old, values, advantages, returns), metrics
@@ -393,13 +420,12 @@ def update_actor(run: Run, exp: Experience, minibatch: int) -> dict:
         loss = losses.masked_sum(token_loss, mask) / global_tokens * run.world  # token mean; FSDP averages ranks
         loss.backward()
         share = mask.sum().item() / global_tokens  # this micro-batch's share of the global tokens
-        stats["actor/loss"] += loss.item() / run.world
+        stats["actor/pg_loss"] += loss.item() / run.world
         stats["actor/entropy"] += losses.masked_sum(entropy.detach(), mask).item() / global_tokens
-        for k in ("approx_kl", "clip_frac_low", "clip_frac_high", "ratio_mean"):
+        for k in ("ppo_kl", "pg_clipfrac", "pg_clipfrac_low", "pg_clipfrac_high", "ratio_mean"):
             stats[f"actor/{k}"] += loss_stats[k] * share
     grad_norm = policy.clip_grad_norm(run.model, args.max_grad_norm)
-    run.optimizer.step()
-    return policy.sum_dicts_over_ranks(stats) | {"actor/grad_norm": grad_norm}
+    return policy.sum_dicts_over_ranks(stats) | policy.step_if_finite(run.optimizer, grad_norm, "actor")
 
 
 def update_critic(run: Run, exp: Experience, minibatch: int) -> dict:
@@ -414,11 +440,10 @@ def update_critic(run: Run, exp: Experience, minibatch: int) -> dict:
         token_loss, clip_frac = losses.value_loss(values, old, returns, mask, clip=args.value_clip)
         loss = losses.masked_sum(token_loss, mask) / global_tokens * run.world
         loss.backward()
-        stats["critic/loss"] += loss.item() / run.world
-        stats["critic/vf_clip_frac"] += clip_frac * mask.sum().item() / global_tokens
+        stats["critic/vf_loss"] += loss.item() / run.world
+        stats["critic/vf_clipfrac"] += clip_frac * mask.sum().item() / global_tokens
     grad_norm = policy.clip_grad_norm(run.value_model, args.max_grad_norm)
-    run.critic_optimizer.step()
-    return policy.sum_dicts_over_ranks(stats) | {"critic/grad_norm": grad_norm}
+    return policy.sum_dicts_over_ranks(stats) | policy.step_if_finite(run.critic_optimizer, grad_norm, "critic")
 
 
 def minibatch_plan(run: Run, exp: Experience, minibatch: int) -> tuple[list[list[int]], float]:
@@ -457,7 +482,7 @@ def evaluate(run: Run) -> dict:
     summary = rewards.report({data_prep.row_id(row): row for row in run.eval_rows}, [task for task, _ in graded],
                              [reward for _, reward in graded])
     metrics = rewards.report_metrics(summary)
-    score = [metrics["eval/all/pass@1"], metrics["eval/reward"]]
+    score = [metrics["val-core/all/pass@1"], metrics["val-core/all/reward/mean"]]
     if not run.best or score > run.best["score"]:
         run.best = {"step": run.step, "score": score}
         policy.save_best(run.model, args.model, Path(args.output_dir) / "best", {"step": run.step, "metrics": metrics})
@@ -481,5 +506,6 @@ def save(run: Run) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    with runlog.one_line_errors():
+        main(runlog.parse_args(Args))
     policy.exit_distributed()

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import tyro
 from tqdm import tqdm
 
 import data_prep
@@ -24,9 +23,9 @@ import runlog
 
 @dataclass
 class Args:
-    model: str = "runs/tiny-model"
-    """model to fine-tune: a Hugging Face folder or hub name"""
-    data: str = "runs/toy/train.parquet"
+    model: str = "runs/demo/tiny-model"
+    """model to fine-tune: a Hugging Face folder or hub name (default: the tiny model `make demo` builds)"""
+    data: str = "runs/demo/sft.jsonl"
     """conversations (.jsonl/.parquet with `messages`) or kiln rows with extra_info.solution"""
     output_dir: str = "runs/sft"
     """where metrics.jsonl, checkpoints/ and the final Hugging Face folder hf/ go"""
@@ -58,10 +57,14 @@ class Args:
     """torch.compile each decoder layer (GPUs: fuses norms, rotary and activations)"""
     save_every: int = 0
     """checkpoint every N steps (0 = only at the end)"""
+    keep_checkpoints: int = 2
+    """how many recent checkpoints to keep"""
     resume: bool = False
     """continue from the newest checkpoint in output_dir"""
     end_of_turn: str | None = None
     """token that closes an assistant turn (default: found in the chat template, e.g. <|im_end|>, <|eot_id|>)"""
+    overwrite: bool = False
+    """replace an earlier run in output_dir (without it or --resume, a non-empty output_dir is refused)"""
 
 
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "function_call": "assistant", "observation": "tool"}
@@ -105,8 +108,12 @@ def load_conversations(path: str) -> list[list[dict]]:
 
 def main(args: Args) -> dict:
     rank, world, device = policy.init_distributed()
-    if args.batch_size % world:
-        raise SystemExit(f"--batch-size {args.batch_size} must divide by the world size {world}")
+    if args.batch_size < 1 or args.batch_size % world:
+        raise SystemExit(f"--batch-size {args.batch_size} must be > 0 and divide by the world size {world}")
+    if args.steps < 0:
+        raise SystemExit(f"--steps must be >= 0, got {args.steps}")
+    runlog.check_output_dir(args.output_dir, args.resume, args.overwrite)
+    policy.check_model_path(args.model)
     torch.manual_seed(args.seed)
     tokenizer = policy.load_tokenizer(args.model)
     eot = rollout.end_of_turn(tokenizer, args.end_of_turn)
@@ -122,15 +129,13 @@ def main(args: Args) -> dict:
     optimizer = policy.adamw(model, args.lr, args.weight_decay)
     scheduler = policy.lr_schedule(optimizer, args.warmup_steps, args.steps, "cosine", floor=0.1)
     step = 0
-    checkpoint = policy.latest_checkpoint(args.output_dir) if args.resume else None
+    checkpoint, state = (policy.load_newest_checkpoint(args.output_dir, lambda path: policy.load_checkpoint(
+        path, model, optimizer)) if args.resume else (None, None))
     if checkpoint is not None:
-        state = policy.load_checkpoint(checkpoint, model, optimizer)
         scheduler.load_state_dict(state["scheduler"])
         step = state["step"]
     out = Path(args.output_dir)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    log = runlog.RunLog(out, rank)
+    log = runlog.start(args.output_dir, rank, {}, None, resume_step=step if args.resume else None)
     per_rank = args.batch_size // world
     metrics = {}
     bar = tqdm(total=args.steps, initial=step, desc="sft", disable=rank != 0)
@@ -148,21 +153,22 @@ def main(args: Args) -> dict:
             loss.backward()
             loss_sum += loss.item() / world
         grad_norm = policy.clip_grad_norm(model, args.max_grad_norm)
-        optimizer.step()
+        stepped = policy.step_if_finite(optimizer, grad_norm, "train")
         scheduler.step()
         step += 1
-        metrics = {"step": step, "loss": policy.sum_over_ranks(loss_sum), "grad_norm": grad_norm,
-                   "lr": scheduler.get_last_lr()[0], "tokens": tokens}
+        metrics = {"step": step, "train/loss": policy.sum_over_ranks(loss_sum), **stepped,
+                   "train/lr": scheduler.get_last_lr()[0], "train/tokens": tokens}
         log.metrics(metrics)
         bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+        bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             policy.save_checkpoint(args.output_dir, step, model, optimizer,
-                                   {"step": step, "scheduler": scheduler.state_dict()}, hf_source_dir=args.model)
+                                   {"step": step, "scheduler": scheduler.state_dict()}, hf_source_dir=args.model,
+                                   keep_last=args.keep_checkpoints)
     bar.close()
     policy.save_hf(model, args.model, out / "hf")
     if rank == 0:
-        print(f"sft done: final loss {metrics.get('loss', float('nan')):.4f}, Hugging Face folder {out / 'hf'}")
+        print(f"sft done: final loss {metrics.get('train/loss', float('nan')):.4f}, Hugging Face folder {out / 'hf'}")
     return metrics
 
 
@@ -174,5 +180,6 @@ def sft_loss(model, micro: list[tuple[list[int], list[int]]], total_tokens: floa
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    with runlog.one_line_errors():
+        main(runlog.parse_args(Args))
     policy.exit_distributed()

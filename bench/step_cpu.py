@@ -88,7 +88,7 @@ def run_kiln(bench: BenchArgs, model_dir: Path, data: Path, out: Path) -> dict:
     measured = metrics[bench.warmup:]
     # No stop token: every completion ends by length, i.e. has exactly 32 new tokens, when this is 1.0.
     lengths = {m["rollout/truncated_frac"] for m in measured}
-    parts = sorted({k for m in measured for k in m if k.startswith("time/")})
+    parts = sorted({k for m in measured for k in m if k.startswith("timing_s/")})
     return {"wall": walls[bench.warmup:], "parts": {k: statistics.median(m[k] for m in measured) for k in parts},
             "lengths": lengths, "generation": generation}
 

@@ -177,8 +177,8 @@ def main(args: Args) -> dict:
         if cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        if not torch.isfinite(torch.tensor(stats["loss"])):
-            raise SystemExit(f"update {step}: loss is {stats['loss']}")
+        if not torch.isfinite(torch.tensor(stats["actor/pg_loss"])):
+            raise SystemExit(f"update {step}: loss is {stats['actor/pg_loss']}")
         if rank == 0:
             print(f"update {step}: {elapsed:.3f} s", file=sys.stderr, flush=True)
         if step >= args.warmup:

@@ -29,10 +29,11 @@ def test_demo_lifts_the_held_out_pass_rate(tmp_path):
     assert result["after"] - result["before"] >= MIN_LIFT, result
     assert 0.0 < result["before"] < 0.6, result  # a low but non-zero warm start: there is something to learn
     records = [json.loads(line) for line in open(tmp_path / "grpo" / "metrics.jsonl")]
-    train = [m for m in records if "reward/mean" in m]
+    train = [m for m in records if "critic/score/mean" in m]
     assert [m["step"] for m in train] == list(range(1, 41))
     first, last = train[:5], train[-5:]
-    assert sum(m["reward/mean"] for m in last) > sum(m["reward/mean"] for m in first), "train reward must rise too"
+    score = "critic/score/mean"
+    assert sum(m[score] for m in last) > sum(m[score] for m in first), "train reward must rise too"
     samples = [json.loads(line) for line in open(tmp_path / "grpo" / "samples.jsonl")]
     assert {s["step"] for s in samples} == set(range(5, 41, 5)) and all("completion" in s for s in samples)
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

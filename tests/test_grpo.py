@@ -52,12 +52,12 @@ def env() -> dict:
 def metrics_by_step(out: Path) -> dict[int, dict]:
     """The last record of each training step (a resumed run rewrites the steps after its checkpoint)."""
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    return {m["step"]: m for m in records if "reward/mean" in m}
+    return {m["step"]: m for m in records if "critic/score/mean" in m}
 
 
 def deterministic(metrics: dict) -> dict:
-    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "perf/", "rollout/seconds",
-                                                                    "rollout/tokens_per_s", "eval/"))}
+    return {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "perf/", "rollout/seconds", "timestamp",
+                                                                  "rollout/tokens_per_s", "val-core/", "val-aux/"))}
 
 
 def test_two_ranks_with_code_reward_then_kill_and_resume(task, tmp_path):
@@ -68,15 +68,17 @@ def test_two_ranks_with_code_reward_then_kill_and_resume(task, tmp_path):
                    check=True, env=env(), timeout=600)
     steps = metrics_by_step(straight)
     assert sorted(steps) == [1, 2, 3, 4, 5, 6]
-    for key in ["reward/mean", "reward/std", "reward/pass_rate", "reward/toy/mean", "response/length_mean",
-                "loss", "entropy", "approx_kl", "clip_frac_low", "clip_frac_high", "grad_norm",
-                "mismatch/engine_abs", "time/rollout", "time/reward", "time/update", "perf/tokens_per_s", "lr"]:
+    for key in ["critic/score/mean", "critic/score/std", "critic/score/pass_rate", "critic/score/toy/mean",
+                "response_length/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac",
+                "actor/pg_clipfrac_low", "actor/pg_clipfrac_high", "actor/grad_norm", "actor/skipped_step",
+                "mismatch/engine_abs", "timing_s/rollout", "timing_s/reward", "timing_s/update", "perf/tokens_per_s",
+                "actor/lr", "timestamp"]:
         assert all(key in m and math.isfinite(m[key]) for m in steps.values()), key
     # The same model generates and trains (HF engine), so the logprobs agree up to float noise.
     assert max(m["mismatch/engine_abs"] for m in steps.values()) <= 1e-3
-    assert any(m["grad_norm"] > 0 for m in steps.values())  # a step whose groups all tie has no gradient
+    assert any(m["actor/grad_norm"] > 0 for m in steps.values())  # a step whose groups all tie has no gradient
     evals = [json.loads(line) for line in open(straight / "metrics.jsonl")]
-    assert [m["step"] for m in evals if "eval/all/pass@1" in m] == [0, 3, 6]
+    assert [m["step"] for m in evals if "val-core/all/pass@1" in m] == [0, 3, 6]
     samples = [json.loads(line) for line in open(straight / "samples.jsonl")]
     assert {s["step"] for s in samples} == {2, 4, 6} and all(s["task_id"].startswith("toy/") for s in samples)
 
@@ -128,7 +130,7 @@ def test_tiny_model_learns_a_simple_reward(task, tmp_path):
                            total_steps=30, max_new_tokens=16, lr=3e-3, prompts_per_step=8, group_size=8,
                            save_every=1000, sample_every=0, seed=0)
     train_grpo.main(args, score_fn=x_fraction)
-    rewards = [m["reward/mean"] for m in metrics_by_step(tmp_path).values()]
+    rewards = [m["critic/score/mean"] for m in metrics_by_step(tmp_path).values()]
     first, last = sum(rewards[:2]) / 2, sum(rewards[-5:]) / 5  # the first two steps are (almost) untrained
     assert last > 2 * first and last - first > 0.15, rewards
 
@@ -151,7 +153,8 @@ def test_wandb_offline_logs_every_metric_of_every_step(task, tmp_path, monkeypat
     steps = metrics_by_step(tmp_path)
     assert sorted(steps) == [1, 2]
     for metrics in steps.values():
-        missing = {k: v for k, v in metrics.items() if k != "step" and not logged(run, k, v)}
+        missing = {k: v for k, v in metrics.items()
+                   if k not in ("step", "timestamp") and not logged(run, k, v)}  # wandb stamps its own time
         assert not missing, missing
 
 
@@ -184,7 +187,7 @@ def test_minibatches_take_whole_groups_and_an_empty_one_takes_no_step(tmp_path):
         assert train_grpo.update_policy(run, batch, 0, None, None) == {}
         assert all(torch.equal(a, b) for a, b in zip(weights(), before))
         stats = train_grpo.update_policy(run, batch, 1, None, None)
-        assert stats["grad_norm"] > 0 and math.isfinite(stats["loss"])
+        assert stats["actor/grad_norm"] > 0 and math.isfinite(stats["actor/pg_loss"])
         assert not any(torch.equal(a, b) for a, b in zip(weights(), before))
         with pytest.raises(SystemExit, match="--minibatches 9 needs as many prompts per rank"):
             train_grpo.setup(train_grpo.Args(model=str(model_dir), minibatches=9, prompts_per_step=8), None)
@@ -225,12 +228,12 @@ def test_best_policy_follows_the_chosen_metric(tmp_path):
 
     created = not torch.distributed.is_initialized()
     try:
-        run, metrics = run_with("eval/all/test_pass_rate", tmp_path / "by_pass_rate")
-        assert [m["eval/all/test_pass_rate"] for m in metrics] == pytest.approx([0.25, 2 / 3, 1 / 3])
-        assert [m["eval/all/pass@1"] for m in metrics] == [0.25, 0.0, 0.0]
-        assert metrics[1]["eval/all/band/good"] == 1.0 and metrics[0]["eval/all/band/very_poor"] == 0.75
+        run, metrics = run_with("val-core/all/test_pass_rate", tmp_path / "by_pass_rate")
+        assert [m["val-core/all/test_pass_rate"] for m in metrics] == pytest.approx([0.25, 2 / 3, 1 / 3])
+        assert [m["val-core/all/pass@1"] for m in metrics] == [0.25, 0.0, 0.0]
+        assert metrics[1]["val-aux/all/band/good"] == 1.0 and metrics[0]["val-aux/all/band/very_poor"] == 0.75
         best = json.loads((tmp_path / "by_pass_rate" / "best" / "best.json").read_text())
-        assert best["step"] == 1 and run.best == {"step": 1, "metric": "eval/all/test_pass_rate",
+        assert best["step"] == 1 and run.best == {"step": 1, "metric": "val-core/all/test_pass_rate",
                                                   "value": pytest.approx(2 / 3)}
         assert policy.load_model(tmp_path / "by_pass_rate" / "best").config.num_hidden_layers == 2
         report = json.loads((tmp_path / "by_pass_rate" / "eval_report.json").read_text())
@@ -240,11 +243,11 @@ def test_best_policy_follows_the_chosen_metric(tmp_path):
         png = (tmp_path / "by_pass_rate" / "eval_report.png").read_bytes()
         assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
 
-        run, _ = run_with("eval/all/pass@1", tmp_path / "by_pass_at_1")
+        run, _ = run_with("val-core/all/pass@1", tmp_path / "by_pass_at_1")
         assert json.loads((tmp_path / "by_pass_at_1" / "best" / "best.json").read_text())["step"] == 0
-        with pytest.raises(SystemExit, match=r"--best-metric eval/all/nope: this evaluation has no such metric .*; it "
-                                             "has eval/all/band/excellent"):
-            run_with("eval/all/nope", tmp_path / "nope")
+        with pytest.raises(SystemExit, match=r"--best-metric val-core/all/nope: this evaluation has no such metric "
+                                             ".*; it has val-aux/all/band/excellent"):
+            run_with("val-core/all/nope", tmp_path / "nope")
         with pytest.raises(SystemExit, match="must be an evaluation metric"):
             run_with("reward/mean", tmp_path / "nope")
     finally:

@@ -103,7 +103,7 @@ def test_dynamic_sampling_refills_the_batch_with_groups_that_differ(task, tmp_pa
     assert len(batch) == 8 and len({s.group for s in batch}) == 4  # exactly the requested groups
     assert all(informative(s.row) for s in batch) and sorted(s.reward for s in batch) == [0.0] * 4 + [1.0] * 4
     assert all(abs(s.advantage) == pytest.approx(0.5 / (math.sqrt(0.5) + 1e-6)) for s in batch)  # GRPO of 0, 1
-    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
 
 
 def test_dynamic_sampling_tries_are_bounded(task, tmp_path, monkeypatch):
@@ -112,7 +112,7 @@ def test_dynamic_sampling_tries_are_bounded(task, tmp_path, monkeypatch):
         rows), prompts_per_step=4, group_size=2, max_new_tokens=8, dynamic_sampling=True, max_sampling_tries=3)
     metrics = train_grpo.train_step(run)
     assert metrics["batch/sampling_tries"] == 3 and metrics["batch/kept_frac"] == 0.0 and run.data_pos == 12
-    assert seen == [[]] and "loss" not in metrics  # nothing to learn: no optimizer step
+    assert seen == [[]] and "actor/pg_loss" not in metrics  # nothing to learn: no optimizer step
 
 
 def test_overlong_punishment_and_filtering(task, tmp_path, monkeypatch):
@@ -130,7 +130,7 @@ def test_overlong_punishment_and_filtering(task, tmp_path, monkeypatch):
     assert [s.advantage for s in batch] == pytest.approx([d / (std + 1e-6) for d in (0.375, 0.375, -0.125)] * 2)
     assert metrics["overlong/penalty_mean"] == pytest.approx(-1.5 / 4)
     assert metrics["overlong/masked_frac"] == pytest.approx(1 / 4)
-    assert metrics["reward/mean"] == 1.0  # the task's reward is logged as it was scored
+    assert metrics["critic/score/mean"] == 1.0  # the task's reward is logged as it was scored
 
 
 def test_gspo_defaults_and_refusals(task, tmp_path):
@@ -155,7 +155,7 @@ def test_gspo_trains_with_truncated_importance_sampling(task, tmp_path):
     assert (run.args.clip_low, run.args.loss_agg) == (3e-4, "seq-mean-token-mean")
     metrics = train_grpo.train_step(run)
     # The engine claims logprob -1 for every token: TIS weights are min(exp(old + 1), 2), below the cap here.
-    assert 0 < metrics["tis_weight_mean"] < 2 and math.isfinite(metrics["loss"])
+    assert 0 < metrics["actor/tis_weight_mean"] < 2 and math.isfinite(metrics["actor/pg_loss"])
 
 
 def test_stop_tokens_hold_the_templates_end_of_turn(tmp_path):

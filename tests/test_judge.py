@@ -344,7 +344,7 @@ def grpo_args(root, model, out, url, **overrides):
     return train_grpo.Args(**{"model": str(model), "data": str(root / "train.parquet"), "output_dir": str(out),
                               "total_steps": 2, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8,
                               "lr": 1e-3, "save_every": 1000, "sample_every": 1, "judge_url": url,
-                              "best_metric": "eval/all/pass@1",
+                              "best_metric": "val-core/all/pass@1",
                               "judge_timeout_s": 10.0} | overrides)
 
 
@@ -386,12 +386,14 @@ def test_grpo_leaves_out_judge_failures_and_counts_them(vl_task, tmp_path, monke
                                         eval_data=str(root / "train.parquet")))
     run.judge.close()
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    evals = [m for m in records if "eval/judge_ungraded" in m]  # before and after: judge failures left out, not fails
+    # Before and after: judge failures left out, not fails.
+    evals = [m for m in records if "val-aux/judge_ungraded" in m]
     assert [m["step"] for m in evals] == [0, 2]
     for m in evals:
-        assert m.get("eval/all/tasks", 0) + m["eval/judge_ungraded"] == 8
-        assert math.isfinite(m.get("eval/reward", 0.0)) and ("eval/reward" in m) == (m["eval/judge_ungraded"] < 8)
-    steps = [m for m in records if "reward/mean" in m]
+        assert m.get("val-aux/all/tasks", 0) + m["val-aux/judge_ungraded"] == 8
+        reward = "val-core/all/reward/mean"
+        assert math.isfinite(m.get(reward, 0.0)) and (reward in m) == (m["val-aux/judge_ungraded"] < 8)
+    steps = [m for m in records if "critic/score/mean" in m]
     samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
     assert [m["step"] for m in steps] == [1, 2] and len(samples) == 16
     failed = 0
@@ -416,9 +418,10 @@ def test_grpo_leaves_out_judge_failures_and_counts_them(vl_task, tmp_path, monke
         scored = [s["reward"] for s in step_samples if not math.isnan(s["reward"])]
         assert m["judge/calls"] == 8 and m["judge/parse_failures"] == 0 and m["judge/latency_p50_s"] > 0
         assert m["judge/failure_rate"] == m["judge/errors"] / 8 == m["judge/excluded_frac"]
-        assert m["reward/vl_agent/acc"] == 0.0 and m["reward/vl_agent/format"] == 0.0
-        assert m["reward/mean"] == pytest.approx(sum(scored) / len(scored))  # over the graded samples only
-        assert m["reward/vl_agent/tool"] == pytest.approx(2 * m["reward/mean"]) and math.isfinite(m["loss"])
+        assert m["critic/score/vl_agent/acc"] == 0.0 and m["critic/score/vl_agent/format"] == 0.0
+        assert m["critic/score/mean"] == pytest.approx(sum(scored) / len(scored))  # over the graded samples only
+        assert m["critic/score/vl_agent/tool"] == pytest.approx(2 * m["critic/score/mean"])
+        assert math.isfinite(m["actor/pg_loss"])
 
 
 @pytest.mark.slow

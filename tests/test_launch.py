@@ -69,4 +69,5 @@ def test_dry_run_resolves_every_default_into_train_grpo_args(script, tmp_path):
     assert (args["model"], args["engine"], args["mixed_precision"]) == ("Qwen/Qwen2.5-Coder-7B-Instruct", "vllm", True)
     assert (args["attn_implementation"], args["compile_layers"]) == ("flex_attention", True)
     assert (args["group_size"], args["max_new_tokens"], args["vllm_max_model_len"]) == (8, 2048, 3072)
+    assert (args["data"], args["eval_data"]) == ("data/apps_train.parquet", "data/apps_test.parquet")
     assert not (tmp_path / "run").exists()  # a dry run starts nothing

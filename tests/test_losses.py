@@ -189,12 +189,12 @@ def test_clipped_loss_values_gradients_and_stats():
     close(loss, [[-1.28, -0.5, 0.8, 1.2, 5.0, -1.28, 2.5, 0.0]])
     loss.sum().backward()
     close(logprobs.grad, [[0.0, -0.5, 0.0, 1.2, 5.0, 0.0, 2.5, 0.0]])
-    assert stats["clip_frac_high"] == pytest.approx(2 / 7)  # a, f
-    assert stats["clip_frac_low"] == pytest.approx(1 / 7)  # c
-    assert stats["dual_clip_frac"] == 0.0
+    assert stats["pg_clipfrac_high"] == pytest.approx(2 / 7)  # a, f
+    assert stats["pg_clipfrac_low"] == pytest.approx(1 / 7)  # c
+    assert stats["pg_clipfrac_dual"] == 0.0
     assert stats["ratio_mean"] == pytest.approx(16.2 / 7)  # 1.5+0.5+0.5+1.2+5+5+2.5
     # k3 = r - 1 - ln r: a 0.0945349, b 0.1931472, c 0.1931472, d 0.0176784, e 2.3905621, f 2.3905621, g 0.5837093
-    assert stats["approx_kl"] == pytest.approx(5.8633412 / 7, abs=1e-6)
+    assert stats["ppo_kl"] == pytest.approx(5.8633412 / 7, abs=1e-6)
 
 
 def test_dual_clip_engages_only_for_negative_advantages():
@@ -204,7 +204,7 @@ def test_dual_clip_engages_only_for_negative_advantages():
     close(loss, [[-1.28, -0.5, 0.8, 1.2, 3.0, -1.28, 2.5, 0.0]])
     loss.sum().backward()
     close(logprobs.grad, [[0.0, -0.5, 0.0, 1.2, 0.0, 0.0, 2.5, 0.0]])
-    assert stats["dual_clip_frac"] == pytest.approx(1 / 7)
+    assert stats["pg_clipfrac_dual"] == pytest.approx(1 / 7)
     with pytest.raises(ValueError, match="dual_clip"):
         losses.clipped_policy_loss(logprobs, old, ADVS, MASK8, dual_clip=0.9)
 
@@ -220,7 +220,7 @@ def test_clip_higher_is_asymmetric():
     close(loss, [[-1.25, 0.8]])
     loss.sum().backward()
     close(logprobs.grad, [[-1.25, 0.0]])
-    assert (stats["clip_frac_low"], stats["clip_frac_high"]) == (0.5, 0.0)
+    assert (stats["pg_clipfrac_low"], stats["pg_clipfrac_high"]) == (0.5, 0.0)
 
 
 def test_truncated_importance_sampling_caps_and_is_detached():
@@ -276,7 +276,7 @@ def test_gspo_clips_the_sequence_ratio():
     close(loss, [[-1.0004, -1.0004], [0.9997, 0.9997]])
     loss.sum().backward()
     close(logprobs.grad, torch.zeros(2, 2))
-    assert (stats["clip_frac_high"], stats["clip_frac_low"]) == (0.5, 0.5)
+    assert (stats["pg_clipfrac_high"], stats["pg_clipfrac_low"]) == (0.5, 0.5)
 
 
 def test_policy_loss_is_finite_with_garbage_off_mask():
@@ -391,4 +391,4 @@ def test_log_ratio_is_clamped_so_a_huge_ratio_stays_finite(dual_clip):
         first = 3.0 if dual_clip else math.exp(20)
         close(loss.double(), [[first, 1.0 if fn is losses.clipped_policy_loss else 0.0]], atol=first * 1e-6)
         loss.sum().backward()
-        assert torch.isfinite(logprobs.grad).all() and math.isfinite(stats["approx_kl"]), (fn, logprobs.grad, stats)
+        assert torch.isfinite(logprobs.grad).all() and math.isfinite(stats["ppo_kl"]), (fn, logprobs.grad, stats)

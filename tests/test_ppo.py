@@ -24,6 +24,7 @@ import policy  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
 import tiny  # noqa: E402
+from test_runs import undocumented  # noqa: E402
 
 APPS_DIR = ROOT.parent / "shared" / "data" / "apps"  # 5 real problems: 2 introductory, 2 interview, 1 competition
 
@@ -166,7 +167,7 @@ def test_experience_lives_on_policy_tokens_of_multi_turn_samples(apps, tmp_path)
         # gamma = lambda = 1 and one reward at the end: every policy token's return is the score, A = score - V.
         torch.testing.assert_close(exp.returns[i][on[i]], torch.full((len(positions),), s.reward), atol=1e-5, rtol=0)
         torch.testing.assert_close(exp.advantages[i][on[i]], s.reward - exp.values[i][on[i]], atol=1e-5, rtol=0)
-    assert metrics["critic/returns_mean"] == pytest.approx(
+    assert metrics["critic/returns/mean"] == pytest.approx(
         (0.75 * sum(samples[0].loss_mask) + 0.25 * sum(samples[1].loss_mask)) / exp.mask.sum().item())
 
     t.args.whiten_advantages = True
@@ -184,15 +185,15 @@ def test_critic_fits_a_fixed_batch_and_value_clipping_engages(apps, tmp_path):
     samples = multi_turn_samples(t, apps[2])
     exp, _ = train_ppo.make_experience(t, samples)
     stats = [train_ppo.update_critic(t, exp, 0) for _ in range(40)]
-    first, last = stats[0]["critic/loss"], stats[-1]["critic/loss"]
-    assert first > 0.05 and last < first / 10, [s["critic/loss"] for s in stats]
-    assert all(s["critic/vf_clip_frac"] == 0 for s in stats)
+    first, last = stats[0]["critic/vf_loss"], stats[-1]["critic/vf_loss"]
+    assert first > 0.05 and last < first / 10, [s["critic/vf_loss"] for s in stats]
+    assert all(s["critic/vf_clipfrac"] == 0 for s in stats)
 
     # Clipped: the first update starts at the rollout's values (nothing to clip); after one step the values have moved
     # further than 1e-3 toward the returns on most tokens, and the clipped term takes over there.
     t.args.value_clip = 1e-3
     exp, _ = train_ppo.make_experience(t, [dataclasses.replace(s, reward=1.0 - s.reward) for s in samples])
-    clipped = [train_ppo.update_critic(t, exp, 0)["critic/vf_clip_frac"] for _ in range(3)]
+    clipped = [train_ppo.update_critic(t, exp, 0)["critic/vf_clipfrac"] for _ in range(3)]
     assert clipped[0] == 0 and clipped[1] > 0.5 and clipped[2] > 0.5, clipped
 
 
@@ -204,20 +205,20 @@ def test_step_and_eval_by_difficulty_with_real_apps_rewards(apps, tmp_path):
     t.engine = ScriptedEngine(t.tokenizer, rows, answers)
 
     metrics = train_ppo.evaluate(t)
-    assert metrics["eval/all/pass@1"] == pytest.approx(1 / 5)
-    assert metrics["eval/apps/interview/pass@1"] == pytest.approx(1 / 2)
-    assert metrics["eval/apps/introductory/pass@1"] == 0 and metrics["eval/apps/competition/pass@1"] == 0
-    assert [metrics[f"eval/apps/{d}/tasks"] for d in ("introductory", "interview", "competition")] == [2, 2, 1]
-    assert metrics["eval/reward"] == pytest.approx(sum(expected.values()) / 5)
-    assert metrics["eval/error/no_code"] == pytest.approx(1 / 5)
+    assert metrics["val-core/all/pass@1"] == pytest.approx(1 / 5)
+    assert metrics["val-core/apps/interview/pass@1"] == pytest.approx(1 / 2)
+    assert metrics["val-core/apps/introductory/pass@1"] == 0 and metrics["val-core/apps/competition/pass@1"] == 0
+    assert [metrics[f"val-aux/apps/{d}/tasks"] for d in ("introductory", "interview", "competition")] == [2, 2, 1]
+    assert metrics["val-core/all/reward/mean"] == pytest.approx(sum(expected.values()) / 5)
+    assert metrics["val-aux/error/no_code"] == pytest.approx(1 / 5)
     best = json.loads((tmp_path / "best" / "best.json").read_text())
-    assert best["step"] == 0 and best["metrics"]["eval/all/pass@1"] == pytest.approx(0.2)
+    assert best["step"] == 0 and best["metrics"]["val-core/all/pass@1"] == pytest.approx(0.2)
 
     # Better at step 3: the best moves; worse at step 4: it stays.
     t.engine.answers = {r: fenced(row["extra_info"]["solutions"][0]) for r, row in
                         ((data_prep.row_id(row), row) for row in rows)}
     t.step = 3
-    assert train_ppo.evaluate(t)["eval/all/pass@1"] == 1.0
+    assert train_ppo.evaluate(t)["val-core/all/pass@1"] == 1.0
     t.engine.answers, t.step = answers, 4
     train_ppo.evaluate(t)
     assert json.loads((tmp_path / "best" / "best.json").read_text())["step"] == 3
@@ -230,17 +231,19 @@ def test_step_and_eval_by_difficulty_with_real_apps_rewards(apps, tmp_path):
                         "apps/competition (1) | reward |")
     assert table[5].startswith("| 3 (best) | 1.000 |") and table[4].startswith("| 0 | 0.200 |")
     # The last evaluation in full: test pass rates 1, 0, 1/3, 0 (no code), 4/8 -> mean 11/30, and their bands.
-    assert metrics["eval/all/test_pass_rate"] == pytest.approx(11 / 30)
+    assert metrics["val-core/all/test_pass_rate"] == pytest.approx(11 / 30)
     assert "| all | 5 | 0.200 | 5 | 0.367 | 2 (40%) | 1 (20%) | 1 (20%) | 0 (0%) | 1 (20%) |" in table
     assert (tmp_path / "eval_report.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
     # One PPO step on the same answers: the partial APPS scores reach the critic and the actor.
     t.step = 0
     metrics = train_ppo.train_step(t)
-    assert metrics["reward/mean"] == pytest.approx(sum(expected.values()) / 5)
-    assert metrics["reward/pass_rate"] == pytest.approx(1 / 5)
-    assert metrics["critic/loss"] > 0 and metrics["critic/grad_norm"] > 0 and metrics["actor/grad_norm"] > 0
-    assert metrics["critic/returns_mean"] > 0 and metrics["actor/frozen"] == 0
+    assert metrics["critic/score/mean"] == pytest.approx(sum(expected.values()) / 5)
+    assert metrics["critic/score/pass_rate"] == pytest.approx(1 / 5)
+    assert metrics["critic/vf_loss"] > 0 and metrics["critic/grad_norm"] > 0 and metrics["actor/grad_norm"] > 0
+    assert metrics["critic/returns/mean"] > 0 and metrics["actor/frozen"] == 0
+    evaluation = train_ppo.evaluate(t)
+    assert not undocumented(metrics | evaluation)  # README's metrics table lists every key
 
 
 class ToolThenAnswerEngine:
@@ -283,7 +286,7 @@ def test_multi_turn_tool_rollouts_train_on_policy_tokens_only(apps, tmp_path):
     assert (exp.advantages[on] != 0).all()
 
     metrics = train_ppo.train_step(t)  # a whole step through the agent loop, the sandboxed tool and the APPS reward
-    assert metrics["tools/calls_mean"] == 1 and metrics["reward/apps/mean"] == pytest.approx(1 / 3 / 5)
+    assert metrics["tools/calls_mean"] == 1 and metrics["critic/score/apps/mean"] == pytest.approx(1 / 3 / 5)
     assert metrics["actor/grad_norm"] > 0 and metrics["critic/grad_norm"] > 0
 
 
@@ -310,24 +313,25 @@ def env() -> dict:
 def metrics_by_step(out: Path) -> dict[int, dict]:
     """The last record of each training step (a resumed run rewrites the steps after its checkpoint)."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {m["step"]: m for m in records if "reward/mean" in m}
+    return {m["step"]: m for m in records if "critic/score/mean" in m}
 
 
 def deterministic(metrics: dict) -> dict:
-    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "perf/", "rollout/seconds",
-                                                                    "rollout/tokens_per_s"))}
+    return {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "perf/", "rollout/seconds", "timestamp",
+                                                                  "rollout/tokens_per_s"))}
 
 
-CRITIC_KEYS = ["critic/loss", "critic/vf_clip_frac", "critic/grad_norm", "critic/values_mean", "critic/returns_mean",
-               "critic/explained_var"]
-ACTOR_KEYS = ["actor/loss", "actor/entropy", "actor/approx_kl", "actor/clip_frac_low", "actor/clip_frac_high",
-              "actor/ratio_mean", "actor/grad_norm"]
-STEP_KEYS = ["reward/mean", "reward/std", "reward/pass_rate", "reward/apps/mean", "response/length_mean",
-             "response/length_max", "advantages/mean", "advantages/std", "kl/ref", "kl/coef", "mismatch/engine_abs",
-             "actor/frozen", "time/rollout", "time/reward", "time/experience", "time/update", "perf/tokens_per_s",
-             "rollout/truncated_frac", *CRITIC_KEYS]
-EVAL_KEYS = ["eval/all/pass@1", "eval/apps/introductory/pass@1", "eval/apps/interview/pass@1",
-             "eval/apps/competition/pass@1", "eval/apps/introductory/tasks", "eval/reward"]
+CRITIC_KEYS = ["critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/skipped_step", "critic/values/mean",
+               "critic/returns/mean", "critic/vf_explained_var"]
+ACTOR_KEYS = ["actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac", "actor/pg_clipfrac_low",
+              "actor/pg_clipfrac_high", "actor/ratio_mean", "actor/grad_norm", "actor/skipped_step"]
+STEP_KEYS = ["critic/score/mean", "critic/score/std", "critic/score/pass_rate", "critic/score/apps/mean",
+             "response_length/mean", "response_length/max", "critic/advantages/mean", "critic/advantages/std",
+             "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "mismatch/engine_abs", "actor/frozen",
+             "timing_s/rollout", "timing_s/reward", "timing_s/experience", "timing_s/update", "perf/tokens_per_s",
+             "rollout/truncated_frac", "timestamp", *CRITIC_KEYS]
+EVAL_KEYS = ["val-core/all/pass@1", "val-core/apps/introductory/pass@1", "val-core/apps/interview/pass@1",
+             "val-core/apps/competition/pass@1", "val-aux/apps/introductory/tasks", "val-core/all/reward/mean"]
 
 
 @pytest.mark.slow
@@ -339,17 +343,18 @@ def test_two_ranks_on_apps_then_kill_and_resume(apps, tmp_path):
     for step, m in steps.items():
         keys = STEP_KEYS + (ACTOR_KEYS if step > 1 else [])  # step 1 is the critic's warm-up: the actor is frozen
         assert all(k in m and math.isfinite(m[k]) for k in keys), (step, sorted(set(keys) - set(m)))
-    assert steps[1]["actor/frozen"] == 1 and "actor/loss" not in steps[1]
+    assert steps[1]["actor/frozen"] == 1 and "actor/pg_loss" not in steps[1]
     assert all(steps[s]["actor/frozen"] == 0 and steps[s]["actor/grad_norm"] > 0 for s in (2, 3, 4))
     # The entropy bonus moves the actor away from the reference, the KL penalty turns that into token rewards, so the
     # critic has returns to fit. The adaptive coefficient (horizon = one batch: at most 20% a step) shrinks while the
     # KL is 0 (steps 1-2: the actor has not moved yet) and grows once it is far above its target.
-    assert steps[2]["kl/ref"] == 0 and steps[4]["kl/ref"] > 0.0012
-    assert steps[4]["critic/loss"] > 0 and steps[4]["critic/grad_norm"] > 0
-    assert [steps[s]["kl/coef"] for s in (1, 2, 3)] == pytest.approx([0.5, 0.4, 0.32])
-    assert steps[4]["kl/coef"] == pytest.approx(0.32 * (1.2 if steps[3]["kl/ref"] > 0.0012 else 0.8))
+    assert steps[2]["actor/reward_kl_penalty"] == 0 and steps[4]["actor/reward_kl_penalty"] > 0.0012
+    assert steps[4]["critic/vf_loss"] > 0 and steps[4]["critic/grad_norm"] > 0
+    assert [steps[s]["actor/reward_kl_penalty_coeff"] for s in (1, 2, 3)] == pytest.approx([0.5, 0.4, 0.32])
+    coeff, penalty = "actor/reward_kl_penalty_coeff", "actor/reward_kl_penalty"
+    assert steps[4][coeff] == pytest.approx(0.32 * (1.2 if steps[3][penalty] > 0.0012 else 0.8))
     records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
-    evals = [m for m in records if "eval/all/pass@1" in m]
+    evals = [m for m in records if "val-core/all/pass@1" in m]
     assert [m["step"] for m in evals] == [0, 2, 4]
     assert all(k in m for m in evals for k in EVAL_KEYS)
     report = json.loads((straight / "eval_report.json").read_text())
@@ -409,7 +414,8 @@ def test_wandb_offline_logs_every_metric_of_every_step(apps, tmp_path, monkeypat
         total_steps=1, wandb_project="kiln-test"))
     run = offline_run(tmp_path)
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["step"] for r in records] == [0, 1] and "eval/all/pass@1" in records[0]
+    assert [r["step"] for r in records] == [0, 1] and "val-core/all/pass@1" in records[0]
     for record in records:
-        missing = {k: v for k, v in record.items() if k != "step" and not logged(run, k, v)}
+        missing = {k: v for k, v in record.items()
+                   if k not in ("step", "timestamp") and not logged(run, k, v)}  # wandb stamps its own time
         assert not missing, missing

@@ -197,8 +197,8 @@ def test_a_grading_that_fails_is_a_counted_grader_error():
     (reward,) = outcome
     assert reward.score == 0.0 and reward.info["error"] == "grader_error" and "mbpp/9" in reward.info["reason"]
     metrics = rewards.batch_metrics(["mbpp", "mbpp"], [0.0, 1.0], ["grader_error", None], [5, 5])
-    assert metrics["reward/grader_errors"] == 1.0 and metrics["reward/error/grader_error"] == 0.5
-    assert rewards.batch_metrics(["mbpp"], [1.0], [None], [5])["reward/grader_errors"] == 0.0
+    assert metrics["critic/score/grader_errors"] == 1.0 and metrics["critic/score/error/grader_error"] == 0.5
+    assert rewards.batch_metrics(["mbpp"], [1.0], [None], [5])["critic/score/grader_errors"] == 0.0
 
 
 def is_tests_side(pid: str, box) -> bool:

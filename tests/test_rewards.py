@@ -197,9 +197,9 @@ def test_test_pass_rate_means_and_bands_by_hand():
     assert summary["pass"]["apps/introductory"] == {"tasks": 2, "pass@1": 0.25, "pass@2": 0.5}
 
     metrics = rewards.report_metrics(summary)
-    assert metrics["eval/all/test_pass_rate"] == pytest.approx(3 / 7)
-    assert metrics["eval/apps/interview/band/good"] == 0.5 and metrics["eval/humaneval/band/very_poor"] == 1.0
-    assert metrics["eval/all/pass@1"] == 0.125 and metrics["eval/error/no_code"] == 1 / 8
+    assert metrics["val-core/all/test_pass_rate"] == pytest.approx(3 / 7)
+    assert metrics["val-aux/apps/interview/band/good"] == 0.5 and metrics["val-aux/humaneval/band/very_poor"] == 1.0
+    assert metrics["val-core/all/pass@1"] == 0.125 and metrics["val-aux/error/no_code"] == 1 / 8
 
     lines = rewards.report_markdown(summary, "hand-made").splitlines()
     assert lines[0] == "# hand-made"

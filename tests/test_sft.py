@@ -41,7 +41,7 @@ def test_loss_falls_on_a_fixed_set(model_dir, tmp_path):
     data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))
     train_sft.main(train_sft.Args(model=str(model_dir), data=str(data), output_dir=str(tmp_path / "out"), steps=30,
                                   batch_size=3, lr=3e-3))
-    losses = [json.loads(line)["loss"] for line in open(tmp_path / "out" / "metrics.jsonl")]
+    losses = [json.loads(line)["train/loss"] for line in open(tmp_path / "out" / "metrics.jsonl")]
     assert len(losses) == 30 and losses[-1] < 0.5 * losses[0], losses
     assert (tmp_path / "out" / "hf" / "model.safetensors").is_file()
 
@@ -103,7 +103,8 @@ def test_sft_trains_on_a_gpu(model_dir, tmp_path):
     train_sft.main(train_sft.Args(model=str(model_dir), data=str(data), output_dir=str(tmp_path / "out"), steps=3,
                                   batch_size=3, lr=3e-3))
     metrics = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
-    assert len(metrics) == 3 and all(m["tokens"] > 0 and m["loss"] > 0 and m["grad_norm"] > 0 for m in metrics)
+    assert len(metrics) == 3 and all(m["train/tokens"] > 0 and m["train/loss"] > 0 and m["train/grad_norm"] > 0
+                                     for m in metrics)
 
 
 @pytest.mark.parametrize("rows, message", [
