@@ -219,7 +219,7 @@ def main(args: Args, score_fn: rewards.ScoreFn = rewards.score_batch) -> Run | N
             save(run)
     bar.close()
     if run.rank == 0:
-        print(f"done: metrics" + (", eval report and best/" if run.eval_rows else "") + f" in {args.output_dir}")
+        print("done: metrics" + (", eval report and best/" if run.eval_rows else "") + f" in {args.output_dir}")
     run.log.finish()
     return run
 

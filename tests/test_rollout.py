@@ -13,7 +13,6 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 import engines
 import policy
-import rollout
 import tiny
 
 CORPUS = [inspect.getsource(m) for m in (json.decoder, json.encoder)]
