@@ -74,6 +74,9 @@ STATUSES = ("pass", "wrong_answer", "runtime_error", "timeout", "memory", "synta
 # Run k of a zygote uses uid base + 2k (mod UID_RANGE) for the program and the next uid for its tests. Each zygote
 # draws its own base, so two zygotes never share a uid (nor its RLIMIT_NPROC count).
 UID_RANGE = 65536
+# The view's /proc hides other uids' processes (hidepid=2) except from this group: the tests' side joins it to read
+# the program's CPU time; programs never do. Below every zygote's uid range (bases are 2^30 and up).
+PROC_READER_GID = (1 << 30) - 1
 WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # where plain-mode runs may leave files
 PACKAGES_DIR = "/kiln/packages"  # the allow-listed packages, inside the view
 # What the agent's Python tool may import besides the stdlib: images, arrays, plots (and matplotlib's dependencies).
@@ -740,7 +743,8 @@ def _enter_view(packages: tuple[str, ...]) -> None:
     for path in packages:
         bind(path, f"{PACKAGES_DIR}/{os.path.basename(path)}")
     os.mkdir(root + "/proc")
-    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")  # only one's own processes
+    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,  # only one's own processes
+           f"hidepid=2,gid={PROC_READER_GID}")
     os.mkdir(root + "/dev")
     for name in ("null", "zero", "full", "random", "urandom"):
         bind("/dev/" + name, read_only=False)
@@ -1412,7 +1416,9 @@ def _run_tests(suite: dict, sock: socket.socket, program: int, uid: int | None, 
         size = int(f.read().split()[0]) * resource.getpagesize()
     resource.setrlimit(resource.RLIMIT_AS, (size + (limits["memory_mb"] << 20), memory_before[1]))
     gc.disable()
+    groups_before = os.getgroups()
     if uid is not None:
+        os.setgroups([PROC_READER_GID])  # the program's CPU time (_Clock) through the view's /proc
         os.setresgid(uid, uid, 0)
         os.setresuid(uid, uid, 0)
     try:
@@ -1445,6 +1451,7 @@ def _run_tests(suite: dict, sock: socket.socket, program: int, uid: int | None, 
         if uid is not None:
             os.setresuid(0, 0, 0)
             os.setresgid(0, 0, 0)
+            os.setgroups(groups_before)
         resource.setrlimit(resource.RLIMIT_AS, memory_before)
         gc.enable()
 
