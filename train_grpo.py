@@ -183,6 +183,9 @@ class Args:
     """wall seconds per judge question, retries included"""
     judge_max_failure_rate: float = 0.2
     """stop the run when more than this fraction of a step's judge questions fail (errors and unparsable replies)"""
+    nonfinite_rewards: Literal["stop", "drop"] = "stop"
+    """a NaN or infinite reward from the reward function (a bug: one would make every parameter NaN): stop the run
+    naming the task, or drop the sample from the batch and count it (critic/score/nonfinite_dropped)"""
 
     def __post_init__(self):
         for name, value in LOSS_DEFAULTS[self.policy_loss].items():  # unset: the policy loss's own default
@@ -358,6 +361,7 @@ def train_step(run: Run) -> dict:
     args, metrics, seconds = run.args, {}, {}
     per_rank = args.prompts_per_step // run.world
     samples, batch, tries = [], [], 0  # all samples of the step, those it trains on, rounds of prompts taken
+    nonfinite_dropped = 0  # with --nonfinite-rewards drop, over every rank and round
     if run.judge is not None:
         run.judge.stats(reset=True)  # the step's judge metrics start here
     # Steps 1-5 run once; with --dynamic-sampling (DAPO) they run again on fresh prompts until every rank holds its
@@ -387,23 +391,28 @@ def train_step(run: Run) -> dict:
             judged = {"sample_infos": [s.info for s in new]} if run.judge is not None else {}
             for s, r in zip(new, run.score_fn([s.row for s in new], [s.text for s in new], **judged)):
                 s.reward, s.info = r.score, s.info | r.info  # the rollout's info (multi-turn messages) stays
-        rewards.refuse_nonfinite(policy.gather_objects(  # every rank gets every offender: all stop together
-            [(data_prep.row_id(s.row), s.reward) for s in new
-             if not math.isfinite(s.reward) and not rewards.judge_failed(s.info)]), run.step + 1)
+        offenders = [(data_prep.row_id(s.row), s.reward) for s in new
+                     if not math.isfinite(s.reward) and not rewards.judge_failed(s.info)]
+        if args.nonfinite_rewards == "stop":  # every rank gets every offender: all stop together
+            rewards.refuse_nonfinite(policy.gather_objects(offenders), run.step + 1)
+        else:
+            nonfinite_dropped += policy.sum_over_ranks(len(offenders))
         samples += new
         if run.judge is not None:  # stops the run past --judge-max-failure-rate, before any update
             metrics |= judge_metrics(run, samples)
-        new = [s for s in new if not math.isnan(s.reward)]
+        new = [s for s in new if math.isfinite(s.reward)]
         keep = (losses.nonconstant_groups(torch.tensor(shaped_rewards(args, new)), torch.tensor([s.group for s in new]))
                 if args.dynamic_sampling else [True] * len(new))
         batch += [s for s, k in zip(new, keep) if k]
     # The last round's rollout metrics; the rewards of every round's samples.
     tool_metrics = {k: v for k, v in rollout_metrics.items() if k.startswith(("tools/", "swe/"))}  # ranks averaged
     metrics |= rollout_metrics | policy.mean_dicts_over_ranks(tool_metrics) | getattr(run.engine, "last_metrics", {})
-    sources, scores, errors, lengths = zip(*policy.gather_objects(  # judge failures have no score (NaN): left out
+    sources, scores, errors, lengths = zip(*policy.gather_objects(  # no score (judge failures, dropped): left out
         [(s.row["data_source"], s.reward, s.info.get("error"), len(s.completion_ids)) for s in samples
-         if not math.isnan(s.reward)]))
+         if math.isfinite(s.reward)]))
     metrics |= rewards.batch_metrics(sources, scores, errors, lengths)
+    if args.nonfinite_rewards == "drop":
+        metrics["critic/score/nonfinite_dropped"] = float(nonfinite_dropped)
     if args.tools == "swe":
         metrics |= rewards.swe_metrics(policy.gather_objects([s.info for s in samples]))
     if args.dynamic_sampling:  # each rank trains on its share of groups (a rank may have fewer after the last try)

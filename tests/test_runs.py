@@ -242,7 +242,9 @@ def test_grpo_resume_after_an_unreadable_checkpoint(toy, tmp_path, monkeypatch, 
             {k: v for k, v in b.items() if not k.startswith(skip)}
     assert [s["step"] for s in lines(out / "samples.jsonl")] == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
     runs = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and len({name.rsplit("-", 1)[1] for name in runs}) == 1, runs
+    # offline-run-<start time>-<run id>, and "-1" after it when both started within one second
+    ids = {re.fullmatch(r"offline-run-\d{8}_\d{6}-([a-z0-9]+)(-\d+)?", name).group(1) for name in runs}
+    assert len(runs) == 2 and len(ids) == 1, runs
 
 
 @pytest.mark.slow
@@ -265,6 +267,14 @@ def test_grpo_nan_reward_stops_and_nan_gradient_skips_the_step(toy, tmp_path, pr
     with pytest.raises(SystemExit, match=rf"step 1: non-finite reward nan for task {task} \(1 sample"):
         train_grpo.train_step(run)
     assert all(torch.equal(a, b) for a, b in zip(weights(), before))
+
+    # --nonfinite-rewards drop: the sample leaves the batch (its group's advantages come from the others), counted.
+    run.args.nonfinite_rewards = "drop"
+    metrics = train_grpo.train_step(run)
+    assert metrics["critic/score/nonfinite_dropped"] == 1 and metrics["critic/score/mean"] == pytest.approx((0 + 1 + 1.5) / 3)
+    assert metrics["actor/skipped_step"] == 0 and all(torch.isfinite(p.full_tensor()).all() for p in run.model.parameters())
+    before = weights()
+    run.args.nonfinite_rewards = "stop"
 
     # A reward function that works, and a gradient that does not: the optimizer step is skipped and counted.
     run.score_fn = lambda rows, texts: [rewards.Reward(float(i % 2), {"judge": "parsed"}) for i in range(len(texts))]

@@ -160,7 +160,7 @@ def test_two_rank_grpo_on_swebench_rows_leaves_no_container(docker_client, swe_r
                     "--check-tito"], check=True, timeout=900, cwd=tmp_path)
     step = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
     assert step["step"] == 1 and step["swe/container_seconds"] > 0 and step["tools/agent_seconds_mean"] > 0
-    assert step["swe/resolve_rate"] == 0.0 and step["reward/mean"] == -1.0  # an untrained model changes nothing
+    assert step["swe/resolve_rate"] == 0.0 and step["critic/score/mean"] == -1.0  # an untrained model changes nothing
     assert "tools/tito_drift_frac" in step and step["swe/patch_apply_failures"] == step["swe/dropped_files"] == 0
     assert orphans(docker_client) == []  # the trainer's agent and grading containers are all gone
 
