@@ -500,6 +500,8 @@ SWE_5X = {"image": "kiln-swe/x:offline", "eval_script": "#!/bin/bash\npytest -rA
 
 def swe_lite_dev() -> list[dict]:
     if not SWE_LITE_DEV.exists():
+        if os.environ.get("CI") == "true":  # CI has ../shared beside the checkout: its absence is a failure there
+            pytest.fail(f"CI=true and {SWE_LITE_DEV} is missing")
         pytest.skip(f"{SWE_LITE_DEV} not here")
     return json.loads(SWE_LITE_DEV.read_text())
 

@@ -129,7 +129,9 @@ def test_wall_limit_ends_a_trajectory_and_a_crash_leaves_no_container(docker_cli
     limits = rollout.AgentLimits(max_turns=6, max_total_tokens=200_000, max_seconds=1.0)
     samples, metrics = rollout.multi_turn(engine, tokenizer, [row], 1, engines.Sampling(max_new_tokens=400),
                                          rollout.swe_toolbox, limits)
-    assert samples[0].finish_reason == "max_seconds" and samples[0].info["turns"] == 2
+    # checked before each turn's tools: the first `sleep 2` (or, on a slow machine, the container's start) passes the
+    # 1 s limit, so the trajectory ends after one or two turns of the six scripted, whatever the load
+    assert samples[0].finish_reason == "max_seconds" and samples[0].info["turns"] in (1, 2)
     assert metrics["rollout/finish_max_seconds_frac"] == 1.0 and own_containers(docker_client) == []
 
     class Crash(RuntimeError):
