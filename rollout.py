@@ -10,14 +10,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import os
 import re
 import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Literal
+from typing import Callable, Literal
 
 import torch
 import torch.distributed as dist
@@ -858,21 +857,6 @@ def generate_lines(engine: Engine, tokenizer, rows: list[dict], args: GenerateAr
     return [line for _, line in lines]
 
 
-def write_atomically(path, lines: Iterable[dict]) -> None:
-    """JSONL written to a temp file beside `path`, then renamed over it: a crash never leaves a half-written file (the
-    previous one, if any, stays whole) and the temp file is removed on any error."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(line) + "\n" for line in lines)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def generate(args: GenerateArgs) -> Path:
     """Samples of args.model for every row of args.data in args.out (rank 0 writes it, once everything is done)."""
     check_generate_args(args)
@@ -894,7 +878,7 @@ def generate(args: GenerateArgs) -> Path:
     lines = generate_lines(engine, tokenizer, rows, args, sampling)
     seconds["generate"] = time.perf_counter() - start - seconds["load"]
     if rank == 0:
-        write_atomically(args.out, lines)
+        data_prep.write_atomically(args.out, lines)
         print(f"{len(lines)} samples ({args.n_samples} per row, {len(rows)} rows, {world} ranks) in {args.out}; load "
               f"{seconds['load']:.1f}s, generate {seconds['generate']:.1f}s ({len(lines) / seconds['generate']:.1f} "
               f"samples/s). Grade them: python rewards.py score {args.out} --data {args.data}")

@@ -152,10 +152,10 @@ def test_a_failed_run_leaves_the_previous_output_whole(toy, tmp_path, one_rank, 
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        rollout.write_atomically(out, lines_then_crash())
+        data_prep.write_atomically(out, lines_then_crash())
     assert out.read_text() == '{"task_id": "toy/0", "completion": "old"}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["samples.jsonl"]  # no temp file left behind
-    rollout.write_atomically(out, [{"task_id": "toy/1", "completion": "new"}])
+    data_prep.write_atomically(out, [{"task_id": "toy/1", "completion": "new"}])
     assert read_lines(out) == [{"task_id": "toy/1", "completion": "new"}]
 
 
