@@ -227,7 +227,7 @@ def test_commands_are_contained(docker_client):
         assert flood.truncated and flood.exit_code == 0 and len(flood.output) < 10_100
         assert flood.output.startswith("a" * 5000) and "49990000 bytes cut" in flood.output
         bomb = box.exec("bomb() { bomb | bomb & }; bomb; sleep 3", timeout=20)
-        assert "fork: retry: Resource temporarily unavailable" in bomb.output  # held at the pids limit
+        assert "fork: " in bomb.output and "Resource temporarily unavailable" in bomb.output  # held at the pids limit
         assert box.exec("echo alive").output == "alive\n"
         assert int(box.exec("ls -d /proc/[0-9]* | wc -l").output) < 10  # and nothing of it left running
         pids_max = box.exec("cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids.max")
