@@ -130,7 +130,7 @@ def load_tokenizer(path):
 
 def stop_token_ids(tokenizer, path, end_of_turn: str | None = None) -> list[int]:
     """Token ids that end a generation: the generation config's eos ids, the tokenizer's eos and the chat template's
-    end-of-turn token (rollout.end_of_turn; a base model's eos is often another token, e.g. Llama 3's)."""
+    end-of-turn token (chat.end_of_turn; a base model's eos is often another token, e.g. Llama 3's)."""
     try:
         eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
     except OSError:  # no generation_config.json: the tokenizer's eos alone

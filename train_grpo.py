@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
+import chat
 import containers
 import data_prep
 import engines
@@ -336,7 +337,7 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     scheduler = policy.lr_schedule(optimizer, args.warmup_steps, args.total_steps, args.lr_schedule)
     sampling = engines.Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 stop_token_ids=policy.stop_token_ids(tokenizer, args.model,
-                                                                     rollout.end_of_turn(tokenizer, args.end_of_turn)))
+                                                                     chat.end_of_turn(tokenizer, args.end_of_turn)))
     limits = rollout.AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens,
                                  args.max_agent_seconds)
     if args.tools == "swe":  # containers of dead kiln processes go; this one's go when it ends, however it ends

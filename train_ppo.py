@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import chat
 import data_prep
 import engines
 import losses
@@ -291,7 +292,7 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     critic_optimizer = policy.adamw(value_model, args.critic_lr, args.weight_decay)
     sampling = engines.Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 stop_token_ids=policy.stop_token_ids(tokenizer, args.model,
-                                                                     rollout.end_of_turn(tokenizer)))
+                                                                     chat.end_of_turn(tokenizer)))
     limits = rollout.AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens)
     def load_both(checkpoint: Path) -> dict:  # the critic's checkpoint of the step, saved before the policy's
         critic_checkpoint = Path(args.output_dir) / "critic" / "checkpoints" / checkpoint.name

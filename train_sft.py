@@ -14,10 +14,10 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
+import chat
 import data_prep
 import losses
 import policy
-import rollout
 import runlog
 
 
@@ -116,8 +116,8 @@ def main(args: Args) -> dict:
     policy.check_model_path(args.model)
     torch.manual_seed(args.seed)
     tokenizer = policy.load_tokenizer(args.model)
-    eot = rollout.end_of_turn(tokenizer, args.end_of_turn)
-    encoded = [rollout.encode_conversation(tokenizer, c, eot) for c in load_conversations(args.data)]
+    eot = chat.end_of_turn(tokenizer, args.end_of_turn)
+    encoded = [chat.encode_conversation(tokenizer, c, eot) for c in load_conversations(args.data)]
     untrained = [i for i, (_, mask) in enumerate(encoded) if not any(mask)]
     if untrained:  # a loss over zero tokens is NaN and trains nothing
         raise SystemExit(f"{args.data}: {len(untrained)} conversations have no token to train on (first: row "

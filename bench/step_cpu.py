@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 import tyro
 
+import chat
 import data_prep
 import engines
 import policy
 import rewards
-import rollout
 import tiny
 import train_grpo
 
@@ -97,7 +97,7 @@ def generation_engine_vs_generate(run, model_dir: Path, seed: int, repeats: int 
     """Median seconds of one step's generation (32 x 32 tokens): through kiln's HFEngine for the trainer's
     FSDP2-wrapped policy (decoded on the engine's unsharded replica), and through transformers' `generate()` on the
     same weights in a plain model (what TRL calls)."""
-    prompts = [rollout.encode_prompt(run.tokenizer, r["prompt"]) for r in run.rows[:PROMPTS_PER_STEP]]
+    prompts = [chat.encode_prompt(run.tokenizer, r["prompt"]) for r in run.rows[:PROMPTS_PER_STEP]]
     prompts = [p for p in prompts for _ in range(GROUP_SIZE)]
     width = max(len(p) for p in prompts)
     pad = run.tokenizer.pad_token_id

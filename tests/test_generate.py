@@ -15,6 +15,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import chat  # noqa: E402
 import data_prep  # noqa: E402
 import engines  # noqa: E402
 import policy  # noqa: E402
@@ -54,7 +55,7 @@ def read_lines(path: Path) -> list[dict]:
 def greedy_texts(model, tokenizer, rows) -> list[str]:
     sampling = engines.Sampling(max_new_tokens=12, temperature=0.0, stop_token_ids=policy.stop_token_ids(
         tokenizer, model.name_or_path))
-    prompts = [rollout.encode_prompt(tokenizer, row["prompt"]) for row in rows]
+    prompts = [chat.encode_prompt(tokenizer, row["prompt"]) for row in rows]
     completions = engines.HFEngine(model.eval(), pad_token_id=tokenizer.pad_token_id).generate(prompts, sampling)
     return [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
 

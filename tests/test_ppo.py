@@ -17,6 +17,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import chat  # noqa: E402
 import data_prep  # noqa: E402
 import engines  # noqa: E402
 import losses  # noqa: E402
@@ -81,7 +82,7 @@ class ScriptedEngine:
 
     def __init__(self, tokenizer, rows: list[dict], answers: dict[str, str]):
         self.tokenizer = tokenizer
-        self.task_of = {tuple(rollout.encode_prompt(tokenizer, r["prompt"])): data_prep.row_id(r) for r in rows}
+        self.task_of = {tuple(chat.encode_prompt(tokenizer, r["prompt"])): data_prep.row_id(r) for r in rows}
         self.answers = answers
 
     def generate(self, prompts, sampling):
@@ -138,7 +139,7 @@ def multi_turn_samples(t, rows) -> list[rollout.Sample]:
         second = tok.encode("done", add_special_tokens=False) + [tok.eos_token_id] * (i + 1)
         completion = first + tool + second
         samples.append(rollout.Sample(
-            prompt_ids=rollout.encode_prompt(tok, row["prompt"]), completion_ids=completion,
+            prompt_ids=chat.encode_prompt(tok, row["prompt"]), completion_ids=completion,
             loss_mask=[1] * len(first) + [0] * len(tool) + [1] * len(second),
             engine_logprobs=[0.0] * len(completion), row=row, group=i, reward=score))
     return samples

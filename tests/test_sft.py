@@ -10,8 +10,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import chat  # noqa: E402
 import policy  # noqa: E402
-import rollout  # noqa: E402
 import tiny  # noqa: E402
 import train_sft  # noqa: E402
 
@@ -49,7 +49,7 @@ def test_loss_falls_on_a_fixed_set(model_dir, tmp_path):
 def test_only_assistant_tokens_contribute(model_dir):
     tokenizer = policy.load_tokenizer(model_dir)
     model = policy.load_model(model_dir)
-    ids, mask = rollout.encode_conversation(tokenizer, CONVERSATIONS[2])  # ends with a tool turn (mask 0)
+    ids, mask = chat.encode_conversation(tokenizer, CONVERSATIONS[2])  # ends with a tool turn (mask 0)
     assert mask[-1] == 0 and sum(mask) > 0
     last_trained = max(i for i, m in enumerate(mask) if m)
     with torch.no_grad():
@@ -72,7 +72,7 @@ def test_mask_is_exactly_the_assistant_turns_of_either_template(tmp_path, chat_f
                                                            chat_format=chat_format))
     eot = {"qwen": "<|im_end|>", "llama3": "<|eot_id|>"}[chat_format]
     messages = CONVERSATIONS[0]
-    ids, mask = rollout.encode_conversation(tokenizer, messages)
+    ids, mask = chat.encode_conversation(tokenizer, messages)
     trained = [[]]  # runs of masked-in tokens, one per assistant turn
     for i, m in zip(ids, mask):
         if m:
@@ -80,8 +80,8 @@ def test_mask_is_exactly_the_assistant_turns_of_either_template(tmp_path, chat_f
         elif trained[-1]:
             trained.append([])
     turns = [tokenizer.decode(t) for t in trained if t]
-    assert turns == [rollout.render(tokenizer, messages[:i + 1], None, False)[
-        len(rollout.render(tokenizer, messages[:i], None, True)):].split(eot)[0] + eot
+    assert turns == [chat.render(tokenizer, messages[:i + 1], None, False)[
+        len(chat.render(tokenizer, messages[:i], None, True)):].split(eot)[0] + eot
         for i, m in enumerate(messages) if m["role"] == "assistant"]
     assert turns[1] == "The answer is 42." + eot
 

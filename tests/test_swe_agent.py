@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+import chat  # noqa: E402
 import containers  # noqa: E402
 import data_prep  # noqa: E402
 import engines  # noqa: E402
@@ -21,6 +22,7 @@ import policy  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
 import tiny  # noqa: E402
+import tools  # noqa: E402
 from test_multiturn import CORPUS, ScriptedEngine  # noqa: E402
 from test_swebench import M1359, docker_client, swe_rows  # noqa: E402,F401 -- fixtures
 
@@ -73,11 +75,11 @@ def test_scripted_agent_fix_resolves_noop_does_not_and_nothing_is_left(docker_cl
     engine = ScriptedEngine(tokenizer, scripts)
     rows = [tagged(row, marker) for marker in scripts]
     samples, metrics = rollout.multi_turn(engine, tokenizer, rows, 1, engines.Sampling(max_new_tokens=400),
-                                         rollout.swe_toolbox, LIMITS)
+                                         tools.swe_toolbox, LIMITS)
     assert own_containers(docker_client) == []  # every trajectory's container is gone once its diff is taken
     by_marker = {marker: s for marker, s in zip(scripts, samples)}
     for marker, s in by_marker.items():
-        assert rollout.check_tito(tokenizer, s, s.info["messages"], s.info["tools"]) == [], marker
+        assert chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"]) == [], marker
         assert s.info["turns"] == 3 and s.info["container_seconds"] > 0 and s.info["agent_seconds"] > 0
     sed, editor, noop = by_marker["task-sed"], by_marker["task-editor"], by_marker["task-noop"]
     tool_texts = [m["content"] for m in sed.info["messages"] if m["role"] == "tool"]
@@ -102,7 +104,7 @@ def test_scripted_agent_fix_resolves_noop_does_not_and_nothing_is_left(docker_cl
 
 
 def test_editor_refuses_what_it_cannot_do_as_tool_errors(docker_client, swe_rows):
-    box = rollout.swe_toolbox(swe_rows[M1359])
+    box = tools.swe_toolbox(swe_rows[M1359])
     try:
         edit = box.tools["str_replace_editor"]
         cases = [({"command": "view", "path": "relative.py"}, "absolute path"),
@@ -128,7 +130,7 @@ def test_wall_limit_ends_a_trajectory_and_a_crash_leaves_no_container(docker_cli
     engine = ScriptedEngine(tokenizer, {"task-slow": [call("bash", command="sleep 2")] * 6})
     limits = rollout.AgentLimits(max_turns=6, max_total_tokens=200_000, max_seconds=1.0)
     samples, metrics = rollout.multi_turn(engine, tokenizer, [row], 1, engines.Sampling(max_new_tokens=400),
-                                         rollout.swe_toolbox, limits)
+                                         tools.swe_toolbox, limits)
     # checked before each turn's tools: the first `sleep 2` (or, on a slow machine, the container's start) passes the
     # 1 s limit, so the trajectory ends after one or two turns of the six scripted, whatever the load
     assert samples[0].finish_reason == "max_seconds" and samples[0].info["turns"] in (1, 2)
@@ -145,7 +147,7 @@ def test_wall_limit_ends_a_trajectory_and_a_crash_leaves_no_container(docker_cli
     engine.generate = crash_on_second_turn
     with pytest.raises(Crash):
         rollout.multi_turn(engine, tokenizer, [row, row], 1, engines.Sampling(max_new_tokens=400),
-                           rollout.swe_toolbox, limits)
+                           tools.swe_toolbox, limits)
     assert own_containers(docker_client) == []
 
 
@@ -172,9 +174,9 @@ def test_a_trainer_interrupted_mid_rollout_removes_its_containers(docker_client,
     """What train_grpo --tools swe installs at setup: Ctrl-C (SIGINT) and torchrun's SIGTERM remove this process's
     containers on the way out."""
     data_prep.write_rows([swe_rows[M1359]], tmp_path / "row.parquet")
-    script = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); import containers, data_prep, rollout\n"
+    script = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); import containers, data_prep, tools\n"
               "containers.remove_owned_at_exit(containers.shared_client())\n"
-              f"boxes = [rollout.swe_toolbox(data_prep.load_rows({str(tmp_path / 'row.parquet')!r})[0]) "
+              f"boxes = [tools.swe_toolbox(data_prep.load_rows({str(tmp_path / 'row.parquet')!r})[0]) "
               "for _ in range(2)]\n"
               "print('ready', flush=True)\ntime.sleep(600)\n")
     trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)

@@ -1,0 +1,230 @@
+"""The agent's tools: a toolbox per trajectory (`python` in the sandbox's PythonSession; `bash`, `str_replace_editor`
+and `submit` in the trajectory's own SWE-bench container), their JSON signatures for the prompt, and the checks on
+swebench rows before anything loads."""
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import containers
+import sandbox
+
+SWE_CONTAINER = containers.ContainerLimits(timeout=60.0, output_cap=10_000)  # an agent's container; see README
+SWE_MAX_COMMAND_SECONDS = 600  # the most a `bash` call may ask for (README's budget table)
+
+
+@dataclass
+class ToolResult:
+    text: str
+    images: list[bytes] = field(default_factory=list)  # PNG bytes, shown to the model as image parts
+    error: bool = False  # the call failed (bad arguments, exception, timeout): counted in the metrics
+    stop: bool = False  # the trajectory ends after this call (swe's `submit`), on the policy's own turn
+
+
+@dataclass
+class ToolBox:
+    """One trajectory's tools: name -> function(arguments) -> ToolResult, their JSON signatures for the prompt,
+    and what releases their state when the trajectory ends. `info` goes into the sample's info once `close` has run;
+    a "completion" there is what the reward grades instead of the assistant's text (swe: the container's diff)."""
+
+    tools: dict[str, Callable[[dict], ToolResult]]
+    schemas: list[dict]
+    close: Callable[[], None] = lambda: None
+    info: dict = field(default_factory=dict)
+
+
+def tool_message(result: ToolResult) -> dict:
+    if not result.images:
+        return {"role": "tool", "content": result.text}
+    parts = [{"type": "text", "text": result.text}] + [{"type": "image"}] * len(result.images)
+    return {"role": "tool", "content": parts}
+
+
+def call_tool(box: ToolBox, call: dict | str) -> tuple[ToolResult, float]:
+    """One call (or a parse error) -> its result and wall seconds; a tool's exception becomes an error result."""
+    if isinstance(call, str):
+        return ToolResult(call, error=True), 0.0
+    start = time.perf_counter()
+    try:
+        result = box.tools[call["name"]](call["arguments"])
+    except Exception as e:  # a tool bug must not kill the rollout: the model sees it, the metrics count it
+        result = ToolResult(f"Error: {call['name']} raised {type(e).__name__}: {e}", error=True)
+    return result, time.perf_counter() - start
+
+
+PYTHON_TOOL = {"type": "function", "function": {
+    "name": "python",
+    "description": "Run Python code in a persistent session (variables, imports and files are kept). The task's image "
+    "is `image` (PIL) and input_image.png; images you show or save and matplotlib figures are returned.",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+
+
+def python_toolbox(row: dict) -> ToolBox:
+    """The `python` tool: one sandbox.PythonSession per trajectory, given the row's first image."""
+    session = sandbox.PythonSession(input_image=(row.get("images") or [None])[0])
+
+    def python(arguments: dict) -> ToolResult:
+        if not isinstance(arguments.get("code"), str):
+            return ToolResult('Error: python needs {"code": <string>}', error=True)
+        out = session.run(arguments["code"])
+        text = out.stdout + out.stderr + (out.error or "")
+        return ToolResult(text or "(no output)", images=out.images, error=out.error is not None)
+
+    return ToolBox({"python": python}, [PYTHON_TOOL], close=session.close)
+
+
+SWE_TOOLS = [
+    {"type": "function", "function": {
+        "name": "bash",
+        "description": "Run one bash command in /testbed, without network. It is killed after `timeout` seconds; "
+        "only files persist between calls (no cd, no variables, no background jobs); long output keeps its head and "
+        "tail.",
+        "parameters": {"type": "object", "properties": {
+            "command": {"type": "string", "description": "the command, e.g. grep -rn 'def foo' src"},
+            "timeout": {"type": "integer", "description": f"seconds before it is killed (default 60, at most "
+                        f"{SWE_MAX_COMMAND_SECONDS})"}},
+            "required": ["command"]}}},
+    {"type": "function", "function": {
+        "name": "str_replace_editor",
+        "description": "View, create and edit files. view: a file with line numbers (view_range [first, last] "
+        "optional, last -1 = to the end) or a directory two levels deep; create: write file_text to a new file; "
+        "str_replace: replace old_str, which must occur exactly once in the file, with new_str; insert: insert "
+        "new_str after line insert_line (0 = at the top).",
+        "parameters": {"type": "object", "properties": {
+            "command": {"type": "string", "enum": ["view", "create", "str_replace", "insert"]},
+            "path": {"type": "string", "description": "absolute path, e.g. /testbed/src/module.py"},
+            "file_text": {"type": "string"}, "old_str": {"type": "string"}, "new_str": {"type": "string"},
+            "insert_line": {"type": "integer"}, "view_range": {"type": "array", "items": {"type": "integer"}}},
+            "required": ["command", "path"]}}},
+    {"type": "function", "function": {
+        "name": "submit",
+        "description": "End the episode once you are done: the final state of /testbed is graded.",
+        "parameters": {"type": "object", "properties": {}}}},
+]
+
+
+def swe_toolbox(row: dict, limits: containers.ContainerLimits = SWE_CONTAINER) -> ToolBox:
+    """`bash`, `str_replace_editor` and `submit` in one fresh container from the row's SWE-bench instance image. On
+    close the container's diff since the base commit becomes the sample's completion (what rewards.score grades in a
+    fresh container; "" and info["diff_error"] when the agent left no usable diff) and the container is removed,
+    whatever happens. info["container_seconds"]: time spent in Docker (start, commands, diff, removal)."""
+    truth = json.loads(row["reward_model"]["ground_truth"])
+    start = time.perf_counter()
+    container = containers.Container(containers.shared_client(), truth["image"], role="agent",
+                                     run=truth["instance_id"], limits=limits)
+    info = {"container_seconds": time.perf_counter() - start}
+
+    def timed(tool: Callable[[dict], ToolResult]) -> Callable[[dict], ToolResult]:
+        def run(arguments: dict) -> ToolResult:
+            begin = time.perf_counter()
+            try:
+                return tool(arguments)
+            finally:
+                info["container_seconds"] += time.perf_counter() - begin
+        return run
+
+    def close() -> None:
+        begin = time.perf_counter()
+        try:
+            diff = containers.container_diff(container, truth["base_commit"])
+            info["completion"] = diff.decode(errors="surrogateescape")  # rewards.score encodes it back byte for byte
+        except containers.DiffError as e:
+            info["completion"], info["diff_error"] = "", str(e)
+        finally:
+            container.remove()
+            info["container_seconds"] += time.perf_counter() - begin
+
+    tools = {"bash": timed(lambda arguments: swe_bash(container, arguments)),
+             "str_replace_editor": timed(lambda arguments: swe_editor(container, arguments)),
+             "submit": lambda arguments: ToolResult("Submitted: /testbed will be graded.", stop=True)}
+    return ToolBox(tools, SWE_TOOLS, close=close, info=info)
+
+
+def swe_bash(container: containers.Container, arguments: dict) -> ToolResult:
+    """One command, mini-swe-agent's observation format; a timeout is a tool error, a failing command is not."""
+    command, timeout = arguments.get("command"), arguments.get("timeout", container.limits.timeout)
+    if not isinstance(command, str) or not command.strip():
+        return ToolResult('Error: bash needs {"command": <non-empty string>}', error=True)
+    if not isinstance(timeout, (int, float)) or not 0 < timeout <= SWE_MAX_COMMAND_SECONDS:
+        return ToolResult(f"Error: timeout must be a number of seconds in (0, {SWE_MAX_COMMAND_SECONDS}]", error=True)
+    result = container.exec(command, timeout=timeout)
+    killed = f"<warning>killed after {timeout} s</warning>\n" if result.timed_out else ""
+    return ToolResult(f"<returncode>{result.exit_code}</returncode>\n{killed}<output>\n{result.output}</output>",
+                      error=result.timed_out)
+
+
+def swe_editor(container: containers.Container, arguments: dict) -> ToolResult:
+    """SWE-agent's str_replace_editor (view, create, str_replace, insert) on the container's files."""
+    command, path = arguments.get("command"), arguments.get("path")
+    if not isinstance(path, str) or not path.startswith("/") or path == "/tmp" or path.startswith("/tmp/"):
+        return ToolResult("Error: path must be an absolute path outside /tmp, e.g. /testbed/src/module.py", error=True)
+    quoted = shlex.quote(path)
+    if command == "view":
+        view_range = arguments.get("view_range") or [1, -1]
+        if not (isinstance(view_range, list) and len(view_range) == 2 and all(type(v) is int for v in view_range)):
+            return ToolResult("Error: view_range must be two line numbers [first, last]", error=True)
+        first, last = view_range
+        shown = container.exec(f"if [ -d {quoted} ]; then find {quoted} -maxdepth 2 -not -path '*/.*' | sort; "
+                               f"else awk -v a={first} -v b={last} 'NR >= a && (b < 0 || NR <= b) "
+                               f"{{printf \"%6d\\t%s\\n\", NR, $0}}' {quoted}; fi")
+        return ToolResult(shown.output or "(empty)", error=shown.exit_code != 0)
+    if command == "create":
+        if not isinstance(arguments.get("file_text"), str):
+            return ToolResult("Error: create needs file_text", error=True)
+        made = container.exec(f"test ! -e {quoted} && mkdir -p \"$(dirname {quoted})\"")
+        if made.exit_code != 0:
+            return ToolResult(f"Error: {path} exists already (edit it with str_replace or insert)", error=True)
+        container.put_file(path, arguments["file_text"].encode())
+        return ToolResult(f"Created {path}.")
+    if command not in ("str_replace", "insert"):
+        return ToolResult("Error: command must be one of view, create, str_replace, insert", error=True)
+    mode = container.exec(f"test -f {quoted} && stat -c %a {quoted}")
+    if mode.exit_code != 0:
+        return ToolResult(f"Error: {path} is not a file", error=True)
+    try:
+        text = container.get_file(path).decode()
+    except UnicodeDecodeError:
+        return ToolResult(f"Error: {path} is not UTF-8 text; edit it with bash", error=True)
+    new_str = arguments.get("new_str")
+    if not isinstance(new_str, str):
+        return ToolResult(f"Error: {command} needs new_str", error=True)
+    if command == "str_replace":
+        old_str = arguments.get("old_str")
+        if not isinstance(old_str, str) or not old_str:
+            return ToolResult("Error: str_replace needs a non-empty old_str", error=True)
+        count = text.count(old_str)
+        if count != 1:
+            return ToolResult(f"Error: old_str occurs {count} times in {path}; it must occur exactly once", error=True)
+        text = text.replace(old_str, new_str)
+    else:
+        lines, at = text.splitlines(keepends=True), arguments.get("insert_line")
+        if not isinstance(at, int) or not 0 <= at <= len(lines):
+            return ToolResult(f"Error: insert_line must be a line number in [0, {len(lines)}]", error=True)
+        text = "".join(lines[:at]) + new_str + ("" if new_str.endswith("\n") else "\n") + "".join(lines[at:])
+    container.put_file(path, text.encode(), mode=int(mode.output.split()[-1], 8))
+    return ToolResult(f"Edited {path}.")
+
+
+def check_swe_rows(rows: list[dict], tools: str, source: str) -> None:
+    """swebench rows need the swe toolbox and it needs them; each row's image must be on the Docker host. Checked at
+    load, before any model is."""
+    swe = [r for r in rows if r["data_source"] == "swebench"]
+    if swe and tools != "swe" or tools == "swe" and len(swe) < len(rows):
+        raise SystemExit(f"{source}: swebench rows run with --tools swe and --tools swe runs only swebench rows "
+                         f"({len(swe)} of {len(rows)} rows are swebench, --tools {tools})")
+    if tools == "swe":
+        client = containers.shared_client()
+        missing = sorted({json.loads(r["reward_model"]["ground_truth"])["image"] for r in swe}
+                         - {tag for image in client.images.list() for tag in image.tags})
+        if missing:
+            raise SystemExit(f"{source}: {len(missing)} instance images are not on this Docker host, e.g. "
+                             f"{missing[0]}; pull or `docker load` them first (README, SWE-bench)")
+
+
+TOOLBOXES: dict[str, Callable[[dict], ToolBox]] = {"python": python_toolbox, "swe": swe_toolbox}
+
+
+TOOL_SCHEMAS: dict[str, list[dict]] = {"python": [PYTHON_TOOL], "swe": SWE_TOOLS}  # what each shows in the prompt
