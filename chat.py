@@ -6,14 +6,27 @@ and (multi-turn) the chat template's ids for tool results, in turn. Nothing gene
 again on the way to the trainer: text is decoded for the reward and the tools only. The loss mask is 1 exactly on
 the tokens the policy generated. `check_tito` compares a trajectory with the template's rendering of its messages.
 Tool output is tokenized as plain text: a tool cannot open or close a turn by printing the template's tokens.
+
+Two action protocols: Qwen2.5's `<tool_call>` JSON blocks (tool results in `tool` messages), and CodeV's tags: the
+policy writes <code>```python ...```</code> and generation stops on `</code>`; the turn is closed by the template's
+end-of-turn token, which the policy did not sample (loss mask 0), and the sandbox's reply follows as a user turn
+`<sandbox_output>text</sandbox_output>` with one image part per returned image (rendered unexpanded, as the template
+writes it: <|vision_start|><|image_pad|><|vision_end|>); a turn with <answer>, or without code, ends the episode.
+Rendered as chat messages, the tag protocol needs nothing but the template: training, generation and any chat server
+see the same tokens.
 """
 from __future__ import annotations
 
 import json
 import re
+import textwrap
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 TOOL_OUTPUT_MARK = "\ue000kiln tool output\ue000"  # a private-use character no template or tool writes
+CODE_OPEN, CODE_STOP, ANSWER_OPEN = "<code>", "</code>", "<answer>"
+OBSERVATION_OPEN, OBSERVATION_CLOSE = "<sandbox_output>", "</sandbox_output>"
+CODE_FENCE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n?(.*?)```", re.DOTALL)
+IMAGE_PAD = "<|image_pad|>"
 
 
 def end_of_turn(tokenizer, override: str | None = None) -> str:
@@ -44,7 +57,7 @@ def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
 
 def encode_conversation(tokenizer, messages: list[dict], eot: str | None = None) -> tuple[list[int], list[int]]:
     """Chat messages -> (ids, loss mask), 1 exactly on assistant tokens (content and its end-of-turn token `eot`,
-    default: end_of_turn's).
+    default: end_of_turn's; a code action's end-of-turn token is not the policy's: 0).
 
     Each message is tokenized alone as the text the template appends for it (tool output as plain text), so a
     conversation's ids are the concatenation a multi-turn rollout builds turn by turn: the same ids for training and
@@ -64,13 +77,15 @@ def encode_conversation(tokenizer, messages: list[dict], eot: str | None = None)
         text = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         if not text.startswith(rendered):
             raise ValueError(f"chat template does not render message {i} as an extension of the ones before it")
-        plain = tool_spans(tokenizer, messages[: i + 1], None, False, text) if message["role"] == "tool" else []
+        plain = tool_spans(tokenizer, messages[: i + 1], None, False, text) if is_tool_output(message) else []
         piece, _ = encode_text(tokenizer, text, plain, start=len(rendered))
         if message["role"] == "assistant":
-            # Trained: everything up to and including the end-of-turn token; the template's trailing glue is not.
+            # Trained: everything up to and including the end-of-turn token (before it, for a code action: the policy
+            # stopped on </code>); the template's trailing glue is not.
             end = len(piece)
             while end > 0 and piece[end - 1] != eot_id:
                 end -= 1
+            end -= end > 0 and is_action_turn(messages, i)
             mask += [1] * end + [0] * (len(piece) - end)
         else:
             mask += [0] * len(piece)
@@ -81,23 +96,91 @@ def encode_conversation(tokenizer, messages: list[dict], eot: str | None = None)
 
 def tool_spans(tokenizer, messages: list[dict], schemas: list[dict] | None, add_generation_prompt: bool, text: str,
                first: int = 0) -> list[tuple[int, int]]:
-    """Character spans in `text`, the template's rendering of `messages`, of the tool outputs (messages from index
-    `first` on) that hold a special token's text; each found by rendering its message with the output replaced by a
-    marker. Outputs without special-token text need no span: they tokenize the same either way."""
+    """Character spans in `text`, the template's rendering of `messages`, of the tool outputs (text parts of tool and
+    observation messages from index `first` on) that hold a special token's text; each found by rendering its message
+    with that text replaced by a marker. Outputs without special-token text need no span: they tokenize the same
+    either way."""
     specials = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
     spans = []
     for k in range(first, len(messages)):
         message = messages[k]
-        if message["role"] != "tool" or not any(t in _content_text(message["content"]) for t in specials):
+        if not is_tool_output(message):
             continue
-        marked = {**message, "content": _with_text(message["content"], TOOL_OUTPUT_MARK)}
-        head, _, tail = render(tokenizer, messages[:k] + [marked] + messages[k + 1 :], schemas,
-                               add_generation_prompt).partition(TOOL_OUTPUT_MARK)
-        if TOOL_OUTPUT_MARK in tail or len(head) + len(tail) > len(text) or not (
-                text.startswith(head) and text.endswith(tail)):
-            raise ValueError(f"the chat template does not render the output of tool message {k} where its marker goes")
-        spans.append((len(head), len(text) - len(tail)))
+        content = message["content"]
+        texts = [content] if isinstance(content, str) else [p.get("text", "") for p in content]
+        for j, part_text in enumerate(texts):
+            if not any(t in (part_text or "") for t in specials):
+                continue
+            marked = {**message, "content": TOOL_OUTPUT_MARK if isinstance(content, str) else [
+                {**p, "text": TOOL_OUTPUT_MARK} if n == j else p for n, p in enumerate(content)]}
+            head, _, tail = render(tokenizer, messages[:k] + [marked] + messages[k + 1 :], schemas,
+                                   add_generation_prompt).partition(TOOL_OUTPUT_MARK)
+            if TOOL_OUTPUT_MARK in tail or len(head) + len(tail) > len(text) or not (
+                    text.startswith(head) and text.endswith(tail)):
+                raise ValueError(f"the chat template does not render the output of tool message {k} where its marker "
+                                 "goes")
+            spans.append((len(head), len(text) - len(tail)))
     return spans
+
+
+def is_tool_output(message: dict) -> bool:
+    """A tool's reply: a `tool` message, or a tag-protocol observation (a user turn opening with <sandbox_output>)."""
+    return message["role"] == "tool" or (message["role"] == "user" and
+                                         _content_text(message["content"]).startswith(OBSERVATION_OPEN))
+
+
+def is_code_action(text: str) -> bool:
+    """Whether an assistant turn's text is a tag-protocol action: it ends on </code> (whitespace aside) and gives no
+    <answer>."""
+    return CODE_STOP in text and not text.rsplit(CODE_STOP, 1)[1].strip() and ANSWER_OPEN not in text
+
+
+def is_action_turn(messages: list[dict], i: int) -> bool:
+    """Whether assistant message i is a code action answered by an observation: its end-of-turn token was not sampled
+    (generation stopped on </code>) but written by the rollout."""
+    return (messages[i]["role"] == "assistant" and is_code_action(_content_text(messages[i]["content"]))
+            and i + 1 < len(messages) and messages[i + 1]["role"] == "user" and is_tool_output(messages[i + 1]))
+
+
+def code_stop(tokenizer, ids: list[int]) -> int | None:
+    """How many of the generated `ids` to keep when generation stops on </code>: up to the token that completes the
+    first </code> (a token may hold more text after it: the ids are kept as sampled), or None when there is none.
+    Binary search over decoded prefixes: containing </code> only grows with the prefix."""
+    if CODE_STOP not in tokenizer.decode(ids, skip_special_tokens=False):
+        return None
+    low, high = 1, len(ids)
+    while low < high:
+        mid = (low + high) // 2
+        if CODE_STOP in tokenizer.decode(ids[:mid], skip_special_tokens=False):
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+def parse_code_action(text: str) -> list[dict | str]:
+    """The call a tag-protocol action asks for: [{"name": "python", "arguments": {"code"}}] from the last <code> block
+    (``` fences taken off), [an error message] for a </code> without <code>, [] for a turn that is no action."""
+    if not is_code_action(text):
+        return []
+    body, opened, _ = text.rsplit(CODE_STOP, 1)[0].rpartition(CODE_OPEN)
+    if not opened:
+        return ["Error: </code> without an opening <code>; write <code>```python\n...\n```</code>"]
+    fenced = CODE_FENCE.search(body) if "```" in body else None
+    code = textwrap.dedent(fenced.group(1) if fenced else body).strip("\n")
+    return [{"name": "python", "arguments": {"code": code}}]
+
+
+def observation_message(text: str, n_images: int) -> dict:
+    """The sandbox's reply to a code action as the user turn that carries it: <sandbox_output>text, then an image part
+    per image, then </sandbox_output>."""
+    return {"role": "user", "content": [{"type": "text", "text": OBSERVATION_OPEN + text + ("\n" if n_images else "")},
+                                        *[{"type": "image"}] * n_images, {"type": "text", "text": OBSERVATION_CLOSE}]}
+
+
+def image_pad_id(tokenizer) -> int | None:
+    """The id of the image placeholder the chat template writes per image (<|image_pad|>), None if it has none."""
+    return tokenizer.get_vocab().get(IMAGE_PAD)
 
 
 def encode_text(tokenizer, text: str, plain: list[tuple[int, int]],
@@ -128,13 +211,6 @@ def encode_text(tokenizer, text: str, plain: list[tuple[int, int]],
 
 def _content_text(content) -> str:
     return content if isinstance(content, str) else "".join(p.get("text", "") for p in content or [])
-
-
-def _with_text(content, text: str):
-    """The content with its text replaced by `text` (its image parts kept)."""
-    if isinstance(content, str):
-        return text
-    return [{"type": "text", "text": text} if p.get("type") == "text" else p for p in content]
 
 
 def parse_tool_calls(text: str, known: set[str]) -> list[dict | str]:
@@ -173,16 +249,17 @@ def render(tokenizer, messages: list[dict], schemas: list[dict] | None, add_gene
 
 
 def template_suffix_ids(tokenizer, messages: list[dict], new_messages: list[dict],
-                        schemas: list[dict] | None, eot: str | None = None) -> list[int]:
+                        schemas: list[dict] | None, eot: str | None = None, after_eot: bool = True) -> list[int]:
     """Ids the chat template appends after a trajectory that ends on its last assistant turn's end-of-turn token `eot`
     (default: end_of_turn's), for `new_messages` plus the next assistant header: the template's glue after that token,
-    then the new ones (tool output tokenized as plain text)."""
+    then the new ones (tool output tokenized as plain text). after_eot=False: the trajectory ends right before that
+    token (a code action stopped on </code>), so the ids start with it."""
     eot = eot or end_of_turn(tokenizer)
     before = render(tokenizer, messages, schemas, add_generation_prompt=False)
     after = render(tokenizer, messages + new_messages, schemas, add_generation_prompt=True)
     if not after.startswith(before):
         raise ValueError("the chat template does not render the new messages as an extension of the conversation")
-    cut = before.rindex(eot) + len(eot)  # the trajectory ends right after this token
+    cut = before.rindex(eot) + (len(eot) if after_eot else 0)  # where the trajectory ends
     plain = tool_spans(tokenizer, messages + new_messages, schemas, True, after, first=len(messages))
     return encode_text(tokenizer, after, plain, start=cut)[0]
 
@@ -199,12 +276,17 @@ def check_tito(tokenizer, sample, messages: list[dict], tools: list[dict] | None
     """Drift between a trajectory (a rollout.Sample, or anything with its ids, prompt_ids and loss_mask) and the chat
     template's rendering of the same messages (tokenized whole, tool output as plain text): ids that differ, and
     loss-mask positions that are not exactly the assistant turns' content plus their end-of-turn token `eot` (default:
-    end_of_turn's). Returns human-readable findings; [] = no drift."""
+    end_of_turn's) where the policy sampled it (not after a code action). Returns human-readable findings; [] = no
+    drift."""
     eot = eot or end_of_turn(tokenizer)
     text = render(tokenizer, messages, tools, add_generation_prompt=False)
     plain = tool_spans(tokenizer, messages, tools, False, text)
-    if messages[-1]["role"] == "assistant" and sample.ids and sample.ids[-1] == tokenizer.convert_tokens_to_ids(eot):
-        text = text[: text.rindex(eot) + len(eot)]  # the trajectory ends on the policy's token
+    # A trajectory that ends on an assistant turn ends on the policy's last token: its end-of-turn token, or the token
+    # before where the template would write one (stopped on </code>, or cut by a limit).
+    open_end = messages[-1]["role"] == "assistant" and not (sample.ids and
+                                                            sample.ids[-1] == tokenizer.convert_tokens_to_ids(eot))
+    if messages[-1]["role"] == "assistant":
+        text = text[: text.rindex(eot) + (0 if open_end else len(eot))]
     want, offsets = encode_text(tokenizer, text, plain)
     findings = []
     got = sample.ids
@@ -214,12 +296,13 @@ def check_tito(tokenizer, sample, messages: list[dict], tools: list[dict] | None
                         f"{tokenizer.decode(got[first:first + 8])!r} vs template "
                         f"{tokenizer.decode(want[first:first + 8])!r}")
         return findings
-    spans = []  # character spans of each assistant turn: content + end-of-turn token
+    spans = []  # character spans of each assistant turn: content + the end-of-turn token if the policy sampled it
     for i, m in enumerate(messages):
         if m["role"] == "assistant":
             begin = len(render(tokenizer, messages[:i], tools, add_generation_prompt=True))
             end = render(tokenizer, messages[: i + 1], tools, add_generation_prompt=False).rindex(eot)
-            spans.append((begin, end + len(eot)))
+            unsampled = is_action_turn(messages, i) or (open_end and i == len(messages) - 1)
+            spans.append((begin, end + (0 if unsampled else len(eot))))
     want_mask = [int(any(b <= s and e <= c for b, c in spans)) for s, e in offsets]
     mask = [0] * len(sample.prompt_ids) + list(sample.loss_mask)
     wrong = [i for i, (a, b) in enumerate(zip(mask, want_mask)) if a != b]

@@ -1,10 +1,15 @@
 """Producing samples: single- and multi-turn rollouts (token-in-token-out, loss masks; chat.py holds the template
 side, tools.py the toolboxes) and `python rollout.py generate`, a model's samples for a data set.
+
+Images: a trajectory holds one unexpanded image placeholder per image (as the chat template renders it) and its images
+in placeholder order (the row's, then the tools'); the engine gets them with the ids from the first turn on. Length
+budgets count the tokens the model will see, each placeholder expanded (`image_tokens`).
 """
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import io
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -14,7 +19,9 @@ from typing import Callable, Literal
 import torch
 import torch.distributed as dist
 import tyro
+from PIL import Image
 from tqdm import tqdm
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 import chat
 import containers
@@ -40,22 +47,48 @@ class Sample:
     reward: float = 0.0
     advantage: float = 0.0  # the sample's share of the signal, set by the trainer from the rewards of its batch
     info: dict = field(default_factory=dict)
+    images: list[bytes] = field(default_factory=list)  # encoded images, one per placeholder in `ids`, in that order
 
     @property
     def ids(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
 
 
+def image_tokens(image: bytes, min_pixels: int = 56 * 56, max_pixels: int = 12_845_056) -> int:
+    """How many tokens one image placeholder becomes in Qwen2.5-VL: the image resized as its processor does
+    (smart_resize: sides rounded to 28 = 14-pixel patches x 2 merged, pixels within [min_pixels, max_pixels]), one token
+    per 28 x 28 block. The pixel bounds are Qwen2.5-VL's preprocessor_config defaults; only the header is read."""
+    width, height = Image.open(io.BytesIO(image)).size
+    resized_height, resized_width = smart_resize(height, width, factor=28, min_pixels=min_pixels,
+                                                 max_pixels=max_pixels)
+    return resized_height // 28 * (resized_width // 28)
+
+
+def check_images(sample: Sample, pad_id: int | None) -> None:
+    """Every image has its placeholder and every placeholder its image. Placeholders the policy sampled itself are
+    not counted here: the engines ban them."""
+    rendered = sum(t == pad_id for t in sample.prompt_ids) + sum(
+        t == pad_id and not m for t, m in zip(sample.completion_ids, sample.loss_mask))
+    if rendered != len(sample.images):
+        task = data_prep.row_id(sample.row) if "extra_info" in sample.row else "a row"
+        raise RuntimeError(f"{task}: the trajectory has {len(sample.images)} images but {rendered} image placeholders")
+
+
 def load_rows_within(source: str, tokenizer, max_prompt_tokens: int, verbose: bool = True,
-                     tools: str = "none") -> list[dict]:
+                     tools: str = "none", count_image: Callable[[bytes], int] = image_tokens) -> list[dict]:
     """`data_prep.load_rows(source)` less the rows whose prompt, as the rollout renders it (with the signatures of the
-    toolbox `tools`), is longer than `max_prompt_tokens` (counted, and printed when verbose); a source with none left
-    is refused."""
+    toolbox `tools`, each image placeholder counted as `count_image` tokens), is longer than `max_prompt_tokens`
+    (counted, and printed when verbose); a source with none left is refused."""
     rows = data_prep.load_rows(source)
     check_swe_rows(rows, tools, source)
     schemas = TOOL_SCHEMAS[tools] if tools != "none" else None
-    kept = [r for r in rows if len(tokenizer(chat.render(tokenizer, r["prompt"], schemas, add_generation_prompt=True),
-                                             add_special_tokens=False)["input_ids"]) <= max_prompt_tokens]
+
+    def length(row: dict) -> int:
+        text = chat.render(tokenizer, row["prompt"], schemas, add_generation_prompt=True)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"]) + sum(
+            count_image(image) - 1 for image in data_prep.row_images(row))
+
+    kept = [r for r in rows if length(r) <= max_prompt_tokens]
     if not kept:
         raise SystemExit(f"{source}: no row has a prompt within --max-prompt-tokens {max_prompt_tokens}")
     if len(kept) < len(rows) and verbose:
@@ -65,9 +98,10 @@ def load_rows_within(source: str, tokenizer, max_prompt_tokens: int, verbose: bo
 
 def collect(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampling: Sampling, tools: str = "none",
             limits: AgentLimits | None = None, first_group: int = 0, check: bool = False,
-            eot: str | None = None) -> tuple[list[Sample], dict]:
+            eot: str | None = None, count_image: Callable[[bytes], int] = image_tokens) -> tuple[list[Sample], dict]:
     """`group_size` samples of each row: single-turn, or multi-turn agent rollouts with the toolbox `tools` names
-    (TOOLBOXES) whose turns end with the token `eot` (default: end_of_turn's). check: compare every trajectory with
+    (TOOLBOXES) whose turns end with the token `eot` (default: end_of_turn's), budgets counting each image as
+    `count_image` tokens. check: compare every trajectory with
     the chat template's rendering of its messages; the drifting fraction goes to the metrics (tools/tito_drift_frac)
     and the first drift to the console: a tokenization the template would not produce is logged, not fatal. Returns
     samples and this rank's metrics."""
@@ -75,7 +109,7 @@ def collect(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampli
         return single_turn(engine, tokenizer, rows, group_size, sampling, first_group)
     eot = eot or chat.end_of_turn(tokenizer)
     samples, metrics = multi_turn(engine, tokenizer, rows, group_size, sampling, TOOLBOXES[tools],
-                                  limits or AgentLimits(), first_group, eot)
+                                  limits or AgentLimits(), first_group, eot, count_image)
     if check:
         drifts = [(s, chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"], eot)) for s in samples]
         metrics["tools/tito_drift_frac"] = sum(bool(d) for _, d in drifts) / len(drifts)
@@ -88,12 +122,13 @@ def collect(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampli
 
 def single_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampling: Sampling,
                 first_group: int = 0) -> tuple[list[Sample], dict]:
-    """Each row's prompt sampled `group_size` times, one completion each. Returns samples and metrics."""
+    """Each row's prompt (and images) sampled `group_size` times, one completion each. Returns samples and metrics."""
     start = time.perf_counter()
     prompts = [chat.encode_prompt(tokenizer, row["prompt"]) for row in rows]
     repeated = [p for p in prompts for _ in range(group_size)]
-    completions = engine.generate(repeated, sampling)
-    samples = []
+    images = [data_prep.row_images(row) for row in rows for _ in range(group_size)]
+    completions = _generate(engine, repeated, sampling, images)
+    samples, pad_id = [], chat.image_pad_id(tokenizer)
     for i, (prompt, completion) in enumerate(zip(repeated, completions)):
         samples.append(Sample(
             prompt_ids=prompt,
@@ -104,7 +139,9 @@ def single_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sa
             group=first_group + i // group_size,
             text=tokenizer.decode(completion.token_ids, skip_special_tokens=True),
             finish_reason=completion.finish_reason,
+            images=images[i],
         ))
+        check_images(samples[-1], pad_id)
     seconds = time.perf_counter() - start
     new_tokens = sum(len(c.token_ids) for c in completions)
     metrics = {
@@ -137,7 +174,9 @@ class Trajectory:
     completion_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    images: list[bytes] = field(default_factory=list)
+    images: list[bytes] = field(default_factory=list)  # one per image placeholder, in order: the row's, the tools'
+    prompt_images: int = 0  # how many of them are the row's
+    image_tokens: int = 0  # what the placeholders add when expanded: sum of (tokens per image - 1)
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -150,16 +189,20 @@ class Trajectory:
 
     @property
     def length(self) -> int:
-        return len(self.prompt_ids) + len(self.completion_ids)
+        """Tokens as the model sees them: image placeholders expanded."""
+        return len(self.prompt_ids) + len(self.completion_ids) + self.image_tokens
 
 
 def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampling: Sampling,
                new_toolbox: Callable[[dict], ToolBox], limits: AgentLimits = AgentLimits(),
-               first_group: int = 0, eot: str | None = None) -> tuple[list[Sample], dict]:
-    """Multi-turn rollout: each row's prompt `group_size` times; every turn is generated for all live trajectories
-    in one engine call, then all their tool calls run concurrently; a turn that ends with the token `eot` (default:
-    end_of_turn's) can call tools. Returns samples (info: messages, images, tool schemas, turn and tool counts) and
-    metrics. Toolboxes are always closed, each even when another's close fails. A prompt that leaves no room under
+               first_group: int = 0, eot: str | None = None,
+               count_image: Callable[[bytes], int] = image_tokens) -> tuple[list[Sample], dict]:
+    """Multi-turn rollout: each row's prompt (and images) `group_size` times; every turn is generated for all live
+    trajectories in one engine call, then all their tool calls run concurrently; a turn that ends with the token `eot`
+    (default: end_of_turn's), or (tag protocol) stops on </code>, can call tools. Lengths count each image as
+    `count_image` tokens; an observation that does not fit ends the trajectory before it, images and all. Returns
+    samples (info: messages, the images the tools returned, tool schemas, turn and tool counts) and metrics.
+    Toolboxes are always closed, each even when another's close fails. A prompt that leaves no room under
     max_total_tokens is refused (ValueError) before anything is generated."""
     start = time.perf_counter()
     eot = eot or chat.end_of_turn(tokenizer)
@@ -168,27 +211,33 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
         for i in range(len(rows) * group_size):
             row = rows[i // group_size]
             box = new_toolbox(row)
-            trajectories.append(Trajectory(row, first_group + i // group_size, box, list(row["prompt"]), []))
+            images = data_prep.row_images(row)
             prompt_text = chat.render(tokenizer, row["prompt"], box.schemas, add_generation_prompt=True)
-            trajectories[-1].prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-            if len(trajectories[-1].prompt_ids) >= limits.max_total_tokens:
+            traj = Trajectory(row, first_group + i // group_size, box, list(row["prompt"]),
+                              tokenizer(prompt_text, add_special_tokens=False)["input_ids"], images=images,
+                              prompt_images=len(images), image_tokens=sum(count_image(im) - 1 for im in images))
+            trajectories.append(traj)
+            if traj.length >= limits.max_total_tokens:
                 task = data_prep.row_id(row) if "extra_info" in row else f"rows[{i // group_size}]"
-                raise ValueError(f"{task}: the prompt is {len(trajectories[-1].prompt_ids)} tokens with the tool "
-                                 f"signatures, no room for an answer within max_total_tokens {limits.max_total_tokens}")
+                raise ValueError(f"{task}: the prompt is {traj.length} tokens with the tool signatures and its "
+                                 f"images, no room for an answer within max_total_tokens {limits.max_total_tokens}")
         with ThreadPoolExecutor(max_workers=16) as pool:
             while _any_live_anywhere(live := [traj for traj in trajectories if not traj.finish_reason]):
-                _agent_turn(engine, tokenizer, live, sampling, limits, eot, pool)
+                _agent_turn(engine, tokenizer, live, sampling, limits, eot, pool, count_image)
     finally:
         close_all([traj.box for traj in trajectories])
-    samples = [Sample(
-        prompt_ids=traj.prompt_ids, completion_ids=traj.completion_ids, loss_mask=traj.loss_mask,
-        engine_logprobs=traj.logprobs, row=traj.row, group=traj.group, finish_reason=traj.finish_reason,
-        text=traj.box.info.pop("completion", "\n".join(
-            m["content"] for m in traj.messages[len(traj.row["prompt"]):] if m["role"] == "assistant")),
-        info={"messages": traj.messages, "images": traj.images, "tools": traj.box.schemas, "turns": traj.turns,
-              "tool_calls": traj.tool_calls, "tool_errors": traj.tool_errors, "agent_seconds": traj.seconds}
-        | traj.box.info)
-        for traj in trajectories]
+    samples, pad_id = [], chat.image_pad_id(tokenizer)
+    for traj in trajectories:
+        samples.append(Sample(
+            prompt_ids=traj.prompt_ids, completion_ids=traj.completion_ids, loss_mask=traj.loss_mask,
+            engine_logprobs=traj.logprobs, row=traj.row, group=traj.group, finish_reason=traj.finish_reason,
+            text=traj.box.info.pop("completion", "\n".join(
+                m["content"] for m in traj.messages[len(traj.row["prompt"]):] if m["role"] == "assistant")),
+            info={"messages": traj.messages, "images": traj.images[traj.prompt_images:], "tools": traj.box.schemas,
+                  "turns": traj.turns, "tool_calls": traj.tool_calls, "tool_errors": traj.tool_errors,
+                  "agent_seconds": traj.seconds} | traj.box.info,
+            images=traj.images))
+        check_images(samples[-1], pad_id)
     seconds = time.perf_counter() - start
     n = max(1, len(trajectories))  # a rank can run a round without rows of its own
     generated = sum(sum(traj.loss_mask) for traj in trajectories)
@@ -235,7 +284,7 @@ def _any_live_anywhere(live: list) -> bool:
 
 
 def _agent_turn(engine: Engine, tokenizer, live: list[Trajectory], sampling: Sampling, limits: AgentLimits,
-                eot: str, pool: ThreadPoolExecutor) -> None:
+                eot: str, pool: ThreadPoolExecutor, count_image: Callable[[bytes], int] = image_tokens) -> None:
     if not live:  # other ranks still turn: one throwaway token keeps this rank's collectives in step
         _generate(engine, [[tokenizer.pad_token_id]], dataclasses.replace(sampling, max_new_tokens=1), [[]])
         return
@@ -247,19 +296,25 @@ def _agent_turn(engine: Engine, tokenizer, live: list[Trajectory], sampling: Sam
     for traj, c in zip(live, completions):
         room = limits.max_total_tokens - traj.length
         ids, logprobs = c.token_ids[:room], c.logprobs[:room]  # the batch budget follows the longest trajectory
+        # The tag protocol stops on </code>: what an engine generated after it is dropped, the ids kept as sampled.
+        cut = chat.code_stop(tokenizer, ids) if traj.box.protocol == "codev" else None
+        ids, logprobs = (ids[:cut], logprobs[:cut]) if cut else (ids, logprobs)
         traj.completion_ids += ids
         traj.loss_mask += [1] * len(ids)
         traj.logprobs += logprobs
         traj.turns += 1
         ended = bool(ids) and ids[-1] == eot_id  # only a turn closed by the template's token can take tool results
-        stopped = ended or (c.finish_reason == "stop" and len(ids) == len(c.token_ids))
-        content = tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
+        stopped = ended or bool(cut) or (c.finish_reason == "stop" and len(ids) == len(c.token_ids))
+        content = tokenizer.decode(ids[:-1] if stopped and not cut else ids, skip_special_tokens=False)
         traj.messages.append({"role": "assistant", "content": content})
-        calls = chat.parse_tool_calls(content, set(traj.box.tools)) if ended else []
+        if traj.box.protocol == "codev":
+            calls = chat.parse_code_action(content) if cut else []
+        else:
+            calls = chat.parse_tool_calls(content, set(traj.box.tools)) if ended else []
         traj.seconds = time.monotonic() - traj.started
         if not calls:
-            cut = len(ids) < len(c.token_ids)
-            traj.finish_reason = "stop" if stopped else ("max_total_tokens" if cut else "length")
+            truncated = len(ids) < len(c.token_ids) and not cut
+            traj.finish_reason = "stop" if stopped else ("max_total_tokens" if truncated else "length")
         elif traj.turns >= limits.max_turns:
             traj.finish_reason = "max_turns"
         elif traj.seconds >= limits.max_seconds:
@@ -267,14 +322,12 @@ def _agent_turn(engine: Engine, tokenizer, live: list[Trajectory], sampling: Sam
         else:
             pending.append((traj, [pool.submit(call_tool, traj.box, call) for call in calls]))
     for traj, futures in pending:
-        new_messages, submitted = [], False
+        results, submitted = [], False
         for future in futures:
             result, seconds = future.result()
             submitted |= result.stop
-            text, cut = chat.truncate_tool_text(tokenizer, result.text, limits.max_tool_response_tokens)
-            result.text = text
-            new_messages.append(tool_message(result))
-            traj.images += result.images
+            result.text, cut = chat.truncate_tool_text(tokenizer, result.text, limits.max_tool_response_tokens)
+            results.append(result)
             traj.tool_calls += 1
             traj.tool_errors += result.error
             traj.tool_seconds += seconds
@@ -283,18 +336,28 @@ def _agent_turn(engine: Engine, tokenizer, live: list[Trajectory], sampling: Sam
         if submitted:  # end on the policy's own turn: nothing after it is learned from
             traj.finish_reason = "submit"
             continue
-        ids = chat.template_suffix_ids(tokenizer, traj.messages, new_messages, traj.box.schemas, eot)
-        if traj.length + len(ids) >= limits.max_total_tokens:  # no room left to answer: end on the policy's own turn
-            traj.finish_reason = "max_total_tokens"
+        images = [image for result in results for image in result.images]
+        if traj.box.protocol == "codev":
+            new_messages = [chat.observation_message("\n".join(r.text for r in results), len(images))]
+        else:
+            new_messages = [tool_message(result) for result in results]
+        ids = chat.template_suffix_ids(tokenizer, traj.messages, new_messages, traj.box.schemas, eot,
+                                       after_eot=traj.box.protocol != "codev")
+        added = sum(count_image(image) - 1 for image in images)
+        if traj.length + len(ids) + added >= limits.max_total_tokens:  # no room to answer: end on the policy's turn,
+            traj.finish_reason = "max_total_tokens"  # without the observation or its images
             continue
         traj.messages += new_messages
         traj.completion_ids += ids
         traj.loss_mask += [0] * len(ids)
         traj.logprobs += [0.0] * len(ids)
+        traj.images += images
+        traj.image_tokens += added
 
 
 def _generate(engine: Engine, prompts: list[list[int]], sampling: Sampling, images: list[list[bytes]]):
-    """Images go to engines that take them (VLLMEngine); a text-only engine sees only their placeholder tokens."""
+    """Images (each prompt's, in placeholder order) go to engines that take them; a text-only engine sees only their
+    placeholder tokens."""
     if any(images) and "images" in inspect.signature(engine.generate).parameters:
         return engine.generate(prompts, sampling, images=[i or None for i in images])
     return engine.generate(prompts, sampling)
@@ -334,9 +397,10 @@ class GenerateArgs:
     """weights on GPUs (the HF engine on CPU always computes in float32)"""
     end_of_turn: str | None = None
     """token that closes an assistant turn (default: found in the chat template, e.g. <|im_end|>, <|eot_id|>)"""
-    tools: Literal["none", "python", "swe"] = "none"
-    """multi-turn agent rollouts with these tools, as in training (python: a sandboxed interpreter per trajectory;
-    swe: bash and an editor in a container per trajectory, swebench rows, the completion is its diff)"""
+    tools: Literal["none", "python", "codev", "swe"] = "none"
+    """multi-turn agent rollouts with these tools, as in training (python: a sandboxed interpreter per trajectory,
+    called with <tool_call>; codev: the same, called with CodeV's <code> tags; swe: bash and an editor in a container
+    per trajectory, swebench rows, the completion is its diff)"""
     max_turns: int = 4
     """assistant turns per trajectory (tools on)"""
     max_total_tokens: int = 4096

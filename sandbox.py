@@ -67,7 +67,7 @@ import struct
 import sys
 import time
 import typing
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 STATUSES = ("pass", "wrong_answer", "runtime_error", "timeout", "memory", "syntax_error", "output_limit",
             "not_run", "harness_error")
@@ -855,7 +855,7 @@ def _serve_session(job: dict, ids: _RunIds, channel: socket.socket, exits: dict,
     null = os.open(os.devnull, os.O_RDWR)
     tmp, pid = _spawn(channel, exits, ids, job["limits"], SESSION_CPU_SECONDS,
                       [null, os.dup(null), os.dup(null), theirs.detach()])
-    _send(mine, ("session", job["input_image"]))
+    _send(mine, ("session", job["input_images"]))
     socket.send_fds(conn, [b"s"], [mine.fileno()])
     mine.close()
     poller = select.poll()
@@ -1533,24 +1533,25 @@ class ToolOutput(NamedTuple):
 
 
 class PythonSession:
-    """`with PythonSession(input_image=png_bytes) as s: s.run("x = 1"); s.run("print(x)")`. Variables, imports and
+    """`with PythonSession(input_images=[png_bytes]) as s: s.run("x = 1"); s.run("print(x)")`. Variables, imports and
     files persist across calls. The code runs as a program of `sandbox` (default: the shared one whose programs may
     import SESSION_PACKAGES): the filesystem view, its own namespaces (no network), a fresh unprivileged uid, the
-    Limits' rlimits and SESSION_CPU_SECONDS of CPU; its working dir (a private tmpfs) holds the input image as
-    `input_image.png`, also the PIL image `image`. Each call has a timeout: an alarm in the interpreter interrupts that
+    Limits' rlimits and SESSION_CPU_SECONDS of CPU; its working dir (a private tmpfs) holds the first input image as
+    `input_image.png`, also the PIL image `image` (several: all of them also as input_image_0.png, input_image_1.png,
+    ... and the PIL images `images`). Each call has a timeout: an alarm in the interpreter interrupts that
     call only (state kept); code that will not be interrupted gets a fresh interpreter (reported). PIL images shown
     or saved and matplotlib figures come back as PNG bytes. close() kills every process the session started."""
 
-    def __init__(self, input_image: bytes | None = None, limits: Limits = Limits(), max_images: int = 4,
+    def __init__(self, input_images: Sequence[bytes] = (), limits: Limits = Limits(), max_images: int = 4,
                  max_image_bytes: int = 4 << 20, max_output: int = 1 << 16, sandbox: Sandbox | None = None):
         self.limits, self.max_images, self.max_image_bytes, self.max_output = limits, max_images, max_image_bytes, max_output
-        self.input_image = input_image
+        self.input_images = list(input_images)
         self.sandbox = sandbox or default_sandbox(SESSION_PACKAGES)
         self._job = self._program = None
         self._start()
 
     def _start(self) -> None:
-        job = {"kind": "session", "limits": self.limits._asdict(), "input_image": self.input_image}
+        job = {"kind": "session", "limits": self.limits._asdict(), "input_images": self.input_images}
         self._job, self._program = self.sandbox.open_session(job)
 
     def run(self, code: str, timeout: float | None = None) -> ToolOutput:
@@ -1620,7 +1621,7 @@ def _session_reply(sock: socket.socket) -> tuple:
     return reply
 
 
-def _session_main(sock: socket.socket, input_image: bytes | None) -> None:
+def _session_main(sock: socket.socket, input_images: list[bytes]) -> None:
     """The session's program: run each call's code in one namespace and send back what it printed and drew."""
     import contextlib
     import traceback
@@ -1648,16 +1649,21 @@ def _session_main(sock: socket.socket, input_image: bytes | None) -> None:
     os.environ.update({"MPLBACKEND": "Agg", "MPLCONFIGDIR": os.getcwd(), "OPENBLAS_NUM_THREADS": "1"})
     signal.signal(signal.SIGALRM, on_alarm)
     namespace, shown = _program_module(False), []
-    if input_image is not None:
-        with open("input_image.png", "wb") as f:
-            f.write(input_image)
+    files = {"input_image.png": input_images[0]} if input_images else {}
+    if len(input_images) > 1:
+        files |= {f"input_image_{i}.png": data for i, data in enumerate(input_images)}
+    for name, data in files.items():
+        with open(name, "wb") as f:
+            f.write(data)
     try:
         from PIL import Image
 
         Image.Image.show = lambda self, *args, **kwargs: shown.append(png(self))
-        if input_image is not None:
-            namespace["image"] = Image.open("input_image.png")
-            namespace["image"].load()
+        opened = [Image.open(io.BytesIO(data)) for data in input_images]
+        for picture in opened:
+            picture.load()
+        if opened:
+            namespace["image"], namespace["images"] = opened[0], opened
     except ImportError:
         Image = None
     while True:

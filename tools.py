@@ -1,15 +1,22 @@
-"""The agent's tools: a toolbox per trajectory (`python` in the sandbox's PythonSession; `bash`, `str_replace_editor`
-and `submit` in the trajectory's own SWE-bench container), their JSON signatures for the prompt, and the checks on
-swebench rows before anything loads."""
+"""The agent's tools: a toolbox per trajectory (`python` in the sandbox's PythonSession, called through <tool_call> or,
+`codev`, through CodeV's <code> tags; `bash`, `str_replace_editor` and `submit` in the trajectory's own SWE-bench
+container), their JSON signatures for the prompt, the limits on images shown to the model, and the checks on swebench
+rows before anything loads."""
 from __future__ import annotations
 
+import io
 import json
+import math
+import re
 import shlex
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal
+
+from PIL import Image, UnidentifiedImageError
 
 import containers
+import data_prep
 import sandbox
 
 SWE_CONTAINER = containers.ContainerLimits(timeout=60.0, output_cap=10_000)  # an agent's container; see README
@@ -34,6 +41,7 @@ class ToolBox:
     schemas: list[dict]
     close: Callable[[], None] = lambda: None
     info: dict = field(default_factory=dict)
+    protocol: Literal["tool_call", "codev"] = "tool_call"  # how the policy calls them (chat.py's docstring)
 
 
 def tool_message(result: ToolResult) -> dict:
@@ -60,20 +68,79 @@ PYTHON_TOOL = {"type": "function", "function": {
     "description": "Run Python code in a persistent session (variables, imports and files are kept). The task's image "
     "is `image` (PIL) and input_image.png; images you show or save and matplotlib figures are returned.",
     "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+# Models trained on ChatGPT's code interpreter write files to /mnt/data; here that is the session's working dir.
+HALLUCINATED_DIR = re.compile(r"""(?<=['"])/mnt/data(/+|(?=['"]))""")
 
 
-def python_toolbox(row: dict) -> ToolBox:
-    """The `python` tool: one sandbox.PythonSession per trajectory, given the row's first image."""
-    session = sandbox.PythonSession(input_image=(row.get("images") or [None])[0])
+def rewrite_paths(code: str) -> str:
+    """Quoted paths under /mnt/data made relative to the working dir ("/mnt/data/x.png" -> "x.png", "/mnt/data" -> ".")."""
+    return HALLUCINATED_DIR.sub(lambda m: "" if m.group(1) else ".", code)
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """What of the images a call returns reaches the model (CodeV's tool and Qwen2.5-VL's preprocessing): too
+    elongated ones are dropped (the image processor refuses aspect ratios over 200), tiny ones upscaled to one merged
+    patch, huge ones downscaled, and only the first few kept."""
+
+    max_images: int = 5  # per call
+    max_aspect: float = 100.0
+    min_side: int = 28  # pixels: one 2x2 merge of 14-pixel patches
+    max_pixels: int = 12_845_056  # Qwen2.5-VL's preprocessor_config max_pixels
+
+
+def fit_images(images: list[bytes], limits: ImageLimits = ImageLimits()) -> tuple[list[bytes], list[str]]:
+    """`images` (PNG bytes from the sandbox, untrusted) within `limits`: (the PNGs to show, notes for the model on
+    what was dropped or resized). Sizes are read from the header before anything is decoded."""
+    kept, notes = [], []
+    for k, data in enumerate(images):
+        try:
+            picture = Image.open(io.BytesIO(data))
+            width, height = picture.size
+            if width * height > 4 * limits.max_pixels:  # decoding it to scale it down would cost too much
+                notes.append(f"image {k + 1} dropped: {width}x{height} is too large")
+                continue
+            if max(width, height) > limits.max_aspect * min(width, height):
+                notes.append(f"image {k + 1} dropped: its aspect ratio {width}x{height} is over {limits.max_aspect:g}")
+                continue
+            scale = max(limits.min_side / min(width, height), 1.0)
+            scale = min(scale, math.sqrt(limits.max_pixels / (width * height)))
+            if scale != 1.0:
+                size = (max(1, round(width * scale)), max(1, round(height * scale)))
+                buf = io.BytesIO()
+                picture.convert("RGB").resize(size, Image.Resampling.BICUBIC).save(buf, format="PNG")
+                data = buf.getvalue()
+            kept.append(data)
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+            notes.append(f"image {k + 1} dropped: not a readable image ({type(e).__name__})")
+    if len(kept) > limits.max_images:
+        notes.append(f"only the first {limits.max_images} of {len(kept)} images are kept")
+        kept = kept[: limits.max_images]
+    return kept, notes
+
+
+def python_toolbox(row: dict, protocol: Literal["tool_call", "codev"] = "tool_call",
+                   limits: ImageLimits = ImageLimits()) -> ToolBox:
+    """The `python` tool: one sandbox.PythonSession per trajectory, given all the row's images; the images a call
+    returns pass `limits`, and quoted paths under /mnt/data are read as the working dir's."""
+    session = sandbox.PythonSession(input_images=data_prep.row_images(row), max_images=4 * limits.max_images)
 
     def python(arguments: dict) -> ToolResult:
         if not isinstance(arguments.get("code"), str):
             return ToolResult('Error: python needs {"code": <string>}', error=True)
-        out = session.run(arguments["code"])
-        text = out.stdout + out.stderr + (out.error or "")
-        return ToolResult(text or "(no output)", images=out.images, error=out.error is not None)
+        out = session.run(rewrite_paths(arguments["code"]))
+        images, notes = fit_images(out.images, limits)
+        text = out.stdout + out.stderr + (out.error or "") + "".join(f"\n[{note}]" for note in notes)
+        return ToolResult(text or "(no output)", images=images, error=out.error is not None)
 
-    return ToolBox({"python": python}, [PYTHON_TOOL], close=session.close)
+    return ToolBox({"python": python}, [PYTHON_TOOL] if protocol == "tool_call" else [], close=session.close,
+                   protocol=protocol)
+
+
+def codev_toolbox(row: dict) -> ToolBox:
+    """The python tool called through CodeV's tags (<code>```python ...```</code>): no signatures in the prompt, the
+    row's own prompt says how (data_prep.CODEV_SYSTEM)."""
+    return python_toolbox(row, protocol="codev")
 
 
 SWE_TOOLS = [
@@ -224,7 +291,8 @@ def check_swe_rows(rows: list[dict], tools: str, source: str) -> None:
                              f"{missing[0]}; pull or `docker load` them first (README, SWE-bench)")
 
 
-TOOLBOXES: dict[str, Callable[[dict], ToolBox]] = {"python": python_toolbox, "swe": swe_toolbox}
+TOOLBOXES: dict[str, Callable[[dict], ToolBox]] = {"python": python_toolbox, "codev": codev_toolbox,
+                                                   "swe": swe_toolbox}
 
 
-TOOL_SCHEMAS: dict[str, list[dict]] = {"python": [PYTHON_TOOL], "swe": SWE_TOOLS}  # what each shows in the prompt
+TOOL_SCHEMAS: dict[str, list[dict]] = {"python": [PYTHON_TOOL], "codev": [], "swe": SWE_TOOLS}  # shown in the prompt

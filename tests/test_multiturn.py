@@ -1,11 +1,13 @@
 """The multi-turn agent loop (rollout.multi_turn): token-in-token-out ids, loss masks, tool-call parsing, limits,
 metrics, and check_tito, with the Qwen-style chat template and a Llama-3-style one. The engine is scripted (it emits
 given replies as token ids with known logprobs): the thing under test is the loop, not a model."""
+import io
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+from PIL import Image
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,6 +26,19 @@ CORPUS = ["def add(a, b):\n    return a + b\nprint(add(1, 2))\n", "The answer is
 PYTHON_SCHEMA = {"type": "function", "function": {"name": "python", "description": "run Python",
                                                   "parameters": {"type": "object",
                                                                  "properties": {"code": {"type": "string"}}}}}
+
+
+def png_of(size: tuple[int, int], colour: str = "red") -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+PNG = png_of((56, 56))
+
+
+def tool_png(i: int) -> bytes:
+    return png_of((28 * (i + 1), 28), "blue")
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +108,7 @@ def replay_toolbox(responses: list[dict]):
             if isinstance(content, str):
                 return tools.ToolResult(content)
             text = "".join(p["text"] for p in content if p["type"] == "text")
-            return tools.ToolResult(text, images=[b"PNG%d" % i for i, p in enumerate(content) if p["type"] == "image"])
+            return tools.ToolResult(text, images=[tool_png(i) for i, p in enumerate(content) if p["type"] == "image"])
         return tools.ToolBox({"python": python}, [])
     return new_toolbox
 
@@ -146,8 +161,9 @@ def run_fixture(tokenizer, messages, **engine_kwargs):
     marker = next(w for m in prompt for w in str(m["content"]).replace("'", " ").replace(":", " ").split()
                   if w.startswith("task-"))
     engine = ScriptedEngine(tokenizer, {marker: assistant_texts(tokenizer, messages)}, **engine_kwargs)
+    row = {"prompt": prompt, "images": [PNG] * data_prep.count_image_parts(prompt)}
     samples, metrics = rollout.multi_turn(
-        engine, tokenizer, [{"prompt": prompt}], 1, engines.Sampling(max_new_tokens=1000),
+        engine, tokenizer, [row], 1, engines.Sampling(max_new_tokens=1000),
         replay_toolbox([m for m in messages if m["role"] == "tool"]), rollout.AgentLimits(max_turns=8))
     return samples[0], metrics, engine.emitted[marker]
 
@@ -177,7 +193,7 @@ def test_fixture_trajectory_matches_template_and_sft_encoding(any_tokenizer, nam
 
 def test_image_tool_output_is_placeholders_outside_the_mask(tokenizer):
     sample, _, _ = run_fixture(tokenizer, FIXTURES["image"])
-    assert sample.info["images"] == [b"PNG1"]
+    assert sample.info["images"] == [tool_png(1)] and sample.images == [PNG, tool_png(1)]
     pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     positions = [i for i, t in enumerate(sample.completion_ids) if t == pad]
     assert len(positions) == 1 and sample.loss_mask[positions[0]] == 0

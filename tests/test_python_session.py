@@ -77,7 +77,7 @@ def test_uninterruptible_call_gets_a_fresh_interpreter_and_says_so():
 
 
 def test_images_round_trip_as_png_with_input_image():
-    with sandbox.PythonSession(input_image=png("red")) as s:
+    with sandbox.PythonSession(input_images=[png("red")]) as s:
         out = s.run("print(image.size, image.getpixel((0, 0)))\n"
                     "image.crop((0, 0, 3, 2)).show()\n"
                     "Image = type(image)\n"
@@ -102,7 +102,7 @@ def test_image_count_and_size_are_bounded():
 
 
 def test_the_session_is_isolated_like_reward_programs():
-    with sandbox.PythonSession(input_image=png("red")) as s:
+    with sandbox.PythonSession(input_images=[png("red")]) as s:
         out = s.run(f"""
 import os, socket
 print(os.getuid())
