@@ -163,7 +163,7 @@ def parse_code_action(text: str) -> list[dict | str]:
     (``` fences taken off), [an error message] for a </code> without <code>, [] for a turn that is no action."""
     if not is_code_action(text):
         return []
-    body, opened, _ = text.rsplit(CODE_STOP, 1)[0].rpartition(CODE_OPEN)
+    _, opened, body = text.rsplit(CODE_STOP, 1)[0].rpartition(CODE_OPEN)
     if not opened:
         return ["Error: </code> without an opening <code>; write <code>```python\n...\n```</code>"]
     fenced = CODE_FENCE.search(body) if "```" in body else None

@@ -291,7 +291,7 @@ def _agent_turn(engine: Engine, tokenizer, live: list[Trajectory], sampling: Sam
     budget = min(max(limits.max_total_tokens - traj.length for traj in live), sampling.max_new_tokens)
     turn_sampling = dataclasses.replace(sampling, max_new_tokens=max(budget, 1))
     completions = _generate(engine, [traj.prompt_ids + traj.completion_ids for traj in live], turn_sampling,
-                            [traj.images for traj in live])
+                            [list(traj.images) for traj in live])
     pending, eot_id = [], tokenizer.convert_tokens_to_ids(eot)
     for traj, c in zip(live, completions):
         room = limits.max_total_tokens - traj.length

@@ -97,11 +97,11 @@ def fit_images(images: list[bytes], limits: ImageLimits = ImageLimits()) -> tupl
         try:
             picture = Image.open(io.BytesIO(data))
             width, height = picture.size
-            if width * height > 4 * limits.max_pixels:  # decoding it to scale it down would cost too much
-                notes.append(f"image {k + 1} dropped: {width}x{height} is too large")
-                continue
             if max(width, height) > limits.max_aspect * min(width, height):
                 notes.append(f"image {k + 1} dropped: its aspect ratio {width}x{height} is over {limits.max_aspect:g}")
+                continue
+            if width * height > 4 * limits.max_pixels:  # decoding it to scale it down would cost too much
+                notes.append(f"image {k + 1} dropped: {width}x{height} is too large")
                 continue
             scale = max(limits.min_side / min(width, height), 1.0)
             scale = min(scale, math.sqrt(limits.max_pixels / (width * height)))

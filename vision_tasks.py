@@ -88,7 +88,7 @@ def _chart_task(rng: random.Random, size: int) -> dict:
         else rng.randrange(n)
     if kind != "value" and values.count(values[pick]) > 1:
         return _chart_task(rng, size)  # a tie has no single date
-    figure = Figure(figsize=(size / 100, size * 0.75 / 100), dpi=100)
+    figure = Figure(figsize=(size / 100, size * 0.75 / 100), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     bars = axes.bar(range(n), values, color="tab:blue")
@@ -97,10 +97,11 @@ def _chart_task(rng: random.Random, size: int) -> dict:
     axes.set_ylim(min(values) * 0.9, max(values) * 1.05)
     axes.set_title("Microsoft closing price (USD)")
     figure.canvas.draw()
-    height = figure.canvas.get_width_height()[1]
+    width, height = figure.canvas.get_width_height()
     bar = Bbox.intersection(bars[pick].get_window_extent(), axes.get_window_extent())  # the bar's part above ylim
     extent = Bbox.union([bar, labels[pick].get_window_extent(), axes.get_xticklabels()[pick].get_window_extent()])
-    box = [math.floor(extent.x0), math.floor(height - extent.y1), math.ceil(extent.x1), math.ceil(height - extent.y0)]
+    box = [max(0, math.floor(extent.x0)), max(0, math.floor(height - extent.y1)), min(width, math.ceil(extent.x1)),
+           min(height, math.ceil(height - extent.y0))]
     buf = io.BytesIO()
     figure.savefig(buf, format="png", metadata={"Software": None})
     date, value = window[pick]

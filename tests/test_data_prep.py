@@ -227,7 +227,8 @@ def test_load_and_write_errors(tmp_path):
     with pytest.raises(ValueError, match="no rows to write"):
         write_rows([], tmp_path / "empty.parquet")
     with pytest.raises(ValueError, match="cannot be JSON"):
-        write_rows([good_row(images=[b"raw"])], tmp_path / "img.jsonl")
+        write_rows([good_row(images=[b"raw"], prompt=[{"role": "user", "content": [{"type": "image"}]}])],
+                   tmp_path / "img.jsonl")
     with pytest.raises(FileNotFoundError, match="missing.parquet: no such file"):
         load_rows(tmp_path / "missing.parquet")
     with pytest.raises(ValueError, match="not a .parquet/.jsonl file or a Hugging Face dataset name"):
