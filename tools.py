@@ -73,7 +73,8 @@ HALLUCINATED_DIR = re.compile(r"""(?<=['"])/mnt/data(/+|(?=['"]))""")
 
 
 def rewrite_paths(code: str) -> str:
-    """Quoted paths under /mnt/data made relative to the working dir ("/mnt/data/x.png" -> "x.png", "/mnt/data" -> ".")."""
+    """Quoted paths under /mnt/data made relative to the working dir ("/mnt/data/x.png" -> "x.png", and "." for the
+    dir itself)."""
     return HALLUCINATED_DIR.sub(lambda m: "" if m.group(1) else ".", code)
 
 

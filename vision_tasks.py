@@ -105,9 +105,8 @@ def _chart_task(rng: random.Random, size: int) -> dict:
     buf = io.BytesIO()
     figure.savefig(buf, format="png", metadata={"Software": None})
     date, value = window[pick]
-    question = (f"On which date was the closing price highest? Answer with the date as labelled."
-                if kind == "highest" else "On which date was the closing price lowest? Answer with the date as labelled."
-                if kind == "lowest" else f"What was the closing price on {date}? Answer with two decimals.")
+    question = (f"On which date was the closing price {kind}? Answer with the date as labelled." if kind != "value"
+                else f"What was the closing price on {date}? Answer with two decimals.")
     return {"image": buf.getvalue(), "question": question, "answer": f"{value:.2f}" if kind == "value" else date,
             "box": box}
 

@@ -1,6 +1,6 @@
 """CodeV's data and protocol: the codev importer and extract-images on parquets in CodeV / DeepEyes shape, vision_toy
 (deterministic, answers recomputed from the images), the <code> tag protocol token-in-token-out with a scripted engine
-(check_tito, SFT's encode_conversation, masks), images in budgets and samples, and the Python tool's images and paths."""
+(check_tito, SFT's encode_conversation, masks), images in budgets and samples, the Python tool's images and paths."""
 import io
 import sys
 from collections import deque
@@ -72,7 +72,7 @@ def test_codev_import_round_trip(tmp_path):
     assert first["prompt"][1]["content"] == [{"type": "image"}, {"type": "text", "text": "\nWhat colour is the car?"}]
     assert first["prompt"][0]["content"] == "Use code."
     assert first["images"] == [records[0]["images"][0]["bytes"]]
-    assert first["reward_model"] == {"style": "judge", "ground_truth": "red"}  # CodeV's "model": math-verify, else judge
+    assert first["reward_model"] == {"style": "judge", "ground_truth": "red"}  # "model": math-verify, else judge
     assert first["extra_info"]["env_name"] == "code" and first["extra_info"]["question"] == "What colour is the car?"
     assert [p["type"] for p in second["prompt"][0]["content"]] == ["text", "image", "text", "image", "text"]
     assert second["images"] == [png((40, 30), "blue"), records[1]["images"][1]["bytes"]]
@@ -307,8 +307,8 @@ def test_python_tool_gets_the_row_images_and_rewrites_mnt_data(tokenizer):
     box = tools.TOOLBOXES["codev"](row)
     try:
         assert box.schemas == [] and box.protocol == "codev"
-        out = box.tools["python"]({"code": "import os\nprint(sorted(os.listdir('/mnt/data')), image.size, "
-                                           "[i.size for i in images])\nimage.crop((0, 0, 10, 10)).save('/mnt/data/c.png')"})
+        out = box.tools["python"]({"code": "import os\nprint(sorted(os.listdir('/mnt/data')), image.size, [i.size "
+                                           "for i in images])\nimage.crop((0, 0, 10, 10)).save('/mnt/data/c.png')"})
         assert out.text.split("\n")[0] == ("['input_image.png', 'input_image_0.png', 'input_image_1.png'] (30, 20) "
                                            "[(30, 20), (50, 40)]")
         assert not out.error and [Image.open(io.BytesIO(i)).size for i in out.images] == [(28, 28)]  # 10 -> 28 px

@@ -561,3 +561,12 @@ def test_swebench_ground_truth_is_validated(tmp_path):
     row["reward_model"]["ground_truth"] = json.dumps(truth)
     with pytest.raises(RowError, match="ground_truth.FAIL_TO_PASS: expected a non-empty list"):
         validate_row(row)
+
+
+def test_vision_toy_rows_round_trip_and_image_parts_are_counted(tmp_path):
+    data_prep.vision_toy(tmp_path / "train.parquet", split="train", n_train=3, n_test=1, size=128)
+    rows = load_rows(tmp_path / "train.parquet")
+    assert_identical(rows, data_prep.vision_toy_rows(3, 1, size=128)[0])
+    assert [data_prep.count_image_parts(r["prompt"]) for r in rows] == [len(r["images"]) for r in rows] == [1, 1, 1]
+    with pytest.raises(RowError, match=r"^row: images: 0 images but the prompt has 1 image parts$"):
+        validate_row({k: v for k, v in rows[0].items() if k != "images"})
