@@ -3,7 +3,7 @@
 A row:
     data_source : str                                  # picks the reward function
     prompt      : list[{"role": str, "content": str | list[part]}]
-    images      : list[bytes | str | {"bytes", "path"}] (optional)
+    images      : list[bytes | str | {"bytes", "path"}] (optional; one per {"type": "image"} part of the prompt, in order)
     ability     : str                                  # "code", "swe", "vision"
     reward_model: {"style": "rule" | "judge", "ground_truth": str}   # JSON text for the code families
     extra_info  : {"index": int | str, "split": str, "difficulty": str (optional), ...}
@@ -15,6 +15,8 @@ ground_truth JSON per family (what rewards.py reads):
     swebench: SWE-bench 5.x instance fields {"instance_id", "repo", "version", "base_commit", "image", "eval_script",
                "log_parser", "eval_type", "FAIL_TO_PASS": [...], "PASS_TO_PASS": [...], "test_patch", "patch"}
                (the gold "patch" is for checks only; nothing of ground_truth is ever shown to the policy)
+    vl_agent family (vision_toy, vstar, chart, ...; rewards.py): the answer as plain text; vision_toy rows also have
+               extra_info.target_box [x0, y0, x1, y1], the region of images[0] that holds the answer
 
     python data_prep.py humaneval --out humaneval.parquet
     python data_prep.py mbpp --out mbpp.parquet [--source mbpp.jsonl | google-research-datasets/mbpp] [--split test]
