@@ -3,7 +3,7 @@
 A row:
     data_source : str                                  # picks the reward function
     prompt      : list[{"role": str, "content": str | list[part]}]
-    images      : list[bytes | str | {"bytes", "path"}] (optional; one per {"type": "image"} part of the prompt, in order)
+    images      : list[bytes | str | {"bytes", "path"}] (optional; one per {"type": "image"} part, in order)
     ability     : str                                  # "code", "swe", "vision"
     reward_model: {"style": "rule" | "judge", "ground_truth": str}   # JSON text for the code families
     extra_info  : {"index": int | str, "split": str, "difficulty": str (optional), ...}
