@@ -85,7 +85,8 @@ def encode_conversation(tokenizer, messages: list[dict], eot: str | None = None)
             end = len(piece)
             while end > 0 and piece[end - 1] != eot_id:
                 end -= 1
-            end -= end > 0 and is_action_turn(messages, i)
+            if end > 0 and is_action_turn(messages, i):
+                end -= 1
             mask += [1] * end + [0] * (len(piece) - end)
         else:
             mask += [0] * len(piece)

@@ -101,10 +101,9 @@ def collect(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampli
             eot: str | None = None, count_image: Callable[[bytes], int] = image_tokens) -> tuple[list[Sample], dict]:
     """`group_size` samples of each row: single-turn, or multi-turn agent rollouts with the toolbox `tools` names
     (TOOLBOXES) whose turns end with the token `eot` (default: end_of_turn's), budgets counting each image as
-    `count_image` tokens. check: compare every trajectory with
-    the chat template's rendering of its messages; the drifting fraction goes to the metrics (tools/tito_drift_frac)
-    and the first drift to the console: a tokenization the template would not produce is logged, not fatal. Returns
-    samples and this rank's metrics."""
+    `count_image` tokens. check: compare every trajectory with the chat template's rendering of its messages; the
+    drifting fraction goes to the metrics (tools/tito_drift_frac) and the first drift to the console: a tokenization
+    the template would not produce is logged, not fatal. Returns samples and this rank's metrics."""
     if tools == "none":
         return single_turn(engine, tokenizer, rows, group_size, sampling, first_group)
     eot = eot or chat.end_of_turn(tokenizer)
