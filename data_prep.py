@@ -729,7 +729,8 @@ def extract_images_to(source: str | os.PathLike, image_dir: str | os.PathLike, o
     with extra_info.image_file_path (its first image) and image_file_paths (all). Returns the images written."""
     source, image_dir = Path(source), Path(image_dir)
     image_dir.mkdir(parents=True, exist_ok=True)
-    records, written = pq.read_table(source).to_pylist(), 0
+    table = pq.read_table(source)
+    records, written = table.to_pylist(), 0
     for i, record in enumerate(tqdm(records, desc="extract images", unit="row", mininterval=5)):
         extra_info, paths = dict(record.get("extra_info") or {}), []
         for k, image in enumerate(record.get("images") or []):
@@ -750,7 +751,8 @@ def extract_images_to(source: str | os.PathLike, image_dir: str | os.PathLike, o
         if paths:
             extra_info.update(image_file_path=paths[0], image_file_paths=paths)
         record["extra_info"] = extra_info
-    pq.write_table(pa.Table.from_pylist(records), out)
+    # The source's metadata too: kiln's own parquets name their JSON-text columns there (JSON_COLUMNS_KEY).
+    pq.write_table(pa.Table.from_pylist(records).replace_schema_metadata(table.schema.metadata), out)
     return written
 
 

@@ -570,3 +570,10 @@ def test_vision_toy_rows_round_trip_and_image_parts_are_counted(tmp_path):
     assert [data_prep.count_image_parts(r["prompt"]) for r in rows] == [len(r["images"]) for r in rows] == [1, 1, 1]
     with pytest.raises(RowError, match=r"^row: images: 0 images but the prompt has 1 image parts$"):
         validate_row({k: v for k, v in rows[0].items() if k != "images"})
+    data_prep.extract_images(tmp_path / "train.parquet", tmp_path / "images", tmp_path / "paths.parquet")
+    with_paths = load_rows(tmp_path / "paths.parquet")  # still kiln rows, plus where their images went
+    assert [r["extra_info"].pop("image_file_path") for r in with_paths] == [
+        str(tmp_path / "images" / f"{i}_0.png") for i in range(3)]
+    assert [r["extra_info"].pop("image_file_paths") for r in with_paths] == [
+        [str(tmp_path / "images" / f"{i}_0.png")] for i in range(3)]
+    assert_identical(with_paths, rows)
