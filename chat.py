@@ -304,7 +304,9 @@ def check_tito(tokenizer, sample, messages: list[dict], tools: list[dict] | None
             end = render(tokenizer, messages[: i + 1], tools, add_generation_prompt=False).rindex(eot)
             unsampled = is_action_turn(messages, i) or (open_end and i == len(messages) - 1)
             spans.append((begin, end + (0 if unsampled else len(eot))))
-    want_mask = [int(any(b <= s and e <= c for b, c in spans)) for s, e in offsets]
+    # The prompt is never trained, assistant turns in it (a conversation resumed from its messages) included.
+    want_mask = [int(k >= len(sample.prompt_ids) and any(b <= s and e <= c for b, c in spans))
+                 for k, (s, e) in enumerate(offsets)]
     mask = [0] * len(sample.prompt_ids) + list(sample.loss_mask)
     wrong = [i for i, (a, b) in enumerate(zip(mask, want_mask)) if a != b]
     if wrong:

@@ -1,5 +1,6 @@
 """Producing samples: single- and multi-turn rollouts (token-in-token-out, loss masks; chat.py holds the template
-side, tools.py the toolboxes) and `python rollout.py generate`, a model's samples for a data set.
+side, tools.py the toolboxes), rollouts of external agents through agent_server's endpoint, `python rollout.py
+generate`, a model's samples for a data set, and `python rollout.py serve`, the endpoint alone.
 
 Images: a trajectory holds one unexpanded image placeholder per image (as the chat template renders it) and its images
 in placeholder order (the row's, then the tools'); the engine gets them with the ids from the first turn on. Length
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import io
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ from PIL import Image
 from tqdm import tqdm
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
+import agent_server
 import chat
 import containers
 import data_prep
@@ -362,6 +365,76 @@ def _generate(engine: Engine, prompts: list[list[int]], sampling: Sampling, imag
     return engine.generate(prompts, sampling)
 
 
+# External agents (--agent-cmd): one agent process per trajectory, talking to this rank's endpoint; each segment of
+# its session becomes a Sample, trained on the ids the policy sampled and rewarded on the result the agent left.
+
+
+def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict], group_size: int, sampling: Sampling,
+                    tools: str = "none", limits: AgentLimits | None = None, first_group: int = 0,
+                    check: bool = False, eot: str | None = None,
+                    keep_failed: bool = False) -> tuple[list[Sample], dict]:
+    """`group_size` runs of `agent_cmd` (agent_server.start_agent's placeholders) per row, all at once, each killed
+    (its process group) past limits.max_seconds; the rank's engine serves them (agent_server.AgentServer, sampling
+    fixed to `sampling`, replies within limits.max_total_tokens) until every agent on every rank has ended.
+    Collective under torchrun. Each recorded segment is a Sample of the row's group whose text is the agent's result
+    file (what the reward grades; for swebench rows its patch). An agent that exits non-zero or is killed ends its
+    session: its samples are dropped, or kept with keep_failed. `tools` names the rows' kind only (the agent brings
+    its own tools). check: check_tito on every sample (tools/tito_drift_frac)."""
+    limits = limits or AgentLimits()
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kiln-agents-") as workdir, \
+            open(Path(workdir) / "agents.log", "wb") as log, \
+            agent_server.AgentServer(engine, tokenizer, sampling, eot, limits.max_total_tokens) as server:
+        agents = [agent_server.start_agent(agent_cmd, server.base_url, rows[i // group_size],
+                                           first_group + i // group_size, Path(workdir), log)
+                  for i in range(len(rows) * group_size)]
+        try:
+            while server.step(busy=any([agent.poll(limits.max_seconds) for agent in agents])):
+                pass
+        finally:
+            for agent in agents:
+                if agent.status == "running":
+                    agent_server.kill_group(agent.process)
+        log.flush()
+        failures = Path(workdir, "agents.log").read_text(errors="replace")[-2000:]
+        segments = [server.end_session(agent.key) for agent in agents]
+        results = [agent.completion() for agent in agents]
+    if tools == "swe":  # containers of killed agents: their owner process is gone
+        containers.sweep(containers.shared_client())
+    samples = []
+    for agent, recorded, text in zip(agents, segments, results):
+        if agent.status != "ok" and not keep_failed:
+            continue
+        for k, segment in enumerate(recorded):
+            samples.append(Sample(
+                prompt_ids=segment.prompt_ids, completion_ids=segment.completion_ids, loss_mask=segment.loss_mask,
+                engine_logprobs=segment.logprobs, row=agent.row, group=agent.group, text=text,
+                finish_reason=segment.finish_reason,
+                info={"messages": segment.messages, "tools": segment.tools, "agent_status": agent.status,
+                      "agent_returncode": agent.process.returncode, "agent_seconds": agent.seconds, "segment": k,
+                      "segments": len(recorded)}))
+    n = max(1, len(agents))
+    seconds = time.perf_counter() - start
+    metrics = {
+        "rollout/seconds": seconds,
+        "rollout/tokens_per_s": sum(sum(s.loss_mask) for s in samples) / max(seconds, 1e-9),
+        "agents/failed_frac": sum(agent.status == "failed" for agent in agents) / n,
+        "agents/timeout_frac": sum(agent.status == "timeout" for agent in agents) / n,
+        "agents/segments_mean": sum(len(r) for r in segments) / n,
+        "agents/requests": float(server.requests),
+        "agents/generate_calls": float(server.generate_calls),
+        "agents/seconds_mean": sum(agent.seconds for agent in agents) / n,
+    }
+    if any(agent.status != "ok" for agent in agents):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        tqdm.write(f"rank {rank}: {sum(agent.status != 'ok' for agent in agents)} of {len(agents)} agents failed or "
+                   f"timed out ({'kept' if keep_failed else 'dropped'}); the end of their output:\n{failures}")
+    if check and samples:
+        drifts = [chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"], eot) for s in samples]
+        metrics["tools/tito_drift_frac"] = sum(bool(d) for d in drifts) / len(drifts)
+    return samples, metrics
+
+
 # `python rollout.py generate`: samples of a model (a Hugging Face folder or a kiln checkpoint) for every row of a data
 # set, data-parallel under torchrun, in the file `python rewards.py score` grades. Rollouts are `collect`'s, as in
 # training: multi-turn rows (--tools) go through the same agent loop.
@@ -512,6 +585,74 @@ def generate(args: GenerateArgs) -> Path:
     return Path(args.out)
 
 
+# `python rollout.py serve`: agent_server's endpoint alone over a model, to run any OpenAI-speaking agent against a
+# checkpoint (one endpoint per rank under torchrun, on port + rank).
+
+
+@dataclass
+class ServeArgs:
+    model: str
+    """a Hugging Face folder or hub name, or a kiln checkpoint folder (<output_dir>/checkpoints/step_*)"""
+    engine: Literal["hf", "vllm"] = "hf"
+    """vLLM on GPUs, or the model's own Hugging Face decoding loop (CPU, debugging)"""
+    port: int = 8000
+    """port of rank 0's endpoint (rank r serves on port + r; 0 = any free port, printed)"""
+    host: str = "127.0.0.1"
+    """address to bind (0.0.0.0 exposes the endpoint to the network)"""
+    seed: int = 0
+    """sampling seed (each rank draws from seed + rank)"""
+    max_new_tokens: int = 1024
+    """reply budget when a request names no max_tokens"""
+    max_total_tokens: int = 32768
+    """prompt + reply per request; a longer conversation gets a context_length_exceeded error"""
+    temperature: float | None = None
+    """sample every request at this temperature (and --top-p); default: what each request asks (OpenAI's default 1)"""
+    top_p: float = 1.0
+    """nucleus sampling with --temperature"""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """weights on GPUs (the HF engine on CPU always computes in float32)"""
+    end_of_turn: str | None = None
+    """token that closes an assistant turn (default: found in the chat template, e.g. <|im_end|>, <|eot_id|>)"""
+    vllm_gpu_memory_utilization: float = 0.85
+    """fraction of GPU memory vLLM may take"""
+    vllm_max_model_len: int = 32768
+    """vLLM context length"""
+    vllm_tensor_parallel_size: int = 1
+    """ranks per vLLM engine (consecutive ranks form a group; needs --temperature: peers sample alike)"""
+
+
+def serve(args: ServeArgs) -> None:
+    """agent_server's endpoint over args.model until interrupted; every rank ticks its engine together."""
+    if args.vllm_tensor_parallel_size > 1 and args.temperature is None:
+        raise SystemExit("--vllm-tensor-parallel-size > 1 needs --temperature: the ranks of an engine sample together")
+    rank, world, device = policy.init_distributed()
+    torch.manual_seed(args.seed + rank)
+    hf_dir = Path(args.model) / "hf" if is_checkpoint(args.model) else args.model
+    tokenizer = policy.load_tokenizer(hf_dir)
+    engine = load_generator(GenerateArgs(
+        model=args.model, data="", engine=args.engine, seed=args.seed, dtype=args.dtype,
+        vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization, vllm_max_model_len=args.vllm_max_model_len,
+        vllm_tensor_parallel_size=args.vllm_tensor_parallel_size), tokenizer, device)
+    sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature or 0.0, top_p=args.top_p,
+                        stop_token_ids=policy.stop_token_ids(tokenizer, hf_dir,
+                                                             chat.end_of_turn(tokenizer, args.end_of_turn)))
+    port = args.port + rank if args.port else 0
+    with agent_server.AgentServer(engine, tokenizer, sampling, args.end_of_turn, args.max_total_tokens,
+                                  fixed_sampling=args.temperature is not None, host=args.host, port=port,
+                                  model_name=args.model) as server:
+        print(f"rank {rank}: serving {args.model} at {server.base_url} (sessions: Authorization: Bearer <key>; "
+              f"recorded tokens: GET /kiln/sessions/<key>)", flush=True)
+        try:
+            while True:
+                server.step()
+        except KeyboardInterrupt:
+            pass
+
+
 if __name__ == "__main__":
-    generate(tyro.extras.subcommand_cli_from_dict({"generate": GenerateArgs}))
+    cli = tyro.extras.subcommand_cli_from_dict({"generate": GenerateArgs, "serve": ServeArgs})
+    if isinstance(cli, ServeArgs):
+        serve(cli)
+    else:
+        generate(cli)
     policy.exit_distributed()

@@ -1,0 +1,260 @@
+"""agent_server's token-recording OpenAI endpoint over real HTTP on 127.0.0.1 with the real OpenAI client: prefix
+extension keeps the sampled ids (never re-tokenized) and masks only them, a divergent history forks a segment,
+tool calls round-trip, concurrent sessions share one engine call, and external agent processes that crash or hang
+end their sessions without blocking the rank. The engine is scripted (known ids): the thing under test is the
+endpoint."""
+import json
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+import agent_server  # noqa: E402
+import chat  # noqa: E402
+import engines  # noqa: E402
+import policy  # noqa: E402
+import rollout  # noqa: E402
+import tiny  # noqa: E402
+from test_multiturn import CORPUS, ScriptedEngine  # noqa: E402
+
+BASH = {"type": "function", "function": {"name": "bash", "description": "run a command", "parameters": {
+    "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
+
+
+def call(command: str) -> str:
+    return f"<tool_call>\n{json.dumps({'name': 'bash', 'arguments': {'command': command}})}\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return policy.load_tokenizer(tiny.make_tiny_model(tmp_path_factory.mktemp("tiny"), CORPUS))
+
+
+class Served:
+    """An AgentServer whose engine loop runs on a thread (what a rank's main thread does), plus OpenAI clients."""
+
+    def __init__(self, engine, tokenizer, max_new_tokens=200):
+        self.server = agent_server.AgentServer(engine, tokenizer, engines.Sampling(max_new_tokens=max_new_tokens),
+                                               max_total_tokens=4096)
+        self.running = True
+        self.loop = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self):
+        while self.running:
+            self.server.step()
+
+    def __enter__(self):
+        self.server.__enter__()
+        self.loop.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.running = False
+        self.loop.join()
+        self.server.close()
+
+    def client(self, key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.server.base_url, api_key=key, max_retries=0, timeout=60)
+
+    def session(self, key: str) -> dict:
+        with urllib.request.urlopen(f"{self.server.base_url[:-3]}/kiln/sessions/{key}") as response:
+            return json.loads(response.read())
+
+
+def echo(message) -> dict:
+    """The assistant message as an OpenAI client sends it back (mini-swe-agent: message.model_dump())."""
+    return message.model_dump(exclude_none=True)
+
+
+def test_prefix_extension_keeps_sampled_ids_and_tool_calls_round_trip(tokenizer):
+    scripts = {"task-A": ["Let me look.\n" + call("ls"), "Done: two files."]}
+    engine = ScriptedEngine(tokenizer, scripts, split_tokens=True)  # non-canonical ids: re-tokenizing would change them
+    with Served(engine, tokenizer) as served:
+        client = served.client("session-1")
+        assert [m.id for m in client.models.list().data] == ["kiln"]
+        messages = [{"role": "system", "content": "You fix code."}, {"role": "user", "content": "task-A: list files"}]
+        first = client.chat.completions.create(model="kiln", messages=messages, tools=[BASH], temperature=0.3)
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == "Let me look."  # the call is in tool_calls, not in the text
+        (tool_call,) = choice.message.tool_calls
+        assert tool_call.id.startswith("call_") and tool_call.function.name == "bash"
+        assert json.loads(tool_call.function.arguments) == {"command": "ls"}
+        emitted_first = list(engine.emitted["task-A"])
+        assert choice.model_extra["token_ids"] == emitted_first
+        messages += [echo(choice.message), {"role": "tool", "tool_call_id": tool_call.id,
+                                            "content": "<returncode>0</returncode>\na.py b.py <|im_end|>"}]
+        second = client.chat.completions.create(model="kiln", messages=messages, tools=[BASH])
+        assert second.choices[0].finish_reason == "stop" and second.choices[0].message.content == "Done: two files."
+        (segment,) = served.session("session-1")["segments"]
+    prompt = first.model_extra["prompt_token_ids"]
+    assert segment["prompt_ids"] == prompt
+    # The second request's prompt is the first one's ids, the sampled ids as sampled, then the template's suffix.
+    assert second.model_extra["prompt_token_ids"][: len(prompt) + len(emitted_first)] == prompt + emitted_first
+    ids, mask = segment["completion_ids"], segment["loss_mask"]
+    emitted = engine.emitted["task-A"]
+    assert [i for i, m in zip(ids, mask) if m] == emitted  # mask 1 exactly on the sampled ids, in order
+    suffix = ids[len(emitted_first): len(ids) - len(emitted) + len(emitted_first)]
+    assert suffix == chat.template_suffix_ids(tokenizer, segment["messages"][:3], segment["messages"][3:4], [BASH])
+    assert ids == emitted_first + suffix + emitted[len(emitted_first):]
+    assert suffix.count(tokenizer.convert_tokens_to_ids("<|im_end|>")) == 1  # the template's; the tool's is plain text
+    assert segment["logprobs"][: len(emitted_first)] == [-(1 + k / 1000) for k in range(len(emitted_first))]
+    assert all(lp == 0.0 for lp, m in zip(segment["logprobs"], mask) if not m)
+    # check_tito sees the template tokenize the replies differently: the recorded ids are the sampled ones.
+    assert segment["tito"] and "ids drift" in segment["tito"][0]
+
+
+def test_canonical_segments_pass_check_tito_and_an_edited_turn_forks(tokenizer):
+    scripts = {"task-B": ["Checking.\n" + call("cat a.py"), "Fixed.\n" + call("git diff"), "All done."]}
+    engine = ScriptedEngine(tokenizer, scripts)
+    with Served(engine, tokenizer) as served:
+        client = served.client("session-2")
+        messages = [{"role": "user", "content": "task-B: fix a.py"}]
+        for result in ("print(1)", "diff --git a/a.py b/a.py"):
+            reply = client.chat.completions.create(model="kiln", messages=messages, tools=[BASH]).choices[0].message
+            messages += [echo(reply), {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": result}]
+        (whole,) = served.session("session-2")["segments"]
+        assert whole["tito"] == [] and sum(whole["loss_mask"]) == len(engine.emitted["task-B"])
+        # The client edits its first turn (a compaction, a rewrite): the history no longer extends the segment.
+        edited = [messages[0], messages[1] | {"content": "Checking again."}] + messages[2:]
+        forked = client.chat.completions.create(model="kiln", messages=edited, tools=[BASH])
+        assert forked.choices[0].message.content == "All done."
+        first, second = served.session("session-2")["segments"]
+    assert first == whole  # the closed segment is kept as it was
+    assert second["tito"] == []
+    assert second["prompt_ids"] == forked.model_extra["prompt_token_ids"]
+    assert second["completion_ids"] == forked.choices[0].model_extra["token_ids"]
+    assert second["loss_mask"] == [1] * len(second["completion_ids"])  # the re-rendered history is prompt: untrained
+    assert "Checking again." in tokenizer.decode(second["prompt_ids"])
+
+
+def test_sixteen_concurrent_sessions_share_one_engine_call(tokenizer):
+    scripts = {f"task-{k:02d}": [f"Session {k} looks.\n" + call(f"echo {k}"), f"Session {k} done."] for k in range(16)}
+    engine = ScriptedEngine(tokenizer, scripts)
+    sizes = []
+    generate = engine.generate
+    engine.generate = lambda prompts, sampling: sizes.append(len(prompts)) or generate(prompts, sampling)
+    server = agent_server.AgentServer(engine, tokenizer, engines.Sampling(max_new_tokens=100))
+    replies, errors = {}, []
+
+    def agent(k):
+        try:
+            client = openai.OpenAI(base_url=server.base_url, api_key=f"key-{k}", max_retries=0, timeout=60)
+            messages = [{"role": "user", "content": f"task-{k:02d}"}]
+            first = client.chat.completions.create(model="kiln", messages=messages, tools=[BASH]).choices[0].message
+            messages += [echo(first), {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": str(k)}]
+            replies[k] = client.chat.completions.create(model="kiln", messages=messages, tools=[BASH]).choices[0].message.content
+        except Exception as e:  # noqa: BLE001 -- reported by the assertion below
+            errors.append(e)
+
+    with server:
+        threads = [threading.Thread(target=agent, args=(k,)) for k in range(16)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while server.pending.qsize() < 16 and time.monotonic() < deadline:  # every agent's first request is queued
+            time.sleep(0.01)
+        while any(t.is_alive() for t in threads):
+            server.step()
+        records = {k: server.session_record(f"key-{k}") for k in range(16)}
+    assert errors == []
+    assert sizes[0] == 16  # the first turns of all sessions: one engine call
+    assert sum(sizes) == 32 and len(sizes) < 32
+    assert replies == {k: f"Session {k} done." for k in range(16)}
+    for k, record in records.items():
+        (segment,) = record["segments"]
+        assert segment["tito"] == [], k
+        assert [i for i, m in zip(segment["completion_ids"], segment["loss_mask"]) if m] == engine.emitted[
+            f"task-{k:02d}"]
+
+
+def test_bad_requests_are_refused_with_a_reason(tokenizer):
+    engine = ScriptedEngine(tokenizer, {"task-C": ["x"]})
+    with Served(engine, tokenizer) as served:
+        unkeyed = urllib.request.Request(f"{served.server.base_url}/chat/completions", method="POST",
+                                         data=json.dumps({"messages": [{"role": "user", "content": "task-C"}]}).encode())
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(unkeyed)
+        with pytest.raises(openai.BadRequestError, match="n=2"):
+            served.client("k").chat.completions.create(model="kiln", n=2,
+                                                       messages=[{"role": "user", "content": "task-C"}])
+        with pytest.raises(openai.BadRequestError, match="context_length_exceeded"):
+            served.client("k").chat.completions.create(model="kiln",
+                                                       messages=[{"role": "user", "content": "task-C " * 3000}])
+        served.server.end_session("gone")
+        with pytest.raises(openai.APIStatusError, match="ended") as ended:
+            served.client("gone").chat.completions.create(model="kiln", messages=[{"role": "user", "content": "task-C"}])
+        assert ended.value.status_code == 410
+    assert engine.calls == 0
+
+
+AGENT = """import json, os, subprocess, sys, time
+import openai
+row = json.load(open(sys.argv[1]))
+mode = row["prompt"][-1]["content"]
+client = openai.OpenAI(base_url=os.environ["OPENAI_BASE_URL"], api_key=os.environ["OPENAI_API_KEY"], max_retries=0)
+reply = client.chat.completions.create(model="kiln", messages=row["prompt"]).choices[0].message.content
+if mode == "task-hang":
+    child = subprocess.Popen(["sleep", "300"])  # a child in the agent's process group: killed with it
+    open(sys.argv[3], "w").write(str(child.pid))
+    time.sleep(300)
+if mode == "task-crash":
+    sys.exit(3)
+open(sys.argv[2], "w").write("answer: " + reply)
+"""
+
+
+@pytest.mark.parametrize("keep_failed", [False, True])
+def test_agents_that_crash_or_hang_end_their_sessions_and_never_block(tokenizer, tmp_path, keep_failed):
+    script = tmp_path / "agent.py"
+    script.write_text(AGENT)
+    scripts = {m: [f"reply for {m}"] for m in ("task-ok", "task-crash", "task-hang")}
+    engine = ScriptedEngine(tokenizer, scripts)
+    rows = [{"data_source": "toy", "prompt": [{"role": "user", "content": m}], "extra_info": {"index": i},
+             "reward_model": {"ground_truth": "SECRET"}} for i, m in enumerate(scripts)]
+    command = f"{sys.executable} {script} {{row_file}} {{result}} {tmp_path / 'child.pid'}"
+    start = time.monotonic()
+    samples, metrics = rollout.external_agents(command, engine, tokenizer, rows, 1, engines.Sampling(),
+                                               limits=rollout.AgentLimits(max_seconds=8), check=True,
+                                               keep_failed=keep_failed)
+    assert time.monotonic() - start < 30  # the hung agent was killed at its wall limit, not waited for
+    by_row = {s.row["prompt"][0]["content"]: s for s in samples}
+    assert set(by_row) == ({"task-ok", "task-crash", "task-hang"} if keep_failed else {"task-ok"})
+    assert by_row["task-ok"].text == "answer: reply for task-ok" and by_row["task-ok"].info["agent_status"] == "ok"
+    if keep_failed:
+        assert by_row["task-crash"].info["agent_status"] == "failed" and by_row["task-crash"].text == ""
+        assert by_row["task-hang"].info["agent_status"] == "timeout"
+    for s in samples:
+        assert s.loss_mask == [1] * len(s.completion_ids) and s.completion_ids == engine.emitted[s.row["prompt"][0]
+                                                                                                 ["content"]]
+    assert metrics["agents/failed_frac"] == metrics["agents/timeout_frac"] == 1 / 3
+    assert metrics["tools/tito_drift_frac"] == 0.0
+    child = int((tmp_path / "child.pid").read_text())
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+
+
+def test_agents_see_no_answers_and_get_their_placeholders(tmp_path):
+    row = {"data_source": "swebench", "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "bug"}],
+           "extra_info": {"index": "x"}, "reward_model": {"ground_truth": json.dumps({
+               "instance_id": "x", "repo": "r", "version": "1", "base_commit": "abc", "image": "img", "patch": "GOLD",
+               "test_patch": "TESTS", "FAIL_TO_PASS": ["t"], "PASS_TO_PASS": [], "eval_script": "e"})}}
+    view = agent_server.agent_view(row)
+    assert "GOLD" not in json.dumps(view) and "TESTS" not in json.dumps(view) and "reward_model" not in view
+    assert view["instance"] == {"instance_id": "x", "repo": "r", "version": "1", "base_commit": "abc",
+                                "image": "img", "problem_statement": "bug"}
+    with open(tmp_path / "log", "wb") as log:
+        agent = agent_server.start_agent("echo {base_url} {api_key} {row_json} > {result}", "http://h:1/v1", row, 0,
+                                         tmp_path, log)
+        agent.process.wait()
+    url, key, rest = agent.completion().split(" ", 2)
+    assert url == "http://h:1/v1" and key == agent.key and json.loads(rest) == view
+    with pytest.raises(SystemExit, match="unknown placeholder"):
+        agent_server.check_agent_cmd("run --url {url}")
