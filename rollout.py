@@ -411,8 +411,8 @@ def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict],
                 engine_logprobs=segment.logprobs, row=agent.row, group=agent.group, text=text,
                 finish_reason=segment.finish_reason,
                 info={"messages": segment.messages, "tools": segment.tools, "agent_status": agent.status,
-                      "agent_returncode": agent.process.returncode, "agent_seconds": agent.seconds, "segment": k,
-                      "segments": len(recorded)}))
+                      "agent_returncode": agent.process.returncode, "agent_seconds": agent.seconds,
+                      "session": agent.key, "segment": k, "segments": len(recorded)}))
     n = max(1, len(agents))
     seconds = time.perf_counter() - start
     metrics = {
@@ -429,6 +429,11 @@ def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict],
         rank = dist.get_rank() if dist.is_initialized() else 0
         tqdm.write(f"rank {rank}: {sum(agent.status != 'ok' for agent in agents)} of {len(agents)} agents failed or "
                    f"timed out ({'kept' if keep_failed else 'dropped'}); the end of their output:\n{failures}")
+    if not _any_live_anywhere(samples):  # nothing to train on or grade on any rank: the command is broken
+        raise SystemExit(f"--agent-cmd: no agent of this round left a session to learn from ({len(agents)} agents on "
+                         f"this rank: {metrics['agents/failed_frac']:.0%} exited non-zero, "
+                         f"{metrics['agents/timeout_frac']:.0%} were killed at the wall limit); the end of their "
+                         f"output:\n{failures}")
     if check and samples:
         drifts = [chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"], eot) for s in samples]
         metrics["tools/tito_drift_frac"] = sum(bool(d) for d in drifts) / len(drifts)

@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
+import agent_server
 import chat
 import containers
 import data_prep
@@ -172,6 +173,13 @@ class Args:
     check_tito: bool = False
     """compare every trajectory with the chat template's rendering of its messages; log the drifting fraction
     (tools/tito_drift_frac) and the first drift of each step (tools on)"""
+    agent_cmd: str | None = None
+    """an external agent per trajectory instead of kiln's own loop: a shell command with the placeholders {base_url}
+    (this rank's OpenAI-compatible endpoint), {api_key} (the trajectory's session key), {row_json} or {row_file} (the
+    row without its answers) and {result} (where the agent leaves what is graded: a swebench row's patch, else its
+    answer); killed past --max-agent-seconds; replies within --max-total-tokens (README, External agents)"""
+    agent_keep_failed: bool = False
+    """with --agent-cmd: also train on the sessions of agents that exit non-zero or are killed (default: dropped)"""
 
     judge_url: str | None = None
     """OpenAI-compatible base URL of the LLM judge that vl_agent rows need, e.g. http://judge-node:8000/v1 (bearer
@@ -290,6 +298,8 @@ def check_args(args: Args, world: int) -> None:
     if args.best_metric and not args.best_metric.startswith(("val-core/", "val-aux/")):
         raise SystemExit(f"--best-metric {args.best_metric}: must be an evaluation metric (val-core/... or "
                          "val-aux/...), e.g. val-core/all/test_pass_rate or val-core/all/pass@1")
+    if args.agent_cmd is not None:
+        agent_server.check_agent_cmd(args.agent_cmd)
     runlog.check_output_dir(args.output_dir, args.resume, args.overwrite)
     policy.check_model_path(args.model)
     engines.check_engine(args.engine)
@@ -380,7 +390,7 @@ def train_step(run: Run) -> dict:
             run.engine.wake_up()
             run.engine.load_weights(policy.iter_full_weights(run.model))
         with runlog.timed(seconds, "rollout"):
-            new, rollout_metrics = rollout.collect(
+            new, rollout_metrics = rollouts(args)(
                 run.engine, run.tokenizer, rows, args.group_size, run.sampling, args.tools, run.limits,
                 first_group=first_group, check=args.check_tito, eot=args.end_of_turn)
             run.engine.sleep()
@@ -406,7 +416,8 @@ def train_step(run: Run) -> dict:
                 if args.dynamic_sampling else [True] * len(new))
         batch += [s for s, k in zip(new, keep) if k]
     # The last round's rollout metrics; the rewards of every round's samples.
-    tool_metrics = {k: v for k, v in rollout_metrics.items() if k.startswith(("tools/", "swe/"))}  # ranks averaged
+    tool_metrics = {k: v for k, v in rollout_metrics.items()
+                    if k.startswith(("tools/", "swe/", "agents/"))}  # ranks averaged
     metrics |= rollout_metrics | policy.mean_dicts_over_ranks(tool_metrics) | getattr(run.engine, "last_metrics", {})
     sources, scores, errors, lengths = zip(*policy.gather_objects(  # no score (judge failures, dropped): left out
         [(s.row["data_source"], s.reward, s.info.get("error"), len(s.completion_ids)) for s in samples
@@ -465,6 +476,15 @@ def train_step(run: Run) -> dict:
     if args.sample_every and (run.step + 1) % args.sample_every == 0:  # every sample of the step, trained on or not
         run.log.samples(policy.gather_objects([runlog.sample_record(run.step + 1, s) for s in samples]))
     return metrics
+
+
+def rollouts(args: Args, evaluation: bool = False):
+    """rollout.collect, or with --agent-cmd rollout.external_agents (the same arguments after the command). An
+    evaluation keeps failed agents' sessions: their result is graded like any other."""
+    if args.agent_cmd is None:
+        return rollout.collect
+    return functools.partial(rollout.external_agents, args.agent_cmd,
+                             keep_failed=args.agent_keep_failed or evaluation)
 
 
 def shaped_rewards(args: Args, samples: list[rollout.Sample]) -> list[float]:
@@ -558,9 +578,12 @@ def evaluate(run: Run) -> dict:
     greedy = dataclasses.replace(run.sampling, temperature=0.0)
     run.engine.wake_up()
     run.engine.load_weights(policy.iter_full_weights(run.model))
-    samples, _ = rollout.collect(run.engine, run.tokenizer, rows, 1, greedy, run.args.tools, run.limits,
-                                 first_group=run.rank * len(rows), check=run.args.check_tito, eot=run.args.end_of_turn)
+    samples, _ = rollouts(run.args, evaluation=True)(
+        run.engine, run.tokenizer, rows, 1, greedy, run.args.tools, run.limits, first_group=run.rank * len(rows),
+        check=run.args.check_tito, eot=run.args.end_of_turn)
     run.engine.sleep()
+    # An external agent's session can hold several segments, all with its one result: graded once.
+    samples = [s for s in samples if s.info.get("segment", 0) == s.info.get("segments", 1) - 1]
     judged = {"sample_infos": [s.info for s in samples]} if run.judge is not None else {}
     results = run.score_fn([s.row for s in samples], [s.text for s in samples], **judged)
     graded = policy.gather_objects([(data_prep.row_id(s.row), rewards.for_report(r)) for s, r in zip(samples, results)
