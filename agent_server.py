@@ -161,7 +161,7 @@ class AgentServer:
     """The endpoint on one rank: an HTTP server on its own threads (127.0.0.1 unless `host`), sessions, and `step`,
     which the rank's main thread calls in a loop to generate. `fixed_sampling`: every request samples with `sampling`
     (training: what the trainer scores); otherwise requests choose temperature and top_p. max_tokens defaults to
-    sampling.max_new_tokens; prompt plus reply stay within max_total_tokens."""
+    sampling.max_new_tokens (with fixed_sampling also caps it); prompt plus reply stay within max_total_tokens."""
 
     def __init__(self, engine: Engine, tokenizer, sampling: Sampling, eot: str | None = None,
                  max_total_tokens: int = 32768, fixed_sampling: bool = True, host: str = "127.0.0.1", port: int = 0,
@@ -259,6 +259,8 @@ class AgentServer:
             _answer(request, e.status, _error(str(e), e.code))
             return None
         budget = min(request.max_tokens or self.sampling.max_new_tokens, room)
+        if self.fixed_sampling:  # training: the trainer's reply budget holds whatever the agent asks
+            budget = min(budget, self.sampling.max_new_tokens)
         return request, segment, new_ids, new_messages, forked, budget
 
     def _continue(self, request: Request) -> tuple[Segment, list[int], list[dict], bool]:

@@ -4,6 +4,9 @@ tool calls round-trip, concurrent sessions share one engine call, and external a
 end their sessions without blocking the rank. The engine is scripted (known ids): the thing under test is the
 endpoint."""
 import json
+import os
+import re
+import subprocess
 import sys
 import threading
 import time
@@ -19,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 import agent_server  # noqa: E402
 import chat  # noqa: E402
+import data_prep  # noqa: E402
 import engines  # noqa: E402
 import policy  # noqa: E402
 import rollout  # noqa: E402
@@ -258,3 +262,70 @@ def test_agents_see_no_answers_and_get_their_placeholders(tmp_path):
     assert url == "http://h:1/v1" and key == agent.key and json.loads(rest) == view
     with pytest.raises(SystemExit, match="unknown placeholder"):
         agent_server.check_agent_cmd("run --url {url}")
+
+
+def served_url(process) -> str:
+    """The endpoint `rollout.py serve` announces on its first line."""
+    line = process.stdout.readline()
+    match = re.search(r"at (http://\S+/v1)", line)
+    assert match, line + process.stdout.read()
+    return match.group(1)
+
+
+@pytest.mark.slow
+def test_rollout_serve_answers_a_real_client(tmp_path):
+    model = tiny.make_tiny_model(tmp_path / "tiny", CORPUS)
+    process = subprocess.Popen([sys.executable, str(ROOT / "rollout.py"), "serve", "--model", str(model), "--port", "0",
+                                "--max-new-tokens", "6"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        url = served_url(process)
+        client = openai.OpenAI(base_url=url, api_key="eval-1", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == [str(model)]
+        messages = [{"role": "user", "content": "def add(a, b):"}]
+        reply = client.chat.completions.create(model=str(model), messages=messages, temperature=0)
+        with urllib.request.urlopen(url[:-3] + "/kiln/sessions/eval-1") as response:
+            (segment,) = json.loads(response.read())["segments"]
+    finally:
+        process.kill()
+        process.wait()
+    tokenizer = policy.load_tokenizer(model)
+    assert reply.model_extra["prompt_token_ids"] == chat.encode_prompt(tokenizer, messages) == segment["prompt_ids"]
+    assert reply.choices[0].model_extra["token_ids"] == segment["completion_ids"]
+    assert 1 <= len(segment["completion_ids"]) <= 6 and segment["loss_mask"] == [1] * len(segment["completion_ids"])
+    assert reply.usage.completion_tokens == len(segment["completion_ids"])
+
+
+TRAIN_AGENT = """import json, os, sys, time
+import openai
+row = json.load(open(sys.argv[1]))
+client = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY come from kiln
+messages = row["prompt"]
+for turn in range(2):
+    reply = client.chat.completions.create(model="kiln", messages=messages, max_tokens=100).choices[0].message
+    messages = messages + [{"role": "assistant", "content": reply.content}, {"role": "user", "content": "Go on."}]
+    time.sleep(int(os.environ["OPENAI_API_KEY"][-1], 16) / 8)  # agents end at different times, ranks too
+open(sys.argv[2], "w").write("def f(x):\\n    return x\\n")
+"""
+
+
+@pytest.mark.slow
+def test_grpo_step_with_an_external_agent_on_two_ranks(tmp_path):
+    """train_grpo --agent-cmd under torchrun: each rank serves its own agents and the ranks tick together until the
+    last agent anywhere has ended; the step trains on the recorded segments and logs the agents' metrics."""
+    train, _ = data_prep.toy_rows(8, 0, seed=0, max_ops=1)
+    data_prep.write_rows(train, tmp_path / "train.parquet")
+    model = tiny.make_tiny_model(tmp_path / "tiny", CORPUS + [r["prompt"][-1]["content"] for r in train])
+    (tmp_path / "agent.py").write_text(TRAIN_AGENT)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(ROOT / "train_grpo.py"), "--model", str(model), "--data", str(tmp_path / "train.parquet"),
+                          "--output-dir", str(tmp_path / "run"), "--prompts-per-step", "2", "--group-size", "2",
+                          "--max-new-tokens", "8", "--total-steps", "1", "--lr", "1e-3", "--best-metric", "",
+                          "--agent-cmd", f"{sys.executable} {tmp_path / 'agent.py'} {{row_file}} {{result}}"],
+                         capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    (metrics,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics["agents/requests"] == 4  # per rank: 2 agents x 2 requests, averaged over the ranks
+    assert metrics["agents/failed_frac"] == metrics["agents/timeout_frac"] == 0
+    assert metrics["response_length/max"] >= 1 and "actor/pg_loss" in metrics

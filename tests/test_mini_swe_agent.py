@@ -94,4 +94,5 @@ def test_a_hung_agent_is_killed_and_its_container_swept(docker_client, swe_rows,
                                                keep_failed=True)
     (sample,) = samples
     assert sample.info["agent_status"] == "timeout" and metrics["agents/timeout_frac"] == 1
+    assert metrics["agents/requests"] == 1  # it had started its container and was running `sleep 300` in it
     assert left_behind(docker_client, [sample.info["session"]]) == []  # the sweep after the round removed it
