@@ -71,7 +71,7 @@ class Segment:
                 "tools": self.tools, "tito": chat.check_tito(tokenizer, self, self.messages, self.tools, eot)}
 
 
-@dataclass
+@dataclass(eq=False)  # two identical requests (a client's retry) are still two requests
 class Request:
     key: str
     messages: list[dict]  # as sent
@@ -133,7 +133,7 @@ def parse_request(key: str, body: dict, fixed: Sampling | None) -> Request:
                 raise BadRequest(f"messages[{i}].tool_calls: each needs function.name and function.arguments")
     if body.get("stream"):
         raise BadRequest("stream=true is not supported: send non-streaming requests")
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise BadRequest(f"n={body.get('n')}: only n=1 is supported (send n requests)")
     tools = body.get("tools") or None
     if tools is not None and not (isinstance(tools, list) and all(
@@ -149,7 +149,8 @@ def parse_request(key: str, body: dict, fixed: Sampling | None) -> Request:
     if fixed is not None:  # training: the trainer scores tokens under its own temperature, whatever the agent asks
         sampling = (fixed.temperature, fixed.top_p)
     else:
-        temperature, top_p = body.get("temperature", 1.0), body.get("top_p", 1.0)
+        temperature, top_p = body.get("temperature"), body.get("top_p")
+        temperature, top_p = 1.0 if temperature is None else temperature, 1.0 if top_p is None else top_p
         if not isinstance(temperature, (int, float)) or not isinstance(top_p, (int, float)) or temperature < 0 or not (
                 0 < top_p <= 1):
             raise BadRequest(f"temperature must be >= 0 and top_p in (0, 1], got {temperature!r}, {top_p!r}")
@@ -209,11 +210,10 @@ class AgentServer:
             return self.sessions.pop(key, [])
 
     def session_record(self, key: str) -> dict | None:
-        with self.lock:
-            segments = list(self.sessions.get(key, []))
-            if not segments and key not in self.sessions:
+        with self.lock:  # the main thread appends to segments under the same lock
+            if key not in self.sessions:
                 return None
-        return {"id": key, "segments": [s.record(self.tokenizer, self.eot) for s in segments]}
+            return {"id": key, "segments": [s.record(self.tokenizer, self.eot) for s in self.sessions[key]]}
 
     def submit(self, request: Request) -> None:
         with self.lock:
@@ -257,6 +257,9 @@ class AgentServer:
                                  code="context_length_exceeded")
         except BadRequest as e:
             _answer(request, e.status, _error(str(e), e.code))
+            return None
+        except Exception as e:  # a bug here must not leave the agent waiting for an answer
+            _answer(request, 500, _error(f"kiln could not prepare the request: {type(e).__name__}: {e}", "server_error"))
             return None
         budget = min(request.max_tokens or self.sampling.max_new_tokens, room)
         if self.fixed_sampling:  # training: the trainer's reply budget holds whatever the agent asks
@@ -314,14 +317,16 @@ class AgentServer:
         ids, logprobs = completion.token_ids[:budget], completion.logprobs[:budget]
         ended = bool(ids) and ids[-1] == self.eot_id
         stopped = ended or (completion.finish_reason == "stop" and len(ids) == len(completion.token_ids))
-        text = self.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
-        cut = _stop_cut(self.tokenizer, ids, request.stop) if request.stop and not stopped else None
-        if cut is not None:  # a stop string: the reply ends at it, the ids at the token that completed it
-            ids, logprobs, text, stopped = ids[:cut[0]], logprobs[:cut[0]], cut[1], True
+        text = self.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)  # as sampled
+        shown = text  # what the reply says
+        cut = _stop_cut(self.tokenizer, ids[:-1] if stopped else ids, request.stop) if request.stop else None
+        if cut is not None:  # a stop string: the reply ends before it, the ids at the token that completed it
+            ids, logprobs, shown, stopped, ended = ids[:cut[0]], logprobs[:cut[0]], cut[1], True, False
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
         known = {t["function"]["name"] for t in request.tools or []}
         calls = [c for c in chat.parse_tool_calls(text, known) if isinstance(c, dict)] if ended else []
         finish = "tool_calls" if calls else ("stop" if stopped else "length")
-        content = chat.TOOL_CALL.sub("", text).strip() if calls else text
+        content = chat.TOOL_CALL.sub("", text).strip() if calls else shown
         tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                        "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in calls]
         reply = {"role": "assistant", "content": content} | ({"tool_calls": tool_calls} if tool_calls else {})
@@ -349,9 +354,9 @@ def _stop_cut(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, str] | 
     found = [(text.find(s), s) for s in stops if s in text]
     if not found:
         return None
-    at = min(found)[0]
+    at, stop = min(found)
     for k in range(1, len(ids) + 1):
-        if len(tokenizer.decode(ids[:k], skip_special_tokens=False)) > at:
+        if len(tokenizer.decode(ids[:k], skip_special_tokens=False)) >= at + len(stop):
             return k, text[:at]
     return len(ids), text[:at]
 

@@ -180,6 +180,22 @@ def test_sixteen_concurrent_sessions_share_one_engine_call(tokenizer):
             f"task-{k:02d}"]
 
 
+def test_a_stop_string_ends_the_reply_at_the_token_that_completes_it(tokenizer):
+    engine = ScriptedEngine(tokenizer, {"task-S": ["Done: two files.", "Again."]})
+    with Served(engine, tokenizer) as served:
+        client = served.client("session-s")
+        messages = [{"role": "user", "content": "task-S"}]
+        reply = client.chat.completions.create(model="kiln", messages=messages, stop=["two"]).choices[0]
+        messages += [echo(reply.message), {"role": "user", "content": "and?"}]
+        client.chat.completions.create(model="kiln", messages=messages)
+        first, second = served.session("session-s")["segments"]  # no end-of-turn token to continue after: a new one
+    ids = reply.model_extra["token_ids"]
+    assert reply.message.content == "Done: " and reply.finish_reason == "stop"
+    assert ids == engine.emitted["task-S"][: len(ids)] == first["completion_ids"]
+    assert "two" in tokenizer.decode(ids) and "two" not in tokenizer.decode(ids[:-1])
+    assert first["tito"] == [] and second["tito"] == []
+
+
 def test_bad_requests_are_refused_with_a_reason(tokenizer):
     engine = ScriptedEngine(tokenizer, {"task-C": ["x"]})
     with Served(engine, tokenizer) as served:
