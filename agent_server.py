@@ -41,6 +41,7 @@ from engines import Engine, Sampling
 
 TICK_SECONDS = 0.02  # how long a tick waits for a first request: the batching window when requests trickle in
 AGENT_FIELDS = ("instance_id", "repo", "version", "base_commit", "image")  # of a swebench row's truth; no answers
+AGENT_EXTRA_INFO = ("index", "split", "difficulty", "repo", "version")  # extra_info can hold solutions: not those
 
 
 @dataclass
@@ -431,10 +432,11 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def agent_view(row: dict) -> dict:
-    """What an agent may see of a row: its prompt, source and extra info; of a swebench row also the instance (id,
-    repo, version, base commit, image; the problem statement is the prompt's user message). Never the answers, tests
-    or gold patch."""
-    view = {k: row[k] for k in ("data_source", "ability", "prompt", "extra_info") if k in row}
+    """What an agent may see of a row: its prompt, source and the descriptive keys of its extra info (AGENT_EXTRA_INFO);
+    of a swebench row also the instance (id, repo, version, base commit, image; the problem statement is the prompt's
+    user message). Never the answers, solutions, tests or gold patch."""
+    view = {k: row[k] for k in ("data_source", "ability", "prompt") if k in row}
+    view["extra_info"] = {k: v for k, v in row.get("extra_info", {}).items() if k in AGENT_EXTRA_INFO}
     if row.get("data_source") == "swebench":
         truth = json.loads(row["reward_model"]["ground_truth"])
         view["instance"] = {k: truth[k] for k in AGENT_FIELDS} | {
@@ -443,6 +445,9 @@ def agent_view(row: dict) -> dict:
 
 
 PLACEHOLDERS = ("base_url", "api_key", "row_json", "row_file", "result")
+# Not passed on to agents: the trainer's secrets, and torchrun's variables (an agent using torch is not a rank).
+WITHHELD_ENV = re.compile(r"WANDB_.*|KILN_JUDGE_.*|RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_RANK|"
+                          r"GROUP_WORLD_SIZE|ROLE_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_.*|TORCH_NCCL_.*")
 
 
 def check_agent_cmd(command: str) -> None:
@@ -491,7 +496,8 @@ class AgentProcess:
 
 def start_agent(command: str, base_url: str, row: dict, group: int, workdir: Path, log) -> AgentProcess:
     """Run `command` (placeholders filled in, shell-quoted) with bash in a new process group, stdout and stderr to
-    `log`. Its environment also holds OPENAI_BASE_URL, OPENAI_API_KEY, KILN_ROW_FILE and KILN_RESULT_FILE."""
+    `log`. Its environment is the trainer's less WITHHELD_ENV, plus OPENAI_BASE_URL, OPENAI_API_KEY, KILN_ROW_FILE and
+    KILN_RESULT_FILE."""
     key = f"kiln-{uuid.uuid4().hex}"
     row_file, result = workdir / f"{key}.row.json", workdir / f"{key}.result"
     row_json = json.dumps(agent_view(row))
@@ -499,7 +505,7 @@ def start_agent(command: str, base_url: str, row: dict, group: int, workdir: Pat
     values = {"base_url": base_url, "api_key": key, "row_json": row_json, "row_file": str(row_file),
               "result": str(result)}
     line = command.format(**{k: shlex.quote(v) for k, v in values.items()})
-    env = os.environ | {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": key, "KILN_ROW_FILE": str(row_file),
+    env = {k: v for k, v in os.environ.items() if not WITHHELD_ENV.fullmatch(k)} | {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": key, "KILN_ROW_FILE": str(row_file),
                         "KILN_RESULT_FILE": str(result)}
     process = subprocess.Popen(["bash", "-c", line], env=env, stdin=subprocess.DEVNULL, stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True)

@@ -261,19 +261,24 @@ def test_agents_that_crash_or_hang_end_their_sessions_and_never_block(tokenizer,
     assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
 
 
-def test_agents_see_no_answers_and_get_their_placeholders(tmp_path):
+def test_agents_see_no_answers_and_get_their_placeholders(tmp_path, monkeypatch):
     row = {"data_source": "swebench", "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "bug"}],
-           "extra_info": {"index": "x"}, "reward_model": {"ground_truth": json.dumps({
+           "extra_info": {"index": "x", "solutions": ["SOLVED"]}, "reward_model": {"ground_truth": json.dumps({
                "instance_id": "x", "repo": "r", "version": "1", "base_commit": "abc", "image": "img", "patch": "GOLD",
                "test_patch": "TESTS", "FAIL_TO_PASS": ["t"], "PASS_TO_PASS": [], "eval_script": "e"})}}
     view = agent_server.agent_view(row)
-    assert "GOLD" not in json.dumps(view) and "TESTS" not in json.dumps(view) and "reward_model" not in view
+    assert not {"GOLD", "TESTS", "SOLVED", "reward_model"} & set(re.findall(r"\w+", json.dumps(view)))
+    assert view["extra_info"] == {"index": "x"} and view["prompt"] == row["prompt"]
     assert view["instance"] == {"instance_id": "x", "repo": "r", "version": "1", "base_commit": "abc",
                                 "image": "img", "problem_statement": "bug"}
+    monkeypatch.setenv("KILN_JUDGE_API_KEY", "judge-secret")
+    monkeypatch.setenv("RANK", "1")
     with open(tmp_path / "log", "wb") as log:
-        agent = agent_server.start_agent("echo {base_url} {api_key} {row_json} > {result}", "http://h:1/v1", row, 0,
-                                         tmp_path, log)
+        agent = agent_server.start_agent("echo {base_url} {api_key} {row_json} > {result}; env > {result}.env",
+                                         "http://h:1/v1", row, 0, tmp_path, log)
         agent.process.wait()
+    env = dict(line.split("=", 1) for line in Path(f"{agent.result}.env").read_text().splitlines() if "=" in line)
+    assert "KILN_JUDGE_API_KEY" not in env and "RANK" not in env and env["OPENAI_API_KEY"] == agent.key
     url, key, rest = agent.completion().split(" ", 2)
     assert url == "http://h:1/v1" and key == agent.key and json.loads(rest) == view
     with pytest.raises(SystemExit, match="unknown placeholder"):
