@@ -197,7 +197,8 @@ class AgentServer:
 
     def close(self) -> None:
         """Stop serving; requests still waiting get a 503."""
-        self.http.shutdown()
+        if self.thread.is_alive():  # shutdown waits for serve_forever, which never started otherwise
+            self.http.shutdown()
         self.http.server_close()
         for request in self.waiting + _drain(self.pending):
             _answer(request, 503, _error("the endpoint shut down", "unavailable"))
@@ -303,10 +304,10 @@ class AgentServer:
         prompts = [segment.ids + new_ids for _, segment, new_ids, _, _, _ in prepared]
         try:
             completions = self.engine.generate(prompts, sampling)
-        except Exception as e:  # the agents see a server error; the rank's loop goes on
+        except Exception as e:  # the agents get an answer, the rank the error
             for request, *_ in prepared:
                 _answer(request, 500, _error(f"generation failed: {type(e).__name__}: {e}", "server_error"))
-            return
+            raise
         self.generate_calls += 1
         for (request, segment, new_ids, new_messages, forked, budget), completion in zip(prepared, completions):
             self.requests += 1
