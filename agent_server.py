@@ -106,9 +106,9 @@ def template_form(message: dict) -> dict:
     """A client's message as the chat template renders it (tool calls with parsed arguments)."""
     form = {"role": message["role"], "content": "" if message.get("content") is None else message["content"]}
     if message.get("tool_calls"):
-        form["tool_calls"] = [{"type": "function", "function": {"name": c["function"]["name"],
-                                                                 "arguments": _arguments(c["function"].get("arguments"))}}
-                              for c in message["tool_calls"]]
+        form["tool_calls"] = [{"type": "function", "function": {
+            "name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))}}
+            for c in message["tool_calls"]]
     return form
 
 
@@ -176,7 +176,7 @@ class AgentServer:
         self.ended: set[str] = set()
         self.lock = threading.Lock()  # sessions and ended: read by handler threads, written by the main thread
         self.pending: queue.Queue[Request] = queue.Queue()
-        self.waiting: list[Request] = []  # taken from the queue, not yet generated (another session's or sampling's turn)
+        self.waiting: list[Request] = []  # taken from the queue, not generated yet
         self.requests = self.generate_calls = 0
         self.http = ThreadingHTTPServer((host, port), _Handler)
         self.http.daemon_threads = True
@@ -261,7 +261,8 @@ class AgentServer:
             _answer(request, e.status, _error(str(e), e.code))
             return None
         except Exception as e:  # a bug here must not leave the agent waiting for an answer
-            _answer(request, 500, _error(f"kiln could not prepare the request: {type(e).__name__}: {e}", "server_error"))
+            _answer(request, 500, _error(f"kiln could not prepare the request: {type(e).__name__}: {e}",
+                                         "server_error"))
             return None
         budget = min(request.max_tokens or self.sampling.max_new_tokens, room)
         if self.fixed_sampling:  # training: the trainer's reply budget holds whatever the agent asks
@@ -506,8 +507,9 @@ def start_agent(command: str, base_url: str, row: dict, group: int, workdir: Pat
     values = {"base_url": base_url, "api_key": key, "row_json": row_json, "row_file": str(row_file),
               "result": str(result)}
     line = command.format(**{k: shlex.quote(v) for k, v in values.items()})
-    env = {k: v for k, v in os.environ.items() if not WITHHELD_ENV.fullmatch(k)} | {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": key, "KILN_ROW_FILE": str(row_file),
-                        "KILN_RESULT_FILE": str(result)}
+    env = {k: v for k, v in os.environ.items() if not WITHHELD_ENV.fullmatch(k)} | {
+        "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": key, "KILN_ROW_FILE": str(row_file),
+        "KILN_RESULT_FILE": str(result)}
     process = subprocess.Popen(["bash", "-c", line], env=env, stdin=subprocess.DEVNULL, stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True)
     return AgentProcess(key, row, group, result, process)

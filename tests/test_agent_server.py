@@ -155,7 +155,8 @@ def test_sixteen_concurrent_sessions_share_one_engine_call(tokenizer):
             messages = [{"role": "user", "content": f"task-{k:02d}"}]
             first = client.chat.completions.create(model="kiln", messages=messages, tools=[BASH]).choices[0].message
             messages += [echo(first), {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": str(k)}]
-            replies[k] = client.chat.completions.create(model="kiln", messages=messages, tools=[BASH]).choices[0].message.content
+            second = client.chat.completions.create(model="kiln", messages=messages, tools=[BASH])
+            replies[k] = second.choices[0].message.content
         except Exception as e:  # noqa: BLE001 -- reported by the assertion below
             errors.append(e)
 
@@ -200,7 +201,8 @@ def test_bad_requests_are_refused_with_a_reason(tokenizer):
     engine = ScriptedEngine(tokenizer, {"task-C": ["x"]})
     with Served(engine, tokenizer) as served:
         unkeyed = urllib.request.Request(f"{served.server.base_url}/chat/completions", method="POST",
-                                         data=json.dumps({"messages": [{"role": "user", "content": "task-C"}]}).encode())
+                                         data=json.dumps({"messages": [{"role": "user", "content": "task-C"}]})
+                                         .encode())
         with pytest.raises(urllib.error.HTTPError, match="401"):
             urllib.request.urlopen(unkeyed)
         with pytest.raises(openai.BadRequestError, match="n=2"):
@@ -211,7 +213,8 @@ def test_bad_requests_are_refused_with_a_reason(tokenizer):
                                                        messages=[{"role": "user", "content": "task-C " * 3000}])
         served.server.end_session("gone")
         with pytest.raises(openai.APIStatusError, match="ended") as ended:
-            served.client("gone").chat.completions.create(model="kiln", messages=[{"role": "user", "content": "task-C"}])
+            served.client("gone").chat.completions.create(model="kiln",
+                                                          messages=[{"role": "user", "content": "task-C"}])
         assert ended.value.status_code == 410
     assert engine.calls == 0
 
@@ -262,7 +265,8 @@ def test_agents_that_crash_or_hang_end_their_sessions_and_never_block(tokenizer,
 
 
 def test_agents_see_no_answers_and_get_their_placeholders(tmp_path, monkeypatch):
-    row = {"data_source": "swebench", "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "bug"}],
+    row = {"data_source": "swebench",
+           "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "bug"}],
            "extra_info": {"index": "x", "solutions": ["SOLVED"]}, "reward_model": {"ground_truth": json.dumps({
                "instance_id": "x", "repo": "r", "version": "1", "base_commit": "abc", "image": "img", "patch": "GOLD",
                "test_patch": "TESTS", "FAIL_TO_PASS": ["t"], "PASS_TO_PASS": [], "eval_script": "e"})}}

@@ -26,8 +26,8 @@ from test_swebench import M1359, docker_client, swe_rows  # noqa: E402,F401 -- f
 pytest.importorskip("minisweagent")
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 DRIVER = (f"LITELLM_LOCAL_MODEL_COST_MAP=True MSWEA_COST_TRACKING=ignore_errors {sys.executable} "
-          f"{ROOT / 'tests' / 'mini_swe_agent_run.py'} --base-url {{base_url}} --api-key {{api_key}} --row {{row_file}} "
-          "--result {result} --short")
+          f"{ROOT / 'tests' / 'mini_swe_agent_run.py'} --base-url {{base_url}} --api-key {{api_key}} "
+          "--row {row_file} --result {result} --short")
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +72,12 @@ def test_scripted_gold_fix_is_rewarded_and_only_sampled_ids_are_trained(docker_c
     row = tagged(swe_rows[M1359], "task-gold")
     gold = json.loads(row["reward_model"]["ground_truth"])["patch"]
     engine = ScriptedEngine(tokenizer, {"task-gold": [
-        "I apply the fix.\n" + call(f"cat > patch.txt <<'KILN_EOF'\n{gold}KILN_EOF\ngit apply patch.txt && git status -s"),
+        "I apply the fix.\n" + call(f"cat > patch.txt <<'KILN_EOF'\n{gold}KILN_EOF\n"
+                                    "git apply patch.txt && git status -s"),
         "Submitting.\n" + call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat patch.txt")]})
-    samples, metrics = rollout.external_agents(DRIVER, engine, tokenizer, [row], 1, engines.Sampling(max_new_tokens=4096),
-                                               "swe", rollout.AgentLimits(max_total_tokens=16384, max_seconds=240))
+    samples, metrics = rollout.external_agents(DRIVER, engine, tokenizer, [row], 1,
+                                               engines.Sampling(max_new_tokens=4096), "swe",
+                                               rollout.AgentLimits(max_total_tokens=16384, max_seconds=240))
     (sample,) = samples  # both turns extend one segment
     assert sample.info["agent_status"] == "ok" and sample.text == gold
     assert [i for i, m in zip(sample.completion_ids, sample.loss_mask) if m] == engine.emitted["task-gold"]
@@ -89,8 +91,9 @@ def test_a_hung_agent_is_killed_and_its_container_swept(docker_client, swe_rows,
     tokenizer = policy.load_tokenizer(model_dir)
     row = tagged(swe_rows[M1359], "task-hang")
     engine = ScriptedEngine(tokenizer, {"task-hang": ["Waiting.\n" + call("sleep 300")]})
-    samples, metrics = rollout.external_agents(DRIVER, engine, tokenizer, [row], 1, engines.Sampling(max_new_tokens=200),
-                                               "swe", rollout.AgentLimits(max_total_tokens=8192, max_seconds=20),
+    samples, metrics = rollout.external_agents(DRIVER, engine, tokenizer, [row], 1,
+                                               engines.Sampling(max_new_tokens=200), "swe",
+                                               rollout.AgentLimits(max_total_tokens=8192, max_seconds=20),
                                                keep_failed=True)
     (sample,) = samples
     assert sample.info["agent_status"] == "timeout" and metrics["agents/timeout_frac"] == 1
