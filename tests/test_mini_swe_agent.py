@@ -1,4 +1,4 @@
-"""The proof with a real client nobody here wrote: mini-swe-agent from PyPI (tests/mini_swe_agent_run.py, its
+"""The proof with a real client nobody here wrote: mini-swe-agent from PyPI (mini_swe_agent.py, its
 DefaultAgent, LitellmModel and DockerEnvironment) on an offline SWE-bench instance, pointed at kiln's endpoint through
 rollout.external_agents, as `train_grpo.py --agent-cmd` runs it. With the tiny model the run completes and every
 recorded segment passes check_tito; with a scripted engine that emits the gold fix the submitted patch is graded
@@ -26,7 +26,7 @@ from test_swebench import M1359, docker_client, swe_rows  # noqa: E402,F401 -- f
 pytest.importorskip("minisweagent")
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 DRIVER = (f"LITELLM_LOCAL_MODEL_COST_MAP=True MSWEA_COST_TRACKING=ignore_errors {sys.executable} "
-          f"{ROOT / 'tests' / 'mini_swe_agent_run.py'} --base-url {{base_url}} --api-key {{api_key}} "
+          f"{ROOT / 'mini_swe_agent.py'} --base-url {{base_url}} --api-key {{api_key}} "
           "--row {row_file} --result {result} --short")
 
 

@@ -1,6 +1,6 @@
 """mini-swe-agent (from PyPI) on one kiln swebench row through kiln's endpoint: a complete `--agent-cmd`.
 
-    LITELLM_LOCAL_MODEL_COST_MAP=True MSWEA_COST_TRACKING=ignore_errors python tests/mini_swe_agent_run.py \
+    LITELLM_LOCAL_MODEL_COST_MAP=True MSWEA_COST_TRACKING=ignore_errors python mini_swe_agent.py \
         --base-url {base_url} --api-key {api_key} --row {row_file} --result {result}
 
 mini-swe-agent's DefaultAgent and LitellmModel (its swebench config: one `bash` tool, a fresh subshell per command,
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +24,7 @@ from minisweagent.config import builtin_config_dir
 from minisweagent.environments.docker import DockerEnvironment
 from minisweagent.models.litellm_model import LitellmModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import containers  # noqa: E402  (the repo root is not on the path when this runs as a script)
+import containers
 
 # For small models that cannot read mini-swe-agent's two-page instructions: the same protocol in a few lines.
 SHORT_INSTANCE = ("Fix this issue in /testbed:\n{{task}}\nCall the bash tool. When done, submit with "
