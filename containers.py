@@ -125,7 +125,7 @@ def sweep(client: docker.DockerClient) -> list[str]:
         expired = float(labels.get(EXPIRES, "inf")) < time.time()
         orphaned = owner_host == host and pid.isdigit() and not _alive(int(pid))
         if expired or orphaned:
-            _remove(container)
+            force_remove(container)
             removed.append(container.name)
     return removed
 
@@ -134,7 +134,7 @@ def remove_owned(client: docker.DockerClient) -> list[str]:
     """Remove every container this process started (on exit, Ctrl-C included). Returns the removed names."""
     removed = []
     for container in client.containers.list(all=True, filters={"label": f"{OWNER}={owner_label()}"}):
-        _remove(container)
+        force_remove(container)
         removed.append(container.name)
     return removed
 
@@ -147,7 +147,12 @@ def remove_owned_at_exit(client: docker.DockerClient) -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
-def _remove(container) -> None:
+def missing_images(client: docker.DockerClient, images) -> list[str]:
+    """The names among `images` that are not on this Docker host, sorted."""
+    return sorted(set(images) - {tag for image in client.images.list() for tag in image.tags})
+
+
+def force_remove(container) -> None:
     """SIGKILL and delete; no error if it is gone or going already (auto-remove at its TTL)."""
     try:
         container.remove(force=True)
@@ -231,7 +236,7 @@ class Container:
 
     def remove(self) -> None:
         """SIGKILL and delete, never `stop` (it waits for PID 1 to exit)."""
-        _remove(self._container)
+        force_remove(self._container)
 
     def __enter__(self) -> Container:
         return self

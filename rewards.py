@@ -10,7 +10,6 @@ For swebench rows the completion is the patch (a git diff), graded in Docker by 
 """
 from __future__ import annotations
 
-import codecs
 import io
 import json
 import logging
@@ -19,7 +18,6 @@ import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -33,16 +31,12 @@ import numpy as np
 import tyro
 from matplotlib.figure import Figure
 from PIL import Image
-from swebench.harness.constants import FAIL_TO_PASS, PASS_TO_PASS, EvalType, ResolvedStatus
-from swebench.harness.grading import get_eval_tests_report, get_logs_eval, get_resolution_status
-from swebench.harness.log_parsers import PARSER_REGISTRY
-from swebench.harness.utils import make_test_spec
 from tqdm import tqdm
 
-import containers
 import data_prep
 import judge as judge_lib
 import sandbox
+import swe_grading
 
 # Big APPS answers have thousands of digits; int() refuses them by default.
 sys.set_int_max_str_digits(0)
@@ -142,147 +136,6 @@ REWARDS: dict[str, Callable[[str, dict, sandbox.Limits], Reward]] = {
     "mbpp": assert_reward(all_or_nothing=True),
     "toy": assert_reward(all_or_nothing=False),
 }
-
-
-# --- SWE-bench: the agent's changes to the repository, graded by swebench 5.x in a fresh container -------------------
-
-# Files the policy must not change, whatever its diff says: pytest loads them while grading (conftest.py, test
-# configuration), the interpreter runs them at start-up (sitecustomize, usercustomize, .pth), or they are tests. A root
-# conftest.py that marks every test passed is graded "resolved" by the official harness.
-PROTECTED_NAMES = {"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "noxfile.py",
-                   "sitecustomize.py", "usercustomize.py"}
-TEST_DIRS = {"tests", "testing"}  # not "test": Django's source has django/test/
-TEST_FILE = re.compile(r"(^test_.*|.*_test|^tests)\.py$")
-# The official harness's order; git apply is all-or-nothing, so only --3way can leave a half-applied tree behind.
-APPLY = ("git apply --verbose {p}", "git apply --verbose --3way {p}", "patch --batch --forward --fuzz=5 -p1 -i {p}")
-DIFF_HEADER = re.compile(rb"^diff --git ", re.M)
-HEADER_PATHS = re.compile(rb'(?:"a/((?:[^"\\]|\\.)*)"|a/(.*?)) (?:"b/((?:[^"\\]|\\.)*)"|b/(.*))')
-# Every line that can name a file to git apply or GNU patch (the last fallback, which also reads Index: lines and
-# context diffs). A hunk line never starts like these, so no file can hide behind another's header.
-NAME_LINE = re.compile(rb"^(--- |\+\+\+ |\*\*\* |Index: |rename from |rename to |copy from |copy to )(.*)$", re.M)
-
-
-@dataclass(frozen=True)
-class SweConfig:
-    eval_timeout: float = 1800.0
-    """wall seconds for the instance's eval script (the tests) before it is killed and scored -1"""
-    require_p2p: bool = True
-    """resolved needs every PASS_TO_PASS test to still pass, as in SWE-bench; False: the FAIL_TO_PASS tests only"""
-    log_cap: int = 32_000_000
-    """most bytes of test log kept (head and tail)"""
-    max_patch_bytes: int = 20_000_000
-    """an agent's diff over this is -1 (error "diff"), not graded"""
-    limits: containers.ContainerLimits = containers.ContainerLimits()
-    """the grading container's limits"""
-
-
-def diff_files(diff: bytes) -> list[tuple[list[str], bytes]]:
-    """A git diff split per `diff --git` section: (every path the section names, the section). Bytes throughout:
-    binary patches and file names in any encoding pass through unchanged. A header that cannot be read names
-    the path "?" (which is protected)."""
-    starts = [m.start() for m in DIFF_HEADER.finditer(diff)]
-    sections = [diff[a:b] for a, b in zip(starts, starts[1:] + [len(diff)])]
-    return [(_section_paths(section), section) for section in sections]
-
-
-def _section_paths(section: bytes) -> list[str]:
-    header = HEADER_PATHS.fullmatch(section.split(b"\n", 1)[0][len(b"diff --git "):].rstrip(b"\r"))
-    paths = [(_unquote(q) if q is not None else p) for q, p in ((header[1], header[2]), (header[3], header[4]))] \
-        if header else [b"?"]
-    for kind, name in NAME_LINE.findall(section):
-        name = name.split(b"\t")[0].rstrip(b"\r")
-        name = _unquote(name[1:-1]) if name[:1] == name[-1:] == b'"' else name
-        if kind in (b"--- ", b"+++ ", b"*** ") and name != b"/dev/null":  # -p1: the first component goes
-            name = name.partition(b"/")[2] or name
-        paths.append(name)
-    return list(dict.fromkeys(p.decode(errors="replace") for p in paths if p != b"/dev/null"))
-
-
-def _unquote(name: bytes) -> bytes:
-    """Git's C-style quoting of unusual file names ("a/t\\303\\251st.py") undone."""
-    return codecs.escape_decode(name)[0]
-
-
-def is_protected(path: str, test_patch_files: set[str]) -> bool:
-    parts = path.split("/")
-    return (path in test_patch_files or parts[-1] in PROTECTED_NAMES or parts[-1].endswith(".pth")
-            or bool(TEST_DIRS.intersection(parts[:-1])) or bool(TEST_FILE.match(parts[-1])) or path == "?")
-
-
-def filter_diff(diff: bytes, test_patch: str) -> tuple[bytes, list[str]]:
-    """The diff without protected files (see PROTECTED_NAMES; the test patch's files and test files too), and the
-    paths dropped. A rename counts as touching both of its paths."""
-    test_patch_files = {p for paths, _ in diff_files(test_patch.encode()) for p in paths}
-    kept, dropped = [], []
-    for paths, section in diff_files(diff):
-        if any(is_protected(p, test_patch_files) for p in paths):
-            dropped.extend(p for p in paths if p not in dropped)
-        else:
-            kept.append(section)
-    return b"".join(kept), dropped
-
-
-def swebench_container_reward(truth: dict, container: containers.Container, client=None,
-                              config: SweConfig = SweConfig()) -> Reward:
-    """The reward of an agent's finished container: its diff since the base commit, graded by swebench_reward. No
-    usable diff (see containers.DiffError) is -1 with error "diff"."""
-    try:
-        patch = containers.container_diff(container, truth["base_commit"], config.max_patch_bytes)
-    except containers.DiffError as e:
-        return Reward(-1.0, {"instance_id": truth["instance_id"], "dropped": [], "f2p": [0, len(truth["FAIL_TO_PASS"])],
-                             "p2p": [0, len(truth["PASS_TO_PASS"])], "status": ResolvedStatus.NO.value,
-                             "error": "diff", "reason": str(e)})
-    return swebench_reward(truth, patch, client, config)
-
-
-def swebench_reward(truth: dict, patch: bytes, client=None, config: SweConfig = SweConfig()) -> Reward:
-    """+1 when the patch resolves the instance (every FAIL_TO_PASS test passes and, with require_p2p, every
-    PASS_TO_PASS test still does), else -1. Protected files are dropped first (reported in info["dropped"]); the rest
-    is applied in a fresh container from the instance image, the row's eval script runs, and swebench 5.x grades the
-    log with the row's parser. A missing image or an unreachable daemon raises: it is never the patch's fault."""
-    if truth["log_parser"] not in PARSER_REGISTRY:
-        raise ValueError(f"{truth['instance_id']}: unknown log_parser {truth['log_parser']!r} for swebench")
-    spec = make_test_spec(truth)
-    git_diff = bool(diff_files(patch)) or not patch.strip()
-    patch, dropped = filter_diff(patch, truth["test_patch"])
-    info = {"instance_id": spec.instance_id, "dropped": dropped, "f2p": [0, len(spec.FAIL_TO_PASS)],
-            "p2p": [0, len(spec.PASS_TO_PASS)], "status": ResolvedStatus.NO.value, "error": None}
-    if not git_diff:
-        return Reward(-1.0, info | {"error": "patch_apply", "reason": "not a git diff (no `diff --git` header)"})
-    if not patch.strip():
-        return Reward(-1.0, info | {"error": "empty_patch"})
-    start = time.perf_counter()
-    with containers.Container(client or containers.connect(), spec.image, role="grade", run=spec.instance_id,
-                              limits=config.limits) as container:
-        container.put_file("/kiln.patch", patch)
-        for command in APPLY:
-            applied = container.exec(command.format(p="/kiln.patch"), timeout=120, cap=4000)
-            if applied.exit_code == 0:
-                info["applied_with"] = command.split(" -")[0] + (" --3way" if "3way" in command else "")
-                break
-            container.exec("git reset --hard -q", timeout=60)
-        else:
-            return Reward(-1.0, info | {"error": "patch_apply", "reason": applied.output[-2000:]})
-        container.put_file("/kiln_eval.sh", spec.eval_script.encode())
-        run = container.exec("bash /kiln_eval.sh", timeout=config.eval_timeout, cap=config.log_cap)
-    info["seconds"] = time.perf_counter() - start
-    if run.timed_out:
-        return Reward(-1.0, info | {"error": "eval_timeout"})
-    with tempfile.NamedTemporaryFile("w", suffix=".log") as log:
-        log.write(run.output)
-        log.flush()
-        status_map, ran = get_logs_eval(spec, log.name)
-    if not ran:
-        return Reward(-1.0, info | {"error": "tests_not_run", "log_tail": run.output[-2000:]})
-    report = get_eval_tests_report(status_map, {FAIL_TO_PASS: spec.FAIL_TO_PASS, PASS_TO_PASS: spec.PASS_TO_PASS},
-                                   eval_type=EvalType(spec.eval_type))
-    info |= {"f2p": [len(report[FAIL_TO_PASS]["success"]), len(spec.FAIL_TO_PASS)],
-             "p2p": [len(report[PASS_TO_PASS]["success"]), len(spec.PASS_TO_PASS)],
-             "status": get_resolution_status(report)}
-    f2p_ok = not report[FAIL_TO_PASS]["failure"] and info["f2p"][0] == info["f2p"][1]
-    p2p_ok = not report[PASS_TO_PASS]["failure"]
-    resolved = f2p_ok and (p2p_ok or not config.require_p2p)
-    return Reward(1.0 if resolved else -1.0, info | {"resolved": resolved})
 
 
 # ------------------------------------------------------------------------- vl_agent: CodeV's code-with-images reward
@@ -508,18 +361,20 @@ def component_metrics(data_sources: Sequence[str], infos: Sequence[dict]) -> dic
 
 
 def score(row: dict, completion: str, limits: sandbox.Limits = sandbox.Limits(), judge: judge_lib.Judge | None = None,
-          sample_info: dict | None = None) -> Reward:
+          sample_info: dict | None = None, swe: swe_grading.SweConfig = swe_grading.SweConfig()) -> Reward:
     """The reward of one completion for one row (kiln's row schema); tests run in the sandbox, vl_agent rows go to
-    `judge` (sample_info: the rollout's Sample.info, whose tool images and messages the rubric judge sees). Whatever
+    `judge` (sample_info: the rollout's Sample.info, whose tool images and messages the rubric judge sees), swebench
+    rows to swe_grading (the completion is the patch; `swe` its settings). Whatever
     the program does, this returns: a failure of the grading itself (a supervisor that died) is a Reward of 0 with
     error "grader_error" and its reason, logged and counted (`critic/score/grader_errors`). Broken tests (a data
     problem the program cannot cause) raise ValueError naming the task."""
     if is_vl_agent(row):
         return vl_agent_reward(row, completion, judge, sample_info or {})
     source = row["data_source"]
-    if source == "swebench":  # the completion is the patch; grading errors raise (never scored -1)
-        return swebench_reward(json.loads(row["reward_model"]["ground_truth"]),
-                               completion.encode(errors="surrogateescape"))
+    if source == "swebench":  # grading errors raise (never scored -1)
+        grade = swe_grading.swebench_reward(json.loads(row["reward_model"]["ground_truth"]),
+                                            completion.encode(errors="surrogateescape"), config=swe)
+        return Reward(grade.score, grade.info)
     if source not in REWARDS:
         raise KeyError(f"no reward function for data_source {source!r}; known: {sorted(REWARDS)}")
     truth = json.loads(row["reward_model"]["ground_truth"])
@@ -564,21 +419,6 @@ def make_judge(url: str | None, model: str | None, rows: list[dict], where: str,
         return judge_lib.Judge(url, model=model, **options)
     except judge_lib.JudgeUnreachable as e:
         raise SystemExit(str(e)) from e
-
-
-def swe_metrics(infos: Sequence[dict]) -> dict:
-    """SWE-bench batch metrics from swebench rewards' infos: the resolve rate; the FAIL_TO_PASS and PASS_TO_PASS pass
-    fractions (mean per sample, over the samples whose tests ran); patches that did not apply; protected files
-    dropped from the diffs."""
-    ran = [info for info in infos if info.get("error") is None]
-    metrics = {"swe/resolve_rate": sum(bool(info.get("resolved")) for info in infos) / max(1, len(infos)),
-               "swe/patch_apply_failures": sum(info.get("error") == "patch_apply" for info in infos),
-               "swe/dropped_files": sum(len(info.get("dropped", [])) for info in infos)}
-    for key in ("f2p", "p2p"):
-        fractions = [info[key][0] / info[key][1] for info in ran if info[key][1]]
-        if fractions:
-            metrics[f"swe/{key}_pass_frac"] = sum(fractions) / len(fractions)
-    return metrics
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -780,6 +620,9 @@ def check_sources(rows: list[dict], where: str) -> None:
 
 
 def read_samples(path: str, rows_by_id: dict[str, dict]) -> tuple[list[str], list[str]]:
+    """(task ids, completions) of a JSONL of kiln samples ({"task_id", "completion"}) or SWE-bench predictions
+    ({"instance_id", "model_patch", "model_name_or_path"}: task "swebench/<instance_id>", the patch its completion; a
+    null patch is an empty one); lines of both kinds may mix. Every task must be among the rows."""
     task_ids, completions = [], []
     with open(path) as f:
         for number, line in enumerate(f, 1):
@@ -787,13 +630,23 @@ def read_samples(path: str, rows_by_id: dict[str, dict]) -> tuple[list[str], lis
                 continue
             try:
                 sample = json.loads(line)
-                task_id, completion = sample["task_id"], sample["completion"]
+                prediction = isinstance(sample, dict) and "model_patch" in sample
+                if prediction:
+                    task_id, completion = f"swebench/{sample['instance_id']}", sample["model_patch"] or ""
+                else:
+                    task_id, completion = sample["task_id"], sample["completion"]
             except (ValueError, KeyError, TypeError) as e:
                 raise SystemExit(f"{path} line {number}: a sample must be a JSON object with \"task_id\" and "
-                                 f"\"completion\" ({type(e).__name__}: {e})")
+                                 f"\"completion\", or a SWE-bench prediction with \"instance_id\" and \"model_patch\" "
+                                 f"({type(e).__name__}: {e})")
             if not isinstance(completion, str):
-                raise SystemExit(f"{path} line {number}: \"completion\" must be a string")
+                raise SystemExit(f"{path} line {number}: \"{'model_patch' if prediction else 'completion'}\" must "
+                                 "be a string")
             if task_id not in rows_by_id:
+                if prediction:
+                    swe = sum(row["data_source"] == "swebench" for row in rows_by_id.values())
+                    raise SystemExit(f"{path} line {number}: instance {sample['instance_id']!r} is not among the "
+                                     f"{swe} swebench rows of --data")
                 raise SystemExit(f"{path} line {number}: unknown task id {task_id!r} (not in the --data rows)")
             task_ids.append(task_id)
             completions.append(completion)
@@ -824,6 +677,8 @@ class ScoreArgs:
     """OpenAI-compatible base URL of the LLM judge (vl_agent rows), e.g. http://judge-node:8000/v1"""
     judge_model: str | None = None
     """the judge's model name (default: the first one the server lists)"""
+    official: bool = False
+    """swebench rows: grade with swebench's own run_instance instead of kiln's grader (same verdicts, slower)"""
 
 
 def main(args: ScoreArgs) -> dict:
@@ -842,12 +697,18 @@ def main(args: ScoreArgs) -> dict:
     check_sources(rows, args.data)
     rows_by_id = {data_prep.row_id(r): r for r in rows}
     task_ids, completions = read_samples(args.samples, rows_by_id)
+    swe_truths = [json.loads(rows_by_id[t]["reward_model"]["ground_truth"]) for t in sorted(set(task_ids))
+                  if rows_by_id[t]["data_source"] == "swebench"]
+    if args.official and not swe_truths:
+        raise SystemExit(f"--official grades swebench rows; no sample of {args.samples} answers one")
+    swe_grading.check_images(swe_truths, args.samples)
+    swe = swe_grading.SweConfig(official=args.official)
     judge = make_judge(args.judge_url, args.judge_model, [rows_by_id[t] for t in set(task_ids)], where=args.samples)
     limits = sandbox.Limits(timeout=args.timeout)
     start = time.perf_counter()
     workers = args.workers or max(sandbox.default_workers(), 2 * judge.max_concurrency if judge else 0)
     with ThreadPoolExecutor(workers) as pool:
-        results = list(tqdm(pool.map(lambda tc: score(rows_by_id[tc[0]], tc[1], limits, judge),
+        results = list(tqdm(pool.map(lambda tc: score(rows_by_id[tc[0]], tc[1], limits, judge, swe=swe),
                                      zip(task_ids, completions)),
                             total=len(task_ids), desc="grading", disable=len(task_ids) < 50))
     seconds = time.perf_counter() - start
@@ -863,6 +724,9 @@ def main(args: ScoreArgs) -> dict:
         raise SystemExit("no sample could be graded")
     task_ids, results = [t for t, _ in graded], [r for _, r in graded]
     summary = report(rows_by_id, task_ids, results) | {"seconds": seconds, "samples_per_s": len(results) / seconds}
+    if swe_truths:
+        summary["swe"] = swe_grading.swe_metrics([r.info for t, r in zip(task_ids, results)
+                                                  if rows_by_id[t]["data_source"] == "swebench"])
     print_report(summary)
     if args.out:  # replaced whole, never mixed with a concurrent run's
         data_prep.write_atomically(args.out, ({"task_id": task_id, "score": r.score, "info": r.info}
@@ -890,10 +754,59 @@ def print_report(summary: dict) -> None:
     for name, tests in sorted(summary["tests"].items(), key=lambda kv: group_order(kv[0])):
         print(f"{name:<28}{tests['rated']:>8}{tests['test_pass_rate']:>10.3f}"
               + "".join(f"{count_and_fraction(b):>12}" for b in tests["bands"].values()))
+    if "swe" in summary:
+        print("swebench: " + ", ".join(f"{k.removeprefix('swe/')} {v:.3g}" for k, v in summary["swe"].items()))
     print(f"mean reward {summary['mean_reward']:.3f}; errors: "
           + (", ".join(f"{k} {v}" for k, v in sorted(summary["errors"].items())) or "none"))
     print(f"{summary['samples']} samples in {summary['seconds']:.1f}s ({summary['samples_per_s']:.1f}/s)")
 
 
+@dataclass
+class SweCheckArgs:
+    data: tyro.conf.Positional[str]
+    """swebench rows (parquet / jsonl) in kiln's row schema (`data_prep.py swebench`)"""
+    workers: int = 2
+    """rows checked at once (each runs two gradings, one after the other)"""
+    official: bool = False
+    """grade with swebench's own run_instance instead of kiln's grader"""
+    eval_timeout: float = 1800.0
+    """wall seconds for each run of a row's tests"""
+
+
+def swe_check_main(args: SweCheckArgs) -> list[dict]:
+    """Every row's gold patch must resolve and its unpatched tree must not (swe_grading.swe_check): a table, and exit
+    status 1 naming the rows that fail."""
+    rows = data_prep.load_rows(args.data)
+    others = Counter(row["data_source"] for row in rows if row["data_source"] != "swebench")
+    if others:
+        raise SystemExit(f"{args.data}: swe-check checks swebench rows; {sum(others.values())} rows are not "
+                         f"({dict(others)})")
+    if args.workers < 1 or args.eval_timeout <= 0:
+        raise SystemExit(f"--workers and --eval-timeout must be > 0, got {args.workers} and {args.eval_timeout}")
+    truths = [json.loads(row["reward_model"]["ground_truth"]) for row in rows]
+    swe_grading.check_images(truths, args.data)
+    config = swe_grading.SweConfig(eval_timeout=args.eval_timeout, official=args.official)
+    with ThreadPoolExecutor(args.workers) as pool:
+        checks = list(tqdm(pool.map(lambda truth: swe_grading.swe_check(truth, config=config), truths),
+                           total=len(truths), desc="swe-check"))
+    width = max(len("instance"), *(len(c["instance_id"]) for c in checks))
+    print(f"{'instance':<{width}}  {'gold':<14}{'F2P':>7}{'P2P':>9}  {'no patch':<14}{'F2P':>7}{'seconds':>9}  ok")
+
+    def cells(grade: swe_grading.Grade) -> str:
+        f2p, p2p = grade.info["f2p"], grade.info["p2p"]
+        return (f"{grade.info['error'] or grade.info['status'].removeprefix('RESOLVED_').lower():<14}"
+                f"{f2p[0]:>4}/{f2p[1]:<2}{p2p[0]:>5}/{p2p[1]:<3}")
+    for c in checks:
+        seconds = c["gold"].info.get("seconds", 0) + c["base"].info.get("seconds", 0)
+        print(f"{c['instance_id']:<{width}}  {cells(c['gold'])}  {cells(c['base'])[:21]}{seconds:>9.1f}  "
+              + ("ok" if c["ok"] else f"FAIL: {c['problem']}"))
+    failed = [c["instance_id"] for c in checks if not c["ok"]]
+    if failed:
+        raise SystemExit(f"{len(failed)} of {len(checks)} rows fail the check: {', '.join(failed)}")
+    print(f"all {len(checks)} rows ok")
+    return checks
+
+
 if __name__ == "__main__":
-    main(tyro.extras.subcommand_cli_from_dict({"score": ScoreArgs}))
+    cli = tyro.extras.subcommand_cli_from_dict({"score": ScoreArgs, "swe-check": SweCheckArgs})
+    (swe_check_main if isinstance(cli, SweCheckArgs) else main)(cli)

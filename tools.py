@@ -284,9 +284,8 @@ def check_swe_rows(rows: list[dict], tools: str, source: str) -> None:
         raise SystemExit(f"{source}: swebench rows run with --tools swe and --tools swe runs only swebench rows "
                          f"({len(swe)} of {len(rows)} rows are swebench, --tools {tools})")
     if tools == "swe":
-        client = containers.shared_client()
-        missing = sorted({json.loads(r["reward_model"]["ground_truth"])["image"] for r in swe}
-                         - {tag for image in client.images.list() for tag in image.tags})
+        missing = containers.missing_images(containers.shared_client(),
+                                            {json.loads(r["reward_model"]["ground_truth"])["image"] for r in swe})
         if missing:
             raise SystemExit(f"{source}: {len(missing)} instance images are not on this Docker host, e.g. "
                              f"{missing[0]}; pull or `docker load` them first (README, SWE-bench)")

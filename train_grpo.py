@@ -31,6 +31,7 @@ import policy
 import rewards
 import rollout
 import runlog
+import swe_grading
 
 
 # Defaults that depend on the policy loss: GSPO clips a sequence-level ratio (its paper's ranges) and averages each
@@ -426,7 +427,7 @@ def train_step(run: Run) -> dict:
     if args.nonfinite_rewards == "drop":
         metrics["critic/score/nonfinite_dropped"] = float(nonfinite_dropped)
     if args.tools == "swe":
-        metrics |= rewards.swe_metrics(policy.gather_objects([s.info for s in samples]))
+        metrics |= swe_grading.swe_metrics(policy.gather_objects([s.info for s in samples]))
     if args.dynamic_sampling:  # each rank trains on its share of groups (a rank may have fewer after the last try)
         metrics["batch/kept_frac"] = policy.sum_over_ranks(len(batch)) / policy.sum_over_ranks(len(samples))
         metrics["batch/sampling_tries"] = tries

@@ -20,6 +20,7 @@ import data_prep  # noqa: E402
 import engines  # noqa: E402
 import policy  # noqa: E402
 import rewards  # noqa: E402
+import swe_grading  # noqa: E402
 import rollout  # noqa: E402
 import tiny  # noqa: E402
 import tools  # noqa: E402
@@ -98,7 +99,7 @@ def test_scripted_agent_fix_resolves_noop_does_not_and_nothing_is_left(docker_cl
     assert graded[0].info["f2p"] == [1, 1] and graded[2].info["f2p"] == [0, 1]
     assert metrics["rollout/finish_submit_frac"] == pytest.approx(2 / 3) and metrics["rollout/truncated_frac"] == 0
     assert metrics["swe/container_seconds"] > 0 and metrics["swe/diff_errors"] == 0
-    assert rewards.swe_metrics([g.info for g in graded]) == {
+    assert swe_grading.swe_metrics([g.info for g in graded]) == {
         "swe/resolve_rate": pytest.approx(2 / 3), "swe/f2p_pass_frac": pytest.approx(2 / 3),
         "swe/p2p_pass_frac": 1.0, "swe/patch_apply_failures": 0, "swe/dropped_files": 0}
 

@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import containers  # noqa: E402
 import data_prep  # noqa: E402
 import rewards  # noqa: E402
+import swe_grading  # noqa: E402
 import swe_instances  # noqa: E402
 
 M1343, M1359 = "marshmallow-code__marshmallow-1343", "marshmallow-code__marshmallow-1359"
@@ -101,7 +102,7 @@ def test_filter_drops_test_infrastructure_and_keeps_the_rest_byte_for_byte():
     diff = b"".join(section(p) for p in kept_paths) + binary + b"".join(section(p) for p in dropped_paths)
     rename = (b"diff --git a/src/pkg/a.py b/tests/a.py\nsimilarity index 100%\nrename from src/pkg/a.py\n"
               b"rename to tests/a.py\n")
-    kept, dropped = rewards.filter_diff(diff + rename, test_patch)
+    kept, dropped = swe_grading.filter_diff(diff + rename, test_patch)
     assert kept == b"".join(section(p) for p in kept_paths) + binary
     assert dropped == dropped_paths + ["src/pkg/a.py", "tests/a.py"]
 
@@ -119,7 +120,7 @@ def test_filter_drops_test_infrastructure_and_keeps_the_rest_byte_for_byte():
     b"diff --git conftest.py\n@@ -0,0 +1 @@\n+import os\n",
 ])
 def test_filter_reads_every_name_a_patch_tool_would(smuggled):
-    kept, dropped = rewards.filter_diff(smuggled, "")
+    kept, dropped = swe_grading.filter_diff(smuggled, "")
     assert kept == b"" and dropped and any(p.endswith("conftest.py") or p == "?" for p in dropped)
 
 
@@ -129,7 +130,7 @@ def test_unreachable_daemon_is_an_error_not_a_reward(monkeypatch, tmp_path):
              "parse_log_pytest", "eval_type": "pass_and_fail", "repo": "x/y", "version": "1", "FAIL_TO_PASS": ["t"],
              "PASS_TO_PASS": [], "test_patch": "", "base_commit": "0" * 40}
     with pytest.raises(containers.DockerUnavailable, match="cannot reach the Docker daemon"):
-        rewards.swebench_reward(truth, NOOP.encode())
+        swe_grading.swebench_reward(truth, NOOP.encode())
 
 
 def test_under_ci_a_missing_daemon_fails_the_docker_tests(tmp_path):
@@ -169,7 +170,7 @@ def test_test_infrastructure_hacks_are_dropped_and_reported(docker_client, swe_r
     assert filtered.score == -1.0 and filtered.info["dropped"] == paths and filtered.info["error"] == "empty_patch"
     with_gold = rewards.score(row, hack + truth_of(row)["patch"])  # the fix still counts, the hack is dropped
     assert with_gold.score == 1.0 and with_gold.info["dropped"] == paths
-    monkeypatch.setattr(rewards, "is_protected", lambda path, test_files: False)
+    monkeypatch.setattr(swe_grading, "is_protected", lambda path, test_files: False)
     unfiltered = rewards.score(row, hack)  # what the filter prevents: the hack alone would be graded resolved
     assert unfiltered.score == 1.0 and unfiltered.info["dropped"] == []
 
@@ -184,24 +185,24 @@ def test_agent_container_diff_binary_and_new_files_a_p2p_break_and_unusable_diff
         assert agent.exec("printf 'X = 1\\n' > src/marshmallow/extra.py && printf 'import pytest\\n' > conftest.py"
                           ).exit_code == 0
         diff = containers.container_diff(agent, truth["base_commit"])
-        resolved = rewards.swebench_container_reward(truth, agent, docker_client)
+        resolved = swe_grading.swebench_container_reward(truth, agent, docker_client)
         assert resolved.score == 1.0 and resolved.info["dropped"] == ["conftest.py"]
         assert agent.exec("sed -i 's/^Int = Integer$/Int = Number/' src/marshmallow/fields.py && "
                           "grep -c '^Int = Number$' src/marshmallow/fields.py").output.strip() == "1"
         broken = containers.container_diff(agent, truth["base_commit"])
         agent.put_file("/testbed/src/marshmallow/huge.bin", os.urandom(2_000_000))
-        small = rewards.SweConfig(max_patch_bytes=10**6)
-        huge = rewards.swebench_container_reward(truth, agent, docker_client, small)
+        small = swe_grading.SweConfig(max_patch_bytes=10**6)
+        huge = swe_grading.swebench_container_reward(truth, agent, docker_client, small)
         assert (huge.score, huge.info["error"]) == (-1.0, "diff") and "over the 1000000" in huge.info["reason"]
         assert agent.exec("rm -rf .git").exit_code == 0  # the agent broke its repository: its doing, so -1
-        no_repo = rewards.swebench_container_reward(truth, agent, docker_client)
+        no_repo = swe_grading.swebench_container_reward(truth, agent, docker_client)
         assert (no_repo.score, no_repo.info["error"]) == (-1.0, "diff")
         assert "not a git repository" in no_repo.info["reason"]
     assert b"GIT binary patch" in diff and b"b/src/marshmallow/extra.py\nnew file mode" in diff
-    p2p_broken = rewards.swebench_reward(truth, broken, docker_client)
+    p2p_broken = swe_grading.swebench_reward(truth, broken, docker_client)
     assert p2p_broken.score == -1.0 and p2p_broken.info["f2p"] == [1, 1]
     assert p2p_broken.info["p2p"][0] < p2p_broken.info["p2p"][1]
-    relaxed = rewards.swebench_reward(truth, broken, docker_client, rewards.SweConfig(require_p2p=False))
+    relaxed = swe_grading.swebench_reward(truth, broken, docker_client, swe_grading.SweConfig(require_p2p=False))
     assert relaxed.score == 1.0
 
 
@@ -209,7 +210,7 @@ def test_agent_container_diff_binary_and_new_files_a_p2p_break_and_unusable_diff
 def test_missing_image_is_an_error(docker_client, swe_rows):
     truth = truth_of(swe_rows[M1343]) | {"image": "kiln-swe/no-such-image:offline"}
     with pytest.raises(containers.ImageMissing, match="kiln-swe/no-such-image:offline"):
-        rewards.swebench_reward(truth, truth["patch"].encode(), docker_client)
+        swe_grading.swebench_reward(truth, truth["patch"].encode(), docker_client)
 
 
 @pytest.mark.docker

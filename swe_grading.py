@@ -1,0 +1,309 @@
+"""SWE-bench grading: an agent's diff, stripped of the test infrastructure it must not touch, applied in a fresh
+container from the instance image, its tests run and the log graded by swebench 5.x (its parsers, get_logs_eval,
+get_eval_tests_report, resolution status). +1 resolved, -1 otherwise; a missing image or an unreachable daemon raises.
+
+Two graders give the same verdict format: kiln's (containers.py: no network, limits, labels, SIGKILL removal; what
+training uses) and, for evaluation, swebench's own `run_instance` (`SweConfig.official`), which runs with a unique
+run id, logs into a temporary folder of its own and removes its container at once. `swe_check` checks rows: each
+gold patch must resolve and the unpatched tree must not. rewards.py dispatches data_source "swebench" here and holds
+the CLI (`python rewards.py score` / `swe-check`).
+"""
+from __future__ import annotations
+
+import atexit
+import codecs
+import functools
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import docker.errors
+from swebench.harness import run_evaluation
+from swebench.harness.constants import (APPLY_PATCH_FAIL, FAIL_TO_PASS, LOG_INSTANCE, PASS_TO_PASS, EvalType,
+                                        ResolvedStatus)
+from swebench.harness.grading import get_eval_tests_report, get_logs_eval, get_resolution_status
+from swebench.harness.log_parsers import PARSER_REGISTRY
+from swebench.harness.utils import make_test_spec
+from swebench.types import TestSpec
+
+import containers
+
+# Files the policy must not change, whatever its diff says: pytest loads them while grading (conftest.py, test
+# configuration), the interpreter runs them at start-up (sitecustomize, usercustomize, .pth), or they are tests. A root
+# conftest.py that marks every test passed is graded "resolved" by the official harness.
+PROTECTED_NAMES = {"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "noxfile.py",
+                   "sitecustomize.py", "usercustomize.py"}
+TEST_DIRS = {"tests", "testing"}  # not "test": Django's source has django/test/
+TEST_FILE = re.compile(r"(^test_.*|.*_test|^tests)\.py$")
+# The official harness's order; git apply is all-or-nothing, so only --3way can leave a half-applied tree behind.
+APPLY = ("git apply --verbose {p}", "git apply --verbose --3way {p}", "patch --batch --forward --fuzz=5 -p1 -i {p}")
+DIFF_HEADER = re.compile(rb"^diff --git ", re.M)
+HEADER_PATHS = re.compile(rb'(?:"a/((?:[^"\\]|\\.)*)"|a/(.*?)) (?:"b/((?:[^"\\]|\\.)*)"|b/(.*))')
+# Every line that can name a file to git apply or GNU patch (the last fallback, which also reads Index: lines and
+# context diffs). A hunk line never starts like these, so no file can hide behind another's header.
+NAME_LINE = re.compile(rb"^(--- |\+\+\+ |\*\*\* |Index: |rename from |rename to |copy from |copy to )(.*)$", re.M)
+HARNESS_MODEL = "kiln"  # the model_name_or_path of run_instance's predictions (a folder of its log tree)
+
+
+@dataclass
+class Grade:
+    """A graded patch: +1.0 resolved, -1.0 otherwise; info holds instance_id, dropped (protected paths left out), f2p
+    and p2p ([passed, total]), status (swebench's ResolvedStatus value), error (None when the tests ran and were
+    graded, else empty_patch, patch_apply, eval_timeout, tests_not_run or diff) and its reason, seconds."""
+    score: float
+    info: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SweConfig:
+    eval_timeout: float = 1800.0
+    """wall seconds for the instance's eval script (the tests) before it is killed and scored -1"""
+    require_p2p: bool = True
+    """resolved needs every PASS_TO_PASS test to still pass, as in SWE-bench; False: the FAIL_TO_PASS tests only"""
+    log_cap: int = 32_000_000
+    """most bytes of test log kept (head and tail)"""
+    max_patch_bytes: int = 20_000_000
+    """an agent's diff over this is -1 (error "diff"), not graded"""
+    limits: containers.ContainerLimits = containers.ContainerLimits()
+    """the grading container's limits (kiln's grader)"""
+    official: bool = False
+    """grade with swebench's own run_instance (evaluation: slower, its container has network and no kiln limits)"""
+
+
+def diff_files(diff: bytes) -> list[tuple[list[str], bytes]]:
+    """A git diff split per `diff --git` section: (every path the section names, the section). Bytes throughout:
+    binary patches and file names in any encoding pass through unchanged. A header that cannot be read names
+    the path "?" (which is protected)."""
+    starts = [m.start() for m in DIFF_HEADER.finditer(diff)]
+    sections = [diff[a:b] for a, b in zip(starts, starts[1:] + [len(diff)])]
+    return [(_section_paths(section), section) for section in sections]
+
+
+def _section_paths(section: bytes) -> list[str]:
+    header = HEADER_PATHS.fullmatch(section.split(b"\n", 1)[0][len(b"diff --git "):].rstrip(b"\r"))
+    paths = [(_unquote(q) if q is not None else p) for q, p in ((header[1], header[2]), (header[3], header[4]))] \
+        if header else [b"?"]
+    for kind, name in NAME_LINE.findall(section):
+        name = name.split(b"\t")[0].rstrip(b"\r")
+        name = _unquote(name[1:-1]) if name[:1] == name[-1:] == b'"' else name
+        if kind in (b"--- ", b"+++ ", b"*** ") and name != b"/dev/null":  # -p1: the first component goes
+            name = name.partition(b"/")[2] or name
+        paths.append(name)
+    return list(dict.fromkeys(p.decode(errors="replace") for p in paths if p != b"/dev/null"))
+
+
+def _unquote(name: bytes) -> bytes:
+    """Git's C-style quoting of unusual file names ("a/t\\303\\251st.py") undone."""
+    return codecs.escape_decode(name)[0]
+
+
+def is_protected(path: str, test_patch_files: set[str]) -> bool:
+    parts = path.split("/")
+    return (path in test_patch_files or parts[-1] in PROTECTED_NAMES or parts[-1].endswith(".pth")
+            or bool(TEST_DIRS.intersection(parts[:-1])) or bool(TEST_FILE.match(parts[-1])) or path == "?")
+
+
+def filter_diff(diff: bytes, test_patch: str) -> tuple[bytes, list[str]]:
+    """The diff without protected files (see PROTECTED_NAMES; the test patch's files and test files too), and the
+    paths dropped. A rename counts as touching both of its paths."""
+    test_patch_files = {p for paths, _ in diff_files(test_patch.encode()) for p in paths}
+    kept, dropped = [], []
+    for paths, section in diff_files(diff):
+        if any(is_protected(p, test_patch_files) for p in paths):
+            dropped.extend(p for p in paths if p not in dropped)
+        else:
+            kept.append(section)
+    return b"".join(kept), dropped
+
+
+def spec_of(truth: dict) -> TestSpec:
+    """swebench's TestSpec of a row's ground truth; a log parser swebench does not know is refused, naming it."""
+    if truth["log_parser"] not in PARSER_REGISTRY:
+        raise ValueError(f"{truth['instance_id']}: unknown log_parser {truth['log_parser']!r} for swebench")
+    return make_test_spec(truth)
+
+
+def _ungraded(spec: TestSpec, dropped: list[str] = ()) -> dict:
+    return {"instance_id": spec.instance_id, "dropped": list(dropped), "f2p": [0, len(spec.FAIL_TO_PASS)],
+            "p2p": [0, len(spec.PASS_TO_PASS)], "status": ResolvedStatus.NO.value, "error": None}
+
+
+def check_images(truths: Sequence[dict], where: str) -> None:
+    """SystemExit before any grading when instances need Docker and the daemon does not answer, or an instance image
+    is missing (naming one and `where`)."""
+    if not truths:
+        return
+    try:
+        client = containers.connect()
+    except containers.DockerUnavailable as e:
+        raise SystemExit(f"{where}: swebench instances are graded in Docker: {e}") from None
+    missing = containers.missing_images(client, {truth["image"] for truth in truths})
+    if missing:
+        raise SystemExit(f"{where}: {len(missing)} instance images are not on this Docker host, e.g. {missing[0]}; "
+                         "pull or `docker load` them first (README, SWE-bench)")
+
+
+def swebench_container_reward(truth: dict, container: containers.Container, client=None,
+                              config: SweConfig = SweConfig()) -> Grade:
+    """The grade of an agent's finished container: its diff since the base commit, graded by swebench_reward. No
+    usable diff (see containers.DiffError) is -1 with error "diff"."""
+    try:
+        patch = containers.container_diff(container, truth["base_commit"], config.max_patch_bytes)
+    except containers.DiffError as e:
+        return Grade(-1.0, _ungraded(spec_of(truth)) | {"error": "diff", "reason": str(e)})
+    return swebench_reward(truth, patch, client, config)
+
+
+def swebench_reward(truth: dict, patch: bytes, client=None, config: SweConfig = SweConfig()) -> Grade:
+    """+1 when the patch resolves the instance (every FAIL_TO_PASS test passes and, with require_p2p, every
+    PASS_TO_PASS test still does), else -1. Protected files are dropped first (reported in info["dropped"]); the rest
+    is graded by run_tests. A missing image or an unreachable daemon raises: it is never the patch's fault."""
+    spec = spec_of(truth)
+    git_diff = bool(diff_files(patch)) or not patch.strip()
+    patch, dropped = filter_diff(patch, truth["test_patch"])
+    info = _ungraded(spec, dropped)
+    if not git_diff:
+        return Grade(-1.0, info | {"error": "patch_apply", "reason": "not a git diff (no `diff --git` header)"})
+    if not patch.strip():
+        return Grade(-1.0, info | {"error": "empty_patch"})
+    return run_tests(truth, patch, client, config, dropped)
+
+
+def run_tests(truth: dict, patch: bytes | None, client=None, config: SweConfig = SweConfig(),
+              dropped: Sequence[str] = ()) -> Grade:
+    """Apply `patch` (None: none, the tree at the base commit) in a fresh container from the instance image, run the
+    row's eval script and grade its log, with kiln's grader or (config.official) swebench's run_instance."""
+    spec = spec_of(truth)
+    client = client or containers.connect()
+    grade = _official(spec, patch, client, config) if config.official else _kiln(spec, patch, client, config)
+    grade.info["dropped"] = list(dropped)
+    return grade
+
+
+def _kiln(spec: TestSpec, patch: bytes | None, client, config: SweConfig) -> Grade:
+    info, start = _ungraded(spec) | {"graded_by": "kiln"}, time.perf_counter()
+    with containers.Container(client, spec.image, role="grade", run=spec.instance_id,
+                              limits=config.limits) as container:
+        if patch is not None:
+            container.put_file("/kiln.patch", patch)
+            for command in APPLY:
+                applied = container.exec(command.format(p="/kiln.patch"), timeout=120, cap=4000)
+                if applied.exit_code == 0:
+                    info["applied_with"] = command.split(" -")[0] + (" --3way" if "3way" in command else "")
+                    break
+                container.exec("git reset --hard -q", timeout=60)
+            else:
+                return Grade(-1.0, info | {"error": "patch_apply", "reason": applied.output[-2000:]})
+        container.put_file("/kiln_eval.sh", spec.eval_script.encode())
+        run = container.exec("bash /kiln_eval.sh", timeout=config.eval_timeout, cap=config.log_cap)
+    info["seconds"] = time.perf_counter() - start
+    if run.timed_out:
+        return Grade(-1.0, info | {"error": "eval_timeout"})
+    with tempfile.NamedTemporaryFile("w", suffix=".log") as log:
+        log.write(run.output)
+        log.flush()
+        status_map, ran = get_logs_eval(spec, log.name)
+    if not ran:
+        return Grade(-1.0, info | {"error": "tests_not_run", "log_tail": run.output[-2000:]})
+    report = get_eval_tests_report(status_map, {FAIL_TO_PASS: spec.FAIL_TO_PASS, PASS_TO_PASS: spec.PASS_TO_PASS},
+                                   eval_type=EvalType(spec.eval_type))
+    return _verdict(spec, report, info, config)
+
+
+def _verdict(spec: TestSpec, report: dict, info: dict, config: SweConfig) -> Grade:
+    """The grade from swebench's tests report ({FAIL_TO_PASS: {"success", "failure"}, PASS_TO_PASS: ...})."""
+    info |= {"f2p": [len(report[FAIL_TO_PASS]["success"]), len(spec.FAIL_TO_PASS)],
+             "p2p": [len(report[PASS_TO_PASS]["success"]), len(spec.PASS_TO_PASS)],
+             "status": get_resolution_status(report)}
+    f2p_ok = not report[FAIL_TO_PASS]["failure"] and info["f2p"][0] == info["f2p"][1]
+    p2p_ok = not report[PASS_TO_PASS]["failure"]
+    resolved = f2p_ok and (p2p_ok or not config.require_p2p)
+    return Grade(1.0 if resolved else -1.0, info | {"resolved": resolved})
+
+
+@functools.cache
+def _harness_log_root() -> Path:
+    """run_instance, set up once per process for kiln: its logs in a temporary folder (not ./logs/run_evaluation,
+    removed at exit), and its containers SIGKILLed and removed at once (its own cleanup `docker stop`s them, 15 s when
+    PID 1 ignores SIGTERM, as `tail -f` in official images does)."""
+    root = Path(tempfile.mkdtemp(prefix="kiln-swebench-"))
+    atexit.register(shutil.rmtree, root, True)
+    run_evaluation.RUN_EVALUATION_LOG_DIR = root
+    run_evaluation.cleanup_container = _remove_harness_container
+    return root
+
+
+def _remove_harness_container(client, container, logger) -> None:
+    """run_instance's cleanup_container, kiln's way: SIGKILL and remove, at once."""
+    if container is not None:
+        containers.force_remove(container)
+
+
+def _official(spec: TestSpec, patch: bytes | None, client, config: SweConfig) -> Grade:
+    """swebench's run_instance on the local image (never pulled: a missing one raises ImageMissing), under a unique
+    run id (a reused one returns its old report without running anything) whose logs are deleted once read. Its
+    None (no report) is -1 when its log says the patch did not apply or the tests timed out; otherwise an error."""
+    try:
+        client.images.get(spec.image)
+    except docker.errors.ImageNotFound:
+        raise containers.ImageMissing(f"image {spec.image!r} is not on this Docker host (run_instance would pull "
+                                      "it); `docker load` it first") from None
+    root, run_id = _harness_log_root(), f"kiln-{uuid.uuid4().hex[:16]}"
+    prediction = {"instance_id": spec.instance_id, "model_name_or_path": HARNESS_MODEL,
+                  "model_patch": (patch or b"").decode(errors="replace")}  # the harness writes the patch as text
+    info, start = _ungraded(spec) | {"graded_by": "run_instance"}, time.perf_counter()
+    try:
+        result = run_evaluation.run_instance(spec, prediction, client, run_id, timeout=int(config.eval_timeout),
+                                             skip_patch=patch is None)
+        log = root / run_id / HARNESS_MODEL / spec.instance_id / LOG_INSTANCE
+        log_text = log.read_text(errors="replace") if log.exists() else ""
+    finally:
+        shutil.rmtree(root / run_id, ignore_errors=True)
+    info["seconds"] = time.perf_counter() - start
+    if result is None:
+        if APPLY_PATCH_FAIL in log_text:
+            return Grade(-1.0, info | {"error": "patch_apply", "reason": log_text[-2000:]})
+        if "Test timed out" in log_text:
+            return Grade(-1.0, info | {"error": "eval_timeout"})
+        raise RuntimeError(f"{spec.instance_id}: swebench's run_instance failed, not because of the patch; its "
+                           f"log ends:\n{log_text[-3000:]}")
+    report = result[1][spec.instance_id]
+    if "tests_status" not in report:
+        return Grade(-1.0, info | {"error": "tests_not_run", "log_tail": log_text[-2000:]})
+    return _verdict(spec, report["tests_status"], info, config)
+
+
+def swe_check(truth: dict, client=None, config: SweConfig = SweConfig()) -> dict:
+    """Whether a row can train: its gold patch must resolve and the tree at the base commit (no patch) must not, with
+    at least one FAIL_TO_PASS test failing. Returns {"instance_id", "gold", "base" (their Grades), "ok", "problem"}."""
+    gold = swebench_reward(truth, truth["patch"].encode(), client, config)
+    base = run_tests(truth, None, client, config)
+    problems = ([] if gold.score == 1.0 else [f"gold patch not resolved ({gold.info.get('error') or 'tests fail'}: "
+                                             f"F2P {gold.info['f2p'][0]}/{gold.info['f2p'][1]}, P2P "
+                                             f"{gold.info['p2p'][0]}/{gold.info['p2p'][1]})"])
+    if base.score == 1.0 or base.info["error"] is not None or base.info["f2p"][0] == base.info["f2p"][1]:
+        problems.append(f"without a patch: {base.info['error'] or 'the FAIL_TO_PASS tests already pass'}")
+    if gold.info["dropped"]:
+        problems.append(f"the gold patch touches protected files {gold.info['dropped']}")
+    return {"instance_id": truth["instance_id"], "gold": gold, "base": base, "ok": not problems,
+            "problem": "; ".join(problems)}
+
+
+def swe_metrics(infos: Sequence[dict]) -> dict:
+    """SWE-bench batch metrics from swebench grades' infos: the resolve rate; the FAIL_TO_PASS and PASS_TO_PASS pass
+    fractions (mean per sample, over the samples whose tests ran); patches that did not apply; protected files
+    dropped from the diffs."""
+    ran = [info for info in infos if info.get("error") is None]
+    metrics = {"swe/resolve_rate": sum(bool(info.get("resolved")) for info in infos) / max(1, len(infos)),
+               "swe/patch_apply_failures": sum(info.get("error") == "patch_apply" for info in infos),
+               "swe/dropped_files": sum(len(info.get("dropped", [])) for info in infos)}
+    for key in ("f2p", "p2p"):
+        fractions = [info[key][0] / info[key][1] for info in ran if info[key][1]]
+        if fractions:
+            metrics[f"swe/{key}_pass_frac"] = sum(fractions) / len(fractions)
+    return metrics
