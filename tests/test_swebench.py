@@ -277,3 +277,92 @@ def test_sweep_removes_a_killed_runs_containers_and_ttl_expires_them(docker_clie
         time.sleep(0.5)
     else:
         pytest.fail(f"{short.name} outlived its TTL")
+
+
+def test_score_reads_swebench_predictions_and_names_an_unknown_instance(tmp_path):
+    rows = {"swebench/a__b-1": {"data_source": "swebench"}, "toy/0": {"data_source": "toy"}}
+    predictions = tmp_path / "preds.jsonl"
+    predictions.write_text(json.dumps({"instance_id": "a__b-1", "model_patch": "diff --git a/x b/x\n",
+                                       "model_name_or_path": "m"}) + "\n"
+                           + json.dumps({"instance_id": "a__b-1", "model_patch": None, "model_name_or_path": "m"})
+                           + "\n" + json.dumps({"task_id": "toy/0", "completion": "x = 1"}) + "\n")
+    assert rewards.read_samples(str(predictions), rows) == (["swebench/a__b-1", "swebench/a__b-1", "toy/0"],
+                                                            ["diff --git a/x b/x\n", "", "x = 1"])
+    predictions.write_text(json.dumps({"instance_id": "c__d-2", "model_patch": "", "model_name_or_path": "m"}) + "\n")
+    with pytest.raises(SystemExit, match=r"line 1: instance 'c__d-2' is not among the 1 swebench rows of --data"):
+        rewards.read_samples(str(predictions), rows)
+    predictions.write_text(json.dumps({"instance_id": "a__b-1", "model_patch": 3}) + "\n")
+    with pytest.raises(SystemExit, match='line 1: "model_patch" must be a string'):
+        rewards.read_samples(str(predictions), rows)
+
+
+@pytest.mark.docker
+def test_score_cli_grades_a_prediction_file_with_kiln_or_run_instance_alike(docker_client, swe_rows, tmp_path):
+    data_prep.write_rows([swe_rows[M1343]], tmp_path / "rows.parquet")
+    gold = truth_of(swe_rows[M1343])["patch"]
+    (tmp_path / "preds.jsonl").write_text("".join(json.dumps({"instance_id": M1343, "model_patch": patch,
+                                                              "model_name_or_path": "m"}) + "\n"
+                                                  for patch in (gold, CONFTEST_HACK)))
+    results = {}
+    for official in (False, True):
+        out = tmp_path / f"results_{official}.jsonl"
+        summary = rewards.main(rewards.ScoreArgs(str(tmp_path / "preds.jsonl"), str(tmp_path / "rows.parquet"),
+                                                 out=str(out), official=official))
+        results[official] = [json.loads(line) for line in out.read_text().splitlines()]
+        assert summary["swe"]["swe/resolve_rate"] == 0.5 and summary["swe"]["swe/dropped_files"] == 1
+    kiln, official = results[False], results[True]
+    assert [r["score"] for r in kiln] == [r["score"] for r in official] == [1.0, -1.0]
+    assert kiln[0]["info"]["graded_by"] == "kiln" and official[0]["info"]["graded_by"] == "run_instance"
+    for a, b in zip(kiln, official):
+        assert {k: a["info"].get(k) for k in ("f2p", "p2p", "status", "dropped", "error")} == \
+            {k: b["info"].get(k) for k in ("f2p", "p2p", "status", "dropped", "error")}
+
+
+@pytest.mark.docker
+def test_official_run_instance_agrees_with_kiln_and_leaves_nothing_behind(docker_client, swe_rows, tmp_path,
+                                                                          monkeypatch):
+    """swebench's run_instance on the local image (no pull), a unique run id per grading, its logs removed, its
+    container gone at once; the same verdicts as kiln's grader on the gold patch and on the unpatched tree."""
+    monkeypatch.chdir(tmp_path)  # run_instance's default log folder is ./logs: nothing may land there
+    truth, official = truth_of(swe_rows[M1343]), swe_grading.SweConfig(official=True)
+    pulls = []
+    monkeypatch.setattr(docker_client.images, "pull", lambda *a, **k: pulls.append(a))
+    for patch in (truth["patch"].encode(), None):
+        kiln = swe_grading.run_tests(truth, patch, docker_client)
+        harness = swe_grading.run_tests(truth, patch, docker_client, official)
+        assert harness.info["graded_by"] == "run_instance" and kiln.info["graded_by"] == "kiln"
+        assert (kiln.score, kiln.info["status"], kiln.info["f2p"], kiln.info["p2p"], kiln.info["error"]) == \
+            (harness.score, harness.info["status"], harness.info["f2p"], harness.info["p2p"], harness.info["error"])
+        assert kiln.score == (1.0 if patch else -1.0)
+    garbage = swe_grading.swebench_reward(truth, b"diff --git a/src/x.py b/src/x.py\n--- a/src/x.py\n+++ "
+                                                 b"b/src/x.py\n@@ nonsense\n", docker_client, official)
+    assert (garbage.score, garbage.info["error"]) == (-1.0, "patch_apply")
+    with pytest.raises(containers.ImageMissing, match="no-such-image"):
+        swe_grading.run_tests(truth | {"image": "kiln-swe/no-such-image:offline"}, None, docker_client, official)
+    assert pulls == [] and not (tmp_path / "logs").exists()
+    assert list(swe_grading._harness_log_root().iterdir()) == []
+    assert [c.name for c in docker_client.containers.list(all=True, filters={"name": "sweb.eval."})
+            if ".kiln-" in c.name] == []
+
+
+@pytest.mark.docker
+def test_swe_check_passes_good_rows_and_fails_a_row_whose_gold_patch_does_not_resolve(docker_client, swe_rows,
+                                                                                        tmp_path):
+    good = swe_rows[M1343]
+    truth = truth_of(good) | {"instance_id": M1343 + "0", "patch": NOOP}
+    broken = good | {"reward_model": good["reward_model"] | {"ground_truth": json.dumps(truth)},
+                     "extra_info": good["extra_info"] | {"index": truth["instance_id"]}}
+    data_prep.write_rows([good, broken], tmp_path / "rows.parquet")
+    result = subprocess.run([sys.executable, str(ROOT / "rewards.py"), "swe-check", str(tmp_path / "rows.parquet")],
+                            capture_output=True, text=True, timeout=600)
+    lines = {line.split()[0]: line for line in result.stdout.splitlines()[1:] if line.startswith("marshmallow")}
+    assert result.returncode == 1 and f"1 of 2 rows fail the check: {truth['instance_id']}" in result.stderr
+    assert lines[M1343].split()[1:6] == ["full", "1/1", "24/24", "no", "0/1"] and lines[M1343].endswith("ok")
+    assert lines[truth["instance_id"]].split()[1:3] == ["no", "0/1"] and "FAIL: gold patch not resolved" in \
+        lines[truth["instance_id"]]
+    toy = tmp_path / "toy.parquet"
+    data_prep.write_rows([good | {"data_source": "toy", "reward_model": {
+        "style": "rule", "ground_truth": json.dumps({"test_list": ["assert True"]})}}], toy)
+    refused = subprocess.run([sys.executable, str(ROOT / "rewards.py"), "swe-check", str(toy)], capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 1 and "swe-check checks swebench rows; 1 rows are not" in refused.stderr
