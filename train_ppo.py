@@ -29,6 +29,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import chat
+import containers
 import data_prep
 import engines
 import losses
@@ -36,6 +37,7 @@ import policy
 import rewards
 import rollout
 import runlog
+import swe_grading
 
 
 @dataclass
@@ -69,14 +71,17 @@ class Args:
     """generation budget per sample"""
     temperature: float = 1.0
     """sampling temperature; the trainer scores tokens under the same temperature"""
-    tools: Literal["none", "python"] = "none"
-    """multi-turn agent rollouts with these tools (python: a stateful sandboxed interpreter per trajectory)"""
+    tools: Literal["none", "python", "swe"] = "none"
+    """multi-turn agent rollouts with these tools (python: a stateful sandboxed interpreter per trajectory; swe: bash,
+    an editor and submit in a Docker container per trajectory, for swebench rows, graded on the container's diff)"""
     max_turns: int = 4
     """assistant turns per trajectory (tools on)"""
     max_total_tokens: int = 4096
     """prompt + all turns and tool outputs per trajectory (tools on)"""
     max_tool_response_tokens: int = 512
     """longer tool outputs are cut and marked (tools on)"""
+    max_agent_seconds: float = 1800.0
+    """wall clock per trajectory; checked before each turn's tools run (tools on; README's SWE budget table)"""
 
     gamma: float = 1.0
     """GAE discount"""
@@ -255,9 +260,9 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     tokenizer = policy.load_tokenizer(args.model)
-    rows = rollout.load_rows_within(args.data, tokenizer, args.max_prompt_tokens, verbose=rank == 0)
-    eval_rows = (rollout.load_rows_within(args.eval_data, tokenizer, args.max_prompt_tokens, verbose=rank == 0)
-                 if args.eval_data else [])
+    rows = rollout.load_rows_within(args.data, tokenizer, args.max_prompt_tokens, verbose=rank == 0, tools=args.tools)
+    eval_rows = (rollout.load_rows_within(args.eval_data, tokenizer, args.max_prompt_tokens, verbose=rank == 0,
+                                          tools=args.tools) if args.eval_data else [])
     if 0 < len(eval_rows) < world:  # a rank without eval rows would leave the others' collectives hanging
         raise SystemExit(f"{args.eval_data}: {len(eval_rows)} eval rows for {world} ranks; need at least one each")
     if score_fn is rewards.score_batch:  # a caller's own score function decides which sources it knows
@@ -293,7 +298,11 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     sampling = engines.Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 stop_token_ids=policy.stop_token_ids(tokenizer, args.model,
                                                                      chat.end_of_turn(tokenizer)))
-    limits = rollout.AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens)
+    limits = rollout.AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens,
+                                 args.max_agent_seconds)
+    if args.tools == "swe":  # containers of dead kiln processes go; this one's go when it ends, however it ends
+        containers.sweep(containers.shared_client())
+        containers.remove_owned_at_exit(containers.shared_client())
     def load_both(checkpoint: Path) -> dict:  # the critic's checkpoint of the step, saved before the policy's
         critic_checkpoint = Path(args.output_dir) / "critic" / "checkpoints" / checkpoint.name
         if not (critic_checkpoint / "trainer_state.json").is_file():
@@ -330,7 +339,7 @@ def train_step(run: Run) -> dict:
         samples, rollout_metrics = rollout.collect(run.engine, run.tokenizer, rows, args.group_size, run.sampling,
                                                    args.tools, run.limits, first_group=run.rank * len(rows))
         run.engine.sleep()
-    tool_metrics = {k: v for k, v in rollout_metrics.items() if k.startswith("tools/")}  # per rank: averaged
+    tool_metrics = {k: v for k, v in rollout_metrics.items() if k.startswith(("tools/", "swe/"))}  # ranks averaged
     metrics |= rollout_metrics | policy.mean_dicts_over_ranks(tool_metrics) | getattr(run.engine, "last_metrics", {})
 
     # 5. Rewards, in parallel in the sandbox.
@@ -342,6 +351,8 @@ def train_step(run: Run) -> dict:
     sources, scores, errors, lengths = zip(*policy.gather_objects(
         [(s.row["data_source"], s.reward, s.info.get("error"), len(s.completion_ids)) for s in samples]))
     metrics |= rewards.batch_metrics(sources, scores, errors, lengths)
+    if args.tools == "swe":
+        metrics |= swe_grading.swe_metrics(policy.gather_objects([s.info for s in samples]))
 
     # 6-7. Old/reference logprobs and values, token rewards, GAE, whitened advantages.
     with runlog.timed(seconds, "experience"):

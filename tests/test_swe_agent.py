@@ -170,6 +170,24 @@ def test_two_rank_grpo_on_swebench_rows_leaves_no_container(docker_client, swe_r
     assert orphans(docker_client) == []  # the trainer's agent and grading containers are all gone
 
 
+@pytest.mark.slow
+def test_a_ppo_step_on_swebench_rows_leaves_no_container(docker_client, swe_rows, tmp_path):
+    rows = [swe_rows[i] for i in sorted(swe_rows) if i.startswith("marshmallow")]
+    data_prep.write_rows(rows, tmp_path / "swe.parquet")
+    model = tiny.make_tiny_model(tmp_path / "model", CORPUS, max_position_embeddings=8192)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                    str(ROOT / "train_ppo.py"), "--model", str(model), "--data", str(tmp_path / "swe.parquet"),
+                    "--eval-data", "None", "--output-dir", str(tmp_path / "out"), "--engine", "hf",
+                    "--prompts-per-step", "2", "--minibatches", "1", "--max-new-tokens", "16", "--total-steps", "1",
+                    "--save-every", "0", "--tools", "swe", "--max-turns", "2", "--max-prompt-tokens", "4000",
+                    "--max-total-tokens", "4100"], check=True, timeout=900, cwd=tmp_path)
+    step = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert step["step"] == 1 and step["swe/container_seconds"] > 0 and step["tools/agent_seconds_mean"] > 0
+    assert step["swe/resolve_rate"] == 0.0 and step["critic/score/mean"] == -1.0  # an untrained model changes nothing
+    assert "critic/vf_loss" in step and step["swe/patch_apply_failures"] == 0
+    assert orphans(docker_client) == []  # the trainer's agent and grading containers are all gone
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_trainer_interrupted_mid_rollout_removes_its_containers(docker_client, swe_rows, tmp_path, signum):
     """What train_grpo --tools swe installs at setup: Ctrl-C (SIGINT) and torchrun's SIGTERM remove this process's
