@@ -25,7 +25,7 @@ import rollout  # noqa: E402
 import tiny  # noqa: E402
 import tools  # noqa: E402
 from test_multiturn import CORPUS, ScriptedEngine  # noqa: E402
-from test_swebench import M1359, docker_client, swe_rows  # noqa: E402,F401 -- fixtures
+from test_swebench import DJANGO, M1359, docker_client, swe_rows  # noqa: E402,F401 -- fixtures
 
 pytestmark = pytest.mark.docker
 LIMITS = rollout.AgentLimits(max_turns=6, max_total_tokens=200_000, max_tool_response_tokens=2000)
@@ -102,6 +102,32 @@ def test_scripted_agent_fix_resolves_noop_does_not_and_nothing_is_left(docker_cl
     assert swe_grading.swe_metrics([g.info for g in graded]) == {
         "swe/resolve_rate": pytest.approx(2 / 3), "swe/f2p_pass_frac": pytest.approx(2 / 3),
         "swe/p2p_pass_frac": 1.0, "swe/patch_apply_failures": 0, "swe/dropped_files": 0}
+
+
+def test_scripted_agent_fixes_the_django_instance_through_bash_and_the_editor(docker_client, swe_rows, tokenizer):
+    """django-11099: the username validators' `$` also matches before a trailing newline; the agent finds them with
+    grep, fixes one with str_replace_editor and the other with sed, and the container's diff resolves the instance
+    under swebench's Django log parser."""
+    validators = "/testbed/django/contrib/auth/validators.py"
+    old = "class ASCIIUsernameValidator(validators.RegexValidator):\n    regex = r'^[\\w.@+-]+$'"
+    script = [call("bash", command="grep -rn \"regex = r'\" django/contrib/auth/"),
+              call("str_replace_editor", command="str_replace", path=validators, old_str=old,
+                   new_str=old.replace("+$'", "+\\Z'")),
+              call("bash", command="sed -i \"/class UnicodeUsernameValidator/,/regex/s/+\\$'$/+\\\\\\\\Z'/\" "
+                                   "django/contrib/auth/validators.py && grep -c '+.Z.$' django/contrib/auth/validators.py"),
+              call("submit")]
+    engine = ScriptedEngine(tokenizer, {"task-django": script})
+    samples, _ = rollout.multi_turn(engine, tokenizer, [tagged(swe_rows[DJANGO], "task-django")], 1,
+                                   engines.Sampling(max_new_tokens=400), tools.swe_toolbox, LIMITS)
+    sample = samples[0]
+    tool_texts = [m["content"] for m in sample.info["messages"] if m["role"] == "tool"]
+    assert tool_texts[0].count("regex = r'^[\\w.@+-]+$'") == 2 and tool_texts[1] == f"Edited {validators}."
+    assert tool_texts[2] == "<returncode>0</returncode>\n<output>\n2\n</output>"
+    assert sample.finish_reason == "submit" and sample.text.count("+    regex = r'^[\\w.@+-]+\\Z'") == 2
+    assert chat.check_tito(tokenizer, sample, sample.info["messages"], sample.info["tools"]) == []
+    graded = rewards.score(sample.row, sample.text)
+    assert graded.score == 1.0 and graded.info["f2p"] == [2, 2] and graded.info["p2p"] == [20, 20]
+    assert own_containers(docker_client) == []
 
 
 def test_editor_refuses_what_it_cannot_do_as_tool_errors(docker_client, swe_rows):
