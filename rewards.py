@@ -6,7 +6,13 @@ grades completions alone (one JSON object per line: {"task_id": "<data_source>/<
 `python rollout.py generate` writes) and prints, overall, by data source and by difficulty: pass@1 and unbiased pass@k,
 the mean test pass rate (passed tests / total tests) and its distribution in five bands (0.0-0.2 very poor ... 0.8-1.0
 excellent), error categories and throughput; `--json`, `--markdown` and `--plot` write the same report to files.
-For swebench rows the completion is the patch (a git diff), graded in Docker by swebench's own grading.
+For swebench rows the completion is the patch (a git diff), graded in Docker by swebench's own grading (swe_grading.py);
+SAMPLES may also be a SWE-bench predictions file ({"instance_id", "model_patch", "model_name_or_path"} per line), and
+`--official` grades through swebench's run_instance instead of kiln's grader.
+
+    python rewards.py swe-check ROWS.parquet
+
+checks swebench rows: each gold patch must resolve and the unpatched tree must not (a table; exit 1 if any fails).
 """
 from __future__ import annotations
 

@@ -16,8 +16,10 @@ import functools
 import re
 import shutil
 import tempfile
+import threading
 import time
 import uuid
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -48,6 +50,9 @@ HEADER_PATHS = re.compile(rb'(?:"a/((?:[^"\\]|\\.)*)"|a/(.*?)) (?:"b/((?:[^"\\]|
 # context diffs). A hunk line never starts like these, so no file can hide behind another's header.
 NAME_LINE = re.compile(rb"^(--- |\+\+\+ |\*\*\* |Index: |rename from |rename to |copy from |copy to )(.*)$", re.M)
 HARNESS_MODEL = "kiln"  # the model_name_or_path of run_instance's predictions (a folder of its log tree)
+# run_instance logs through a logger named after the instance, shared by concurrent runs of it (and closed by the first
+# to end): one run per instance at a time keeps each log whole, and its verdict on a patch that does not apply right.
+HARNESS_LOCKS: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
 
 
 @dataclass
@@ -246,8 +251,9 @@ def _remove_harness_container(client, container, logger) -> None:
 
 def _official(spec: TestSpec, patch: bytes | None, client, config: SweConfig) -> Grade:
     """swebench's run_instance on the local image (never pulled: a missing one raises ImageMissing), under a unique
-    run id (a reused one returns its old report without running anything) whose logs are deleted once read. Its
-    None (no report) is -1 when its log says the patch did not apply or the tests timed out; otherwise an error."""
+    run id (a reused one returns its old report without running anything) whose logs are deleted once read, one run
+    per instance at a time (HARNESS_LOCKS). Its None (no report) is -1 when its log says the patch did not apply or the
+    tests timed out; otherwise an error."""
     try:
         client.images.get(spec.image)
     except docker.errors.ImageNotFound:
@@ -258,8 +264,9 @@ def _official(spec: TestSpec, patch: bytes | None, client, config: SweConfig) ->
                   "model_patch": (patch or b"").decode(errors="replace")}  # the harness writes the patch as text
     info, start = _ungraded(spec) | {"graded_by": "run_instance"}, time.perf_counter()
     try:
-        result = run_evaluation.run_instance(spec, prediction, client, run_id, timeout=int(config.eval_timeout),
-                                             skip_patch=patch is None)
+        with HARNESS_LOCKS[spec.instance_id]:
+            result = run_evaluation.run_instance(spec, prediction, client, run_id, timeout=int(config.eval_timeout),
+                                                 skip_patch=patch is None)
         log = root / run_id / HARNESS_MODEL / spec.instance_id / LOG_INSTANCE
         log_text = log.read_text(errors="replace") if log.exists() else ""
     finally:

@@ -114,7 +114,8 @@ def test_scripted_agent_fixes_the_django_instance_through_bash_and_the_editor(do
               call("str_replace_editor", command="str_replace", path=validators, old_str=old,
                    new_str=old.replace("+$'", "+\\Z'")),
               call("bash", command="sed -i \"/class UnicodeUsernameValidator/,/regex/s/+\\$'$/+\\\\\\\\Z'/\" "
-                                   "django/contrib/auth/validators.py && grep -c '+.Z.$' django/contrib/auth/validators.py"),
+                                   "django/contrib/auth/validators.py && grep -c '+.Z.$' "
+                                   "django/contrib/auth/validators.py"),
               call("submit")]
     engine = ScriptedEngine(tokenizer, {"task-django": script})
     samples, _ = rollout.multi_turn(engine, tokenizer, [tagged(swe_rows[DJANGO], "task-django")], 1,
