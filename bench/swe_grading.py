@@ -15,6 +15,7 @@ Needs the Docker daemon and the offline instances (`python tests/swe_instances.p
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import statistics
@@ -25,6 +26,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import tyro
 from swebench.harness import run_evaluation
@@ -48,6 +50,9 @@ class Args:
     """gradings at once in the throughput part"""
     batch: int = 8
     """gold gradings per throughput measurement (instances in turn)"""
+    parts: tuple[Literal["sequential", "throughput", "sigterm"], ...] = ("sequential", "throughput", "sigterm")
+    """what to measure (sigterm: one instance on a retag of its image whose stop signal is SIGTERM, as in swebench's
+    published images)"""
 
 
 @contextlib.contextmanager
@@ -88,10 +93,28 @@ def grade(grader: str, truth: dict, patch: bytes, client) -> tuple[float, dict]:
     return time.perf_counter() - start, verdict
 
 
+GRADERS = ("kiln", "official", "stock")
+
+
+def timed_grade(grader: str, truth: dict, patch: bytes, client) -> tuple[float, dict]:
+    with stock_harness() if grader == "stock" else contextlib.nullcontext():
+        return grade(grader, truth, patch, client)
+
+
 def main(args: Args) -> None:
     client = containers.connect()
     truths = [json.loads(row["reward_model"]["ground_truth"]) for row in data_prep.load_rows(args.rows)]
-    graders = ("kiln", "official", "stock")
+    if "sequential" in args.parts:
+        sequential(args, truths, client)
+    if "throughput" in args.parts:
+        throughput(args, truths, client)
+    if "sigterm" in args.parts:
+        sigterm(truths[0], client)
+    print(f"\nload average at the end: {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores)")
+
+
+def sequential(args: Args, truths: list[dict], client) -> None:
+    graders = GRADERS
     seconds = {(g, t["instance_id"], p): [] for g in graders for t in truths for p in ("gold", "noop")}
     verdicts = {}
     for truth in truths:  # one untimed grading each: image layers and page cache warm for every grader alike
@@ -100,8 +123,7 @@ def main(args: Args) -> None:
         for truth in truths:
             for name, patch in (("gold", truth["patch"].encode()), ("noop", NOOP)):
                 for grader in graders[r % 3:] + graders[:r % 3]:
-                    with stock_harness() if grader == "stock" else contextlib.nullcontext():
-                        took, verdict = grade(grader, truth, patch, client)
+                    took, verdict = timed_grade(grader, truth, patch, client)
                     seconds[grader, truth["instance_id"], name].append(took)
                     verdicts.setdefault((truth["instance_id"], name), {})[grader] = verdict
     print(f"sequential, median of {args.rounds} rounds (seconds per grading)\n")
@@ -117,6 +139,10 @@ def main(args: Args) -> None:
     overall = {g: statistics.median([s for (gg, _, _), ss in seconds.items() if gg == g for s in ss]) for g in graders}
     print("\nmedian over all: " + ", ".join(f"{g} {s:.2f} s" for g, s in overall.items()))
 
+
+def throughput(args: Args, truths: list[dict], client) -> None:
+    graders = GRADERS
+
     print(f"\nthroughput: {args.batch} gold gradings (instances in turn)\n")
     print("| grader | concurrency | wall s | gradings/s |")
     print("|---|---:|---:|---:|")
@@ -130,7 +156,21 @@ def main(args: Args) -> None:
             wall = time.perf_counter() - start
             assert all(v["resolved"] for v in results), f"{grader}: a gold patch was not resolved"
             print(f"| {grader} | {concurrency} | {wall:.1f} | {args.batch / wall:.2f} |")
-    print(f"\nload average at the end: {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores)")
+
+
+def sigterm(truth: dict, client) -> None:
+    """The gold patch of one instance on a retag of its image with STOPSIGNAL SIGTERM, as swebench's published images
+    have it: their PID 1 (`tail -f`, no init) ignores SIGTERM, so the stock clean-up's `docker stop` waits its 15 s."""
+    tag = "kiln-swe/bench-sigterm:latest"
+    client.images.build(fileobj=io.BytesIO(f"FROM {truth['image']}\nSTOPSIGNAL SIGTERM\n".encode()), tag=tag,
+                        network_mode="none", forcerm=True)
+    try:
+        print(f"\n{truth['instance_id']}, gold, image with STOPSIGNAL SIGTERM (seconds, verdict)\n")
+        for grader in GRADERS:
+            took, verdict = timed_grade(grader, truth | {"image": tag}, truth["patch"].encode(), client)
+            print(f"| {grader} | {took:.2f} | resolved {verdict['resolved']} |")
+    finally:
+        client.images.remove(tag)
 
 
 if __name__ == "__main__":
