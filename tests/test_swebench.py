@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import docker.errors
+import docker.models.images
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -326,7 +327,7 @@ def test_official_run_instance_agrees_with_kiln_and_leaves_nothing_behind(docker
     monkeypatch.chdir(tmp_path)  # run_instance's default log folder is ./logs: nothing may land there
     truth, official = truth_of(swe_rows[M1343]), swe_grading.SweConfig(official=True)
     pulls = []
-    monkeypatch.setattr(docker_client.images, "pull", lambda *a, **k: pulls.append(a))
+    monkeypatch.setattr(docker.models.images.ImageCollection, "pull", lambda self, *a, **k: pulls.append(a))
     for patch in (truth["patch"].encode(), None):
         kiln = swe_grading.run_tests(truth, patch, docker_client)
         harness = swe_grading.run_tests(truth, patch, docker_client, official)
