@@ -35,14 +35,15 @@ EXPIRES = "kiln.expires"  # unix time after which any sweep removes the containe
 API_TIMEOUT = 3900
 # The wrapper every command runs in: $1 = seconds, $2 = output cap in bytes, $3 = the command. `timeout` leads its own
 # process group, which is SIGKILLed when the time is up and again when the command ends, so nothing a command starts
-# (background jobs, a fork bomb) outlives it. Output goes to a file on the tmpfs (bounded by its size); more than CAP
-# bytes keep their first and last CAP/2 and say how much was cut.
+# (background jobs, a fork bomb) outlives it; the killing loop uses bash builtins only, since a fork bomb may hold
+# every pid the container has. Output goes to a file on the tmpfs (bounded by its size); more than CAP bytes keep their
+# first and last CAP/2 and say how much was cut.
 GUARD = r"""out=$(mktemp /tmp/.kiln.XXXXXX)
 timeout -s KILL "$1" bash -c "$3" </dev/null >"$out" 2>&1 &
 group=$!
 wait $group
 rc=$?
-for ((i = 0; i < 100; i++)); do kill -9 -- -$group 2>/dev/null || break; done  # builtins only: a fork bomb may hold every pid
+for ((i = 0; i < 100; i++)); do kill -9 -- -$group 2>/dev/null || break; done
 size=$(stat -c %s "$out")
 if [ "$size" -gt "$2" ]; then
   half=$(($2 / 2))
