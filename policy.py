@@ -18,6 +18,7 @@ import re
 import shutil
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Iterator, NoReturn
@@ -39,9 +40,11 @@ from torch.nn.attention.flex_attention import create_block_mask
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.nn.utils.rnn import pad_sequence
 import transformers
-from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification,
-                          AutoTokenizer, GenerationConfig)
+from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
+                          AutoModelForTokenClassification, AutoTokenizer, GenerationConfig)
 from transformers.masking_utils import AttentionMaskInterface
+
+import vision
 
 
 @torch.compiler.disable  # data-dependent boundaries: under compile_layers each new packing would recompile
@@ -101,9 +104,18 @@ AttentionMaskInterface.register("packed_sdpa", lambda *args, **kwargs: None)  # 
 
 
 def load_model(path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
-    """A Hugging Face causal LM from a local folder (or the local hub cache), on CPU, in `dtype`."""
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                                local_files_only=True)
+    """A Hugging Face causal LM from a local folder (or the local hub cache), on CPU, in `dtype`. A vision-language
+    model (Qwen2.5-VL) loads with its vision tower: `attn_implementation` goes to the language model, sdpa to the
+    vision tower (it attends within each image's windows; the packed attentions are for text rows)."""
+    if not vision.is_vision_model(AutoConfig.from_pretrained(path, local_files_only=True)):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                    local_files_only=True)
+    if attn_implementation == "flex_attention":  # transformers refuses it for Qwen2.5-VL's language model
+        raise ValueError(f"{path}: a vision-language model cannot train with flex_attention; use packed_sdpa (the "
+                         "default) or flash_attention_2")
+    return AutoModelForImageTextToText.from_pretrained(
+        path, dtype=dtype, local_files_only=True,
+        attn_implementation={"text_config": attn_implementation, "vision_config": "sdpa"})
 
 
 def check_model_path(path: str, flag: str = "--model") -> None:
@@ -326,13 +338,16 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, decay: str, floor:
     return 1.0
 
 
-def _chunk_forward(logits, targets, temperature: float, with_entropy: bool):
+def _chunk_forward(logits, targets, temperature: float, with_entropy: bool, banned):
     """log p(target), log-sum-exp and entropy (None without) of softmax(logits / temperature) for one chunk of rows,
-    in fp32 or wider, in place on one [rows, vocab] buffer (two with entropy)."""
+    in fp32 or wider, in place on one [rows, vocab] buffer (two with entropy). Ids in `banned` have probability 0,
+    as the engines sample."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)).div_(temperature)
+    z[:, banned] = -torch.inf
     chosen = z.gather(1, targets[:, None]).squeeze(1)
     top = z.amax(dim=-1, keepdim=True)
     z.sub_(top)
+    z[:, banned] = torch.finfo(z.dtype).min  # exp gives 0 all the same, and 0 * z stays 0 in the entropy
     entropy = None
     if with_entropy:  # H = lse - E_p[z] = log(sum e) - sum(e * z) / sum(e), with e = exp(z - max)
         e = z.exp()
@@ -344,15 +359,17 @@ def _chunk_forward(logits, targets, temperature: float, with_entropy: bool):
     return chosen - lse, lse, entropy
 
 
-def _chunk_grad(logits, targets, lse, entropy, grad_logprob, grad_entropy, temperature: float):
+def _chunk_grad(logits, targets, lse, entropy, grad_logprob, grad_entropy, temperature: float, banned):
     """d loss / d logits of one chunk, in the logits' dtype, from the upstream gradients of its log p(target) and
-    entropy (entropy None: no entropy term). dH/dz = -p (log p + H); d log p_y/dz = onehot(y) - p."""
+    entropy (entropy None: no entropy term). dH/dz = -p (log p + H); d log p_y/dz = onehot(y) - p; 0 for banned ids
+    (p = 0, and no target is banned)."""
     logp = logits.to(lse.dtype).div_(temperature).sub_(lse[:, None])
     if entropy is None:
         g = logp.exp_().mul_(-grad_logprob)
     else:
         p = logp.exp()
         g = logp.add_(entropy[:, None]).mul_(grad_entropy).add_(grad_logprob).mul_(p).neg_()
+    g[:, banned] = 0
     return g.scatter_add_(1, targets[:, None], grad_logprob).div_(temperature).to(logits.dtype)
 
 
@@ -368,10 +385,11 @@ class _ChunkedChosenLogprobs(torch.autograd.Function):
     """log p(target) and optionally the entropy of softmax(hidden @ weight.T / temperature), row chunk by row chunk,
     in fp32 (fp64 for an fp64 model). Backward recomputes each chunk's logits: at no point is more than one chunk's
     [rows, vocab] alive. The matmuls run in the model's dtype (as the output layer would; in bf16 that is the tensor
-    cores), the softmax math in fp32 or wider."""
+    cores), the softmax math in fp32 or wider. Ids in `banned` (a vision model's placeholders) are out of the
+    distribution; no target may be one."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, banned):
         forward_math = _compiled(_chunk_forward) if hidden.is_cuda else _chunk_forward
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         out = torch.empty(len(hidden), 2 if with_entropy else 1, dtype=dtype, device=hidden.device)
@@ -379,17 +397,17 @@ class _ChunkedChosenLogprobs(torch.autograd.Function):
         for i in range(0, len(hidden), chunk_size):
             rows = slice(i, i + chunk_size)
             logprob, lse[rows], entropy = forward_math(hidden[rows] @ weight.T, targets[rows], temperature,
-                                                       with_entropy)
+                                                       with_entropy, banned)
             out[rows, 0] = logprob
             if with_entropy:
                 out[rows, 1] = entropy
-        ctx.save_for_backward(hidden, weight, targets, lse, out)
+        ctx.save_for_backward(hidden, weight, targets, lse, out, banned)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, weight, targets, lse, out = ctx.saved_tensors
+        hidden, weight, targets, lse, out, banned = ctx.saved_tensors
         grad_math = _compiled(_chunk_grad) if hidden.is_cuda else _chunk_grad
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
@@ -398,7 +416,7 @@ class _ChunkedChosenLogprobs(torch.autograd.Function):
             rows = slice(i, i + ctx.chunk_size)
             entropy, grad_entropy = (out[rows, 1], grad_out[rows, 1, None]) if ctx.with_entropy else (None, None)
             g = grad_math(hidden[rows] @ weight.T, targets[rows], lse[rows], entropy, grad_out[rows, 0, None],
-                          grad_entropy, ctx.temperature)
+                          grad_entropy, ctx.temperature, banned)
             if want_hidden:
                 grad_hidden[rows] = g @ weight
             if want_weight and g.dtype == grad_weight.dtype:  # fp32 (or fp64) model: accumulate in place
@@ -406,7 +424,7 @@ class _ChunkedChosenLogprobs(torch.autograd.Function):
             elif want_weight:  # bf16: a tensor-core matmul, then the fp32 sum (an fp32 matmul would skip them)
                 grad_weight.add_(g.T @ hidden[rows].to(g.dtype))
             del g
-        return grad_hidden, grad_weight.to(weight.dtype) if want_weight else None, None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype) if want_weight else None, None, None, None, None, None
 
 
 def shares_prefixes(model) -> bool:
@@ -414,7 +432,7 @@ def shares_prefixes(model) -> bool:
     branches off the position ids, flex_attention is given a block mask that says the same. flash_attention_2 and
     sdpa take every break in the positions for a new sequence, so they get each sequence whole (the same numbers,
     more tokens)."""
-    return getattr(model.config, "_attn_implementation", None) in ("packed_sdpa", "flex_attention")
+    return vision.text_attention(model.config) in ("packed_sdpa", "flex_attention")
 
 
 def branch_block_mask(positions: torch.Tensor):
@@ -445,22 +463,24 @@ def minibatch(groups: list[int], count: int, which: int) -> list[int]:
 
 
 def pack(index: list[int], sequences: list[list[int]], max_tokens: int, score_from: list[int] | None = None,
-         model=None) -> list[list[int]]:
+         model=None, image_tokens: list[tuple[int, int]] | None = None) -> list[list[int]]:
     """Micro-batches for packed forwards: the samples `index` (with `sequences`) greedily packed into at most
     `max_tokens` tokens each (a longer sample goes alone), padded with empty micro-batches to the largest count over
     ranks so that every rank runs the same number of forwards. Given `score_from` and a `model` that shares prefixes
     (the forwards pass share_prefixes=True), a sample that starts with the same first score_from tokens as the one
-    before it costs only the rest when both land in one micro-batch."""
+    before it costs only the rest when both land in one micro-batch. image_tokens: per sample, the tokens its image
+    placeholders add when expanded, in all and within its first score_from tokens (a vision model's)."""
     share = model is not None and score_from is not None and shares_prefixes(model)
     micro, current, used = [], [], 0
     for k, (i, s) in enumerate(zip(index, sequences)):
-        n = len(s)
+        added, added_in_prefix = image_tokens[k] if image_tokens else (0, 0)
+        n = len(s) + added
         first = score_from[k] if share else 0
         if share and current and score_from[k - 1] == first and sequences[k - 1][:first] == s[:first]:
-            n -= first
+            n -= first + added_in_prefix
         if current and used + n > max_tokens:
             micro.append(current)
-            current, used, n = [], 0, len(s)
+            current, used, n = [], 0, len(s) + added
         current.append(i)
         used += n
     if current:
@@ -482,46 +502,104 @@ def _checked(sequences: list[list[int]], score_from: list[int] | None, caller: s
     return score_from
 
 
-def _layout(sequences: list[list[int]], score_from: list[int], share: bool):
+def _layout(sequences: list[list[int]], score_from: list[int], share: bool, prefix_keys: list | None = None):
     """The packed row of `sequences`: token ids, position ids, and for every scored token (position >= its
-    score_from) the row index of the hidden state that predicts it and its index in the concatenated sequences.
-    With `share`, the sequences whose first score_from tokens are equal follow the first of them as branches: only
-    their tokens from score_from on, positions continuing from score_from (what packed_sdpa attends as a branch)."""
-    ids, positions, source, dest = [], [], [], []
+    score_from) the row index of the hidden state that predicts it and its index in the concatenated sequences; and
+    the pieces laid out, (sequence, its first token in the row) each. With `share`, the sequences whose first
+    score_from tokens are equal (and whose `prefix_keys`, e.g. the images of those tokens, are equal) follow the first
+    of them as branches: only their tokens from score_from on, positions continuing from score_from (what packed_sdpa
+    attends as a branch)."""
+    ids, positions, source, dest, pieces = [], [], [], [], []
     offsets = list(itertools.accumulate((len(s) for s in sequences), initial=0))
     groups = {}
     for i, (s, first) in enumerate(zip(sequences, score_from)):
-        groups.setdefault(tuple(s[:first]) if share else i, []).append(i)
+        key = (tuple(s[:first]), prefix_keys[i] if prefix_keys else None) if share else i
+        groups.setdefault(key, []).append(i)
     for members in groups.values():
         trunk = len(ids)  # row index of the group's first sequence, laid out whole
         for n, i in enumerate(members):
             s, first = sequences[i], score_from[i]
             begin, row = (0 if n == 0 else first), len(ids)
+            pieces.append((i, begin))
             ids += s[begin:]
             positions += range(begin, len(s))
             for j in range(first, len(s)):  # token j is predicted by the hidden state of token j - 1
                 source.append(trunk + j - 1 if j - 1 < begin else row + j - 1 - begin)
                 dest.append(offsets[i] + j)
-    return ids, positions, source, dest
+    return ids, positions, source, dest, pieces
 
 
-def _packed_row(model, sequences: list[list[int]], score_from: list[int], share_prefixes: bool):
-    """`_layout` on the model's device: ids, positions, source and dest as tensors, and the attention mask to pass:
-    None (the attention reads the sequences off the position ids), except flex_attention on a row with branches,
-    which would take each branch for a sequence of its own."""
+@dataclass
+class PackedRow:
+    """One packed forward's inputs, on the model's device, and where its scored outputs go."""
+
+    ids: torch.Tensor  # [1, L]
+    positions: torch.Tensor  # [1, L] text positions; a vision model's [4, 1, L]: text, then mrope's t, h, w
+    source: torch.Tensor  # row index of the hidden state that predicts each scored token
+    dest: torch.Tensor  # that token's index in the concatenated sequences given (unexpanded)
+    targets: torch.Tensor  # that token's id
+    mask: object  # the attention mask to pass: None, or flex_attention's block mask for a row with branches
+    vision_inputs: dict  # pixel_values and image_grid_thw, in the order their placeholders occur in the row
+
+
+def _packed_row(model, sequences: list[list[int]], score_from: list[int], share_prefixes: bool,
+                images: list[list] | None = None) -> PackedRow:
+    """`_layout` of the sequences, and for a vision model its images: each placeholder expanded to its image's tokens,
+    mrope positions of each whole sequence (a branch takes its own part of them), the pixels of each piece's images
+    (a branch never repeats the images of the prompt it shares), and a blank image sequence, never scored, when there
+    are none (FSDP2: every forward on every rank runs the vision tower). Tokens whose target is a banned placeholder
+    are not scored."""
     share = share_prefixes and shares_prefixes(model)
-    ids, positions, source, dest = _layout(sequences, score_from, share)
+    config, device = model.config, next(model.parameters()).device
+    given = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
+    vision_inputs, prefix_keys = {}, None
+    if vision.is_vision_model(config):
+        images = [list(i) for i in images] if images is not None else [[] for _ in sequences]
+        if len(images) != len(sequences):
+            raise ValueError(f"{len(images)} image lists for {len(sequences)} sequences")
+        if not any(images):
+            dummy, blank = vision.dummy_sequence(config)
+            sequences, score_from, images = [*sequences, dummy], [*score_from, len(dummy)], [*images, [blank]]
+        processor, pad = vision.processor_for(config), config.image_token_id
+        grids = [vision.pixels(processor, i)[1] if i else torch.zeros(0, 3, dtype=torch.long) for i in images]
+        expanded = [vision.expand(s, g, pad, processor.merge_size) for s, g in zip(sequences, grids)]
+        starts = [[w[j] for j, t in enumerate(s) if t == pad] for s, (_, w) in zip(sequences, expanded)]
+        score_from = [(w + [len(e)])[f] for (e, w), f in zip(expanded, score_from)]
+        prefix_keys = [tuple(vision.digest(image) for image, at in zip(i, st) if at < f)
+                       for i, st, f in zip(images, starts, score_from)]
+        unexpanded = list(sequences)
+        sequences = [e for e, _ in expanded]
+    ids, positions, source, dest, pieces = _layout(sequences, score_from, share, prefix_keys)
     branched = len(ids) < sum(map(len, sequences))  # some sequence was laid out from its score_from on
-    device = next(model.parameters()).device
-    ids, positions, source, dest = (torch.tensor(x, dtype=torch.long, device=device)
-                                    for x in (ids, positions, source, dest))
-    flex = model.config._attn_implementation == "flex_attention"
-    return ids, positions, source, dest, branch_block_mask(positions) if branched and flex else None
+    source, dest = torch.tensor(source, dtype=torch.long), torch.tensor(dest, dtype=torch.long)
+    positions = torch.tensor(positions, dtype=torch.long)
+    mask = None
+    if vision.is_vision_model(config):
+        rope = {i: vision.rope_positions(model, sequences[i], grids[i]) for i in {i for i, _ in pieces}}
+        mrope = torch.cat([rope[i][:, begin:] for i, begin in pieces], 1)
+        row_images = [image for i, begin in pieces for image, at in zip(images[i], starts[i]) if at >= begin]
+        pixel_values, grid = vision.pixels(processor, row_images)
+        vision_inputs = {"pixel_values": pixel_values.to(device), "image_grid_thw": grid.to(device)}
+        back = torch.full((sum(map(len, sequences)),), -1, dtype=torch.long)  # expanded index -> given index
+        for i, (e, w) in enumerate(expanded):
+            if i < len(unexpanded):  # not the blank sequence
+                offset = sum(map(len, sequences[:i]))
+                back[offset + torch.tensor(w, dtype=torch.long)] = sum(map(len, unexpanded[:i])) + torch.arange(len(w))
+        targets = torch.tensor([t for s in sequences for t in s], dtype=torch.long)[dest]
+        keep = ~torch.isin(targets, torch.tensor(vision.banned_token_ids(config)))
+        source, dest = source[keep], back[dest[keep]]
+        positions = torch.cat([positions[None], mrope])[:, None]  # [4, 1, L]
+    else:
+        positions = positions[None]
+        if branched and vision.text_attention(config) == "flex_attention":
+            mask = branch_block_mask(positions[0].to(device))
+    return PackedRow(torch.tensor(ids, dtype=torch.long, device=device)[None], positions.to(device),
+                     source.to(device), dest.to(device), given[dest].to(device), mask, vision_inputs)
 
 
 def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0, chunk_size: int = 512,
-                    with_entropy: bool = False, score_from: list[int] | None = None, share_prefixes: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    with_entropy: bool = False, score_from: list[int] | None = None, share_prefixes: bool = False,
+                    images: list[list] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs (and entropies) of `sequences` in one packed forward: ids concatenated into one row,
     position ids restarting per sequence, no padding. Flat fp32 outputs aligned with the concatenated ids: entry j is
     log p(ids[j] | earlier ids of its sequence) under softmax(logits / temperature), and 0 at each sequence's first
@@ -530,27 +608,32 @@ def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0,
     a large share of the work at vocab 152k). share_prefixes: sequences whose first score_from tokens are equal (the
     samples of a GRPO group) run those tokens once, where the model can (`shares_prefixes`); the outputs are the
     same. The model's output layer is swapped for a chunked chosen-token computation for this one call, so the
-    [tokens, vocab] logits never exist, and FSDP2's root hooks still gather the head's weight as usual."""
+    [tokens, vocab] logits never exist, and FSDP2's root hooks still gather the head's weight as usual.
+    A vision model: `images[i]` are sequence i's images (PNG bytes or PIL), one per `<|image_pad|>` in its ids, in
+    order; its image and video placeholders are out of the distribution (as the engines sample) and their own
+    positions are 0."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     score_from = _checked(sequences, score_from, "packed_logprobs")
-    ids, positions, source, dest, mask = _packed_row(model, sequences, score_from, share_prefixes)
-    targets = torch.tensor([t for s in sequences for t in s], device=ids.device)[dest]
+    row = _packed_row(model, sequences, score_from, share_prefixes, images)
+    banned = torch.tensor(vision.banned_token_ids(model.config), dtype=torch.long, device=row.ids.device)
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"{type(model).__name__}: an output layer with a bias is not supported")
 
     def chosen_token_head(hidden):
-        return _ChunkedChosenLogprobs.apply(hidden[0, source], head.weight, targets, temperature, chunk_size,
-                                            with_entropy)
+        return _ChunkedChosenLogprobs.apply(hidden[0, row.source], head.weight, row.targets, temperature, chunk_size,
+                                            with_entropy, banned)
 
     head.forward = chosen_token_head
     try:  # use_cache=False matters: with a cache, transformers skips the per-sequence (block-diagonal) mask
-        out = model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=False).logits
+        out = model(input_ids=row.ids, position_ids=row.positions, attention_mask=row.mask, use_cache=False,
+                    **row.vision_inputs).logits
     finally:
         del head.forward
     zeros = out.new_zeros(sum(map(len, sequences)))
-    return zeros.index_copy(0, dest, out[:, 0]), zeros.index_copy(0, dest, out[:, 1]) if with_entropy else None
+    return (zeros.index_copy(0, row.dest, out[:, 0]),
+            zeros.index_copy(0, row.dest, out[:, 1]) if with_entropy else None)
 
 
 def packed_values(value_model, sequences: list[list[int]], score_from: list[int] | None = None,
@@ -560,12 +643,12 @@ def packed_values(value_model, sequences: list[list[int]], score_from: list[int]
     head on the hidden state that predicts token j, and 0 at each sequence's first token. score_from and
     share_prefixes as in packed_logprobs: positions before score_from[i] are 0, equal prefixes run once."""
     score_from = _checked(sequences, score_from, "packed_values")
-    ids, positions, source, dest, mask = _packed_row(value_model, sequences, score_from, share_prefixes)
+    row = _packed_row(value_model, sequences, score_from, share_prefixes)
     with warnings.catch_warnings():  # FSDP2 warns that the head's output is a view; it is only read out of place here
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        out = value_model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
+        out = value_model(input_ids=row.ids, position_ids=row.positions, attention_mask=row.mask,
                           use_cache=False).logits[0, :, 0].float()
-    return out.new_zeros(sum(map(len, sequences))).index_copy(0, dest, out[source])
+    return out.new_zeros(sum(map(len, sequences))).index_copy(0, row.dest, out[row.source])
 
 
 # Completions: the trainers' view of the packed forwards. A sample is anything with `prompt_ids` and `completion_ids`
@@ -580,18 +663,36 @@ def completion_micro_batches(model, samples: list, index: list[int], max_tokens:
     prefixes; the same number of micro-batches on every rank."""
     chosen = [samples[i] for i in index]
     return pack(index, [s.prompt_ids + s.completion_ids for s in chosen], max_tokens,
-                [len(s.prompt_ids) for s in chosen], model)
+                [len(s.prompt_ids) for s in chosen], model,
+                [_image_tokens(model.config, s) for s in chosen] if vision.is_vision_model(model.config) else None)
+
+
+def _images(model, samples: list) -> list[list] | None:
+    """Each sample's images (`info["images"]`, in the order of its placeholders) for a vision model, else None."""
+    if not vision.is_vision_model(model.config):
+        return None
+    return [list(getattr(s, "info", {}).get("images") or []) for s in samples]
+
+
+def _image_tokens(config, sample) -> tuple[int, int]:
+    """The tokens a sample's image placeholders add when expanded: in all, and within its prompt."""
+    processor = vision.processor_for(config)
+    added = [vision.image_tokens(processor, image) - 1 for image in sample.info.get("images") or []]
+    in_prompt = sample.prompt_ids.count(config.image_token_id)
+    return sum(added), sum(added[:in_prompt])
 
 
 def completion_logprobs(model, samples: list, temperature: float = 1.0, chunk_size: int = 512,
                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, T] logprobs (and entropies) of each sample's completion tokens given its prompt: one packed forward from
-    the completions' first tokens on, a group's common prompt run once where the model can share it. No samples (an
-    idle micro-batch): one masked-out token is run and [1, 1] returned."""
+    the completions' first tokens on, a group's common prompt run once where the model can share it. A vision model
+    gets each sample's `info["images"]`. No samples (an idle micro-batch): one masked-out token is run and [1, 1]
+    returned."""
     samples = samples or _IDLE
     logprobs, entropy = packed_logprobs(model, [s.prompt_ids + s.completion_ids for s in samples],
                                         temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
-                                        score_from=[len(s.prompt_ids) for s in samples], share_prefixes=True)
+                                        score_from=[len(s.prompt_ids) for s in samples], share_prefixes=True,
+                                        images=_images(model, samples))
     return _completion_rows(logprobs, samples), _completion_rows(entropy, samples) if with_entropy else None
 
 

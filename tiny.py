@@ -3,14 +3,18 @@
 `make_tiny_model` trains a byte-level BPE tokenizer on a corpus (Qwen2.5's pre-tokenization, its special tokens and a
 Qwen2.5-style chat template with tool calls and image placeholders, or a Llama-3-style one) and builds a small Qwen2
 model from a config, saved together as a Hugging Face folder that every kiln script loads like a real checkpoint.
+`make_tiny_vlm` does the same for a Qwen2.5-VL (vision tower, mrope, image processor config, Qwen2.5-VL's chat
+template).
 """
 from pathlib import Path
 from typing import Literal
 
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (GenerationConfig, PreTrainedTokenizerFast, Qwen2_5_VLConfig,
+                          Qwen2_5_VLForConditionalGeneration, Qwen2Config, Qwen2ForCausalLM)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_SPLIT_REGEX
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 # Ids 0..5 in every tiny tokenizer; the agent tokens are ordinary (non-special) added tokens, as in Qwen2.5.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
@@ -71,6 +75,32 @@ LLAMA3_CHAT_TEMPLATE = (
 )
 
 
+# Qwen2-VL / Qwen2.5-VL-Instruct's chat format: a default system prompt when the conversation opens without one, every
+# role rendered as given (no tools section), image and video parts as vision spans of one placeholder each.
+VL_SPECIAL_TOKENS = SPECIAL_TOKENS + ["<|video_pad|>"]  # the config needs a video placeholder id too
+VL_AGENT_TOKENS = AGENT_TOKENS + ["<code>", "</code>", "<answer>", "</answer>", "<sandbox_output>",
+                                  "</sandbox_output>"]
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{%- set counts = namespace(image=0, video=0) %}"
+    "{%- for message in messages %}"
+    "{%- if loop.first and message.role != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content is string %}{{ message.content }}"
+    "{%- else %}{% for part in message.content %}"
+    "{%- if part.type == 'image' or 'image' in part or 'image_url' in part %}{% set counts.image = counts.image + 1 %}"
+    "{%- if add_vision_id %}{{ 'Picture ' + counts.image | string + ': ' }}{% endif %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part.type == 'video' or 'video' in part %}{% set counts.video = counts.video + 1 %}"
+    "{%- if add_vision_id %}{{ 'Video ' + counts.video | string + ': ' }}{% endif %}"
+    "{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{%- elif 'text' in part %}{{ part.text }}{% endif %}"
+    "{%- endfor %}{% endif %}{{ '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
 def make_tiny_model(out_dir, corpus: list[str], vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 2,
                     num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
                     max_position_embeddings: int = 4096, seed: int = 0,
@@ -80,18 +110,7 @@ def make_tiny_model(out_dir, corpus: list[str], vocab_size: int = 512, hidden_si
     Deterministic for a given corpus and seed; nothing is downloaded."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    # Qwen2.5's pipeline (NFC, its split regex, byte level): what transformers' Qwen2Tokenizer rebuilds on load.
-    # Byte-level BPE round-trips any NFC text exactly; code is NFC.
-    bpe = Tokenizer(models.BPE())
-    bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t in AGENT_TOKENS])
+    bpe = _byte_level_bpe(corpus, vocab_size, SPECIAL_TOKENS, AGENT_TOKENS)
     if chat_format == "llama3":
         bpe.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA3_TOKENS])
         chat = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "chat_template": LLAMA3_CHAT_TEMPLATE}
@@ -111,6 +130,69 @@ def make_tiny_model(out_dir, corpus: list[str], vocab_size: int = 512, hidden_si
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
     # eos as in Qwen2.5-Instruct: <|im_end|> and <|endoftext|> both end a generation.
+    model.generation_config = GenerationConfig(bos_token_id=pad, eos_token_id=[eos, pad], pad_token_id=pad)
+    model.save_pretrained(out)
+    return out
+
+
+def _byte_level_bpe(corpus: list[str], vocab_size: int, special: list[str], added: list[str]) -> Tokenizer:
+    """A byte-level BPE tokenizer trained on `corpus`: `special` tokens first (ids 0..), `added` as ordinary added
+    tokens after the merges."""
+    # Qwen2.5's pipeline (NFC, its split regex, byte level): what transformers' Qwen2Tokenizer rebuilds on load.
+    # Byte-level BPE round-trips any NFC text exactly; code is NFC.
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=special, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    return bpe
+
+
+def make_tiny_vlm(out_dir, corpus: list[str], vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 2,
+                  num_heads: int = 4, num_kv_heads: int = 2, vision_depth: int = 2, vision_hidden_size: int = 32,
+                  min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 64, max_position_embeddings: int = 4096,
+                  seed: int = 0, chat_template: str = QWEN2_VL_CHAT_TEMPLATE) -> Path:
+    """A Qwen2.5-VL from a config (a small vision tower with windowed and full attention blocks, mrope) plus a
+    byte-level BPE tokenizer trained on `corpus` with Qwen2.5-VL's special tokens and chat template, and the image
+    processor's config (patch 14, merge 2; min_pixels/max_pixels bound each image's area), saved as a Hugging Face
+    folder that loads like Qwen/Qwen2.5-VL-*-Instruct. Deterministic for a given corpus and seed; nothing is
+    downloaded."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_byte_level_bpe(corpus, vocab_size, VL_SPECIAL_TOKENS, VL_AGENT_TOKENS),
+        eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left", clean_up_tokenization_spaces=False,
+        model_max_length=max_position_embeddings, chat_template=chat_template)
+    tokenizer.save_pretrained(out)
+    # Saved as image_processor_type "Qwen2VLImageProcessor": AutoImageProcessor loads the torchvision class where
+    # torchvision is installed, this PIL one where it is not.
+    Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14, temporal_patch_size=2,
+                             merge_size=2).save_pretrained(out)
+    token = tokenizer.convert_tokens_to_ids
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    head_dim = hidden_size // num_heads  # mrope's (t, h, w) sections split head_dim / 2 as Qwen2.5-VL's 16/24/24
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+            max_position_embeddings=max_position_embeddings, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "mrope_section": [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]}),
+        vision_config=dict(
+            depth=vision_depth, hidden_size=vision_hidden_size, intermediate_size=2 * vision_hidden_size, num_heads=2,
+            out_hidden_size=hidden_size, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+            fullatt_block_indexes=[vision_depth - 1]),
+        image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
+        vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"),
+        tie_word_embeddings=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2_5_VLForConditionalGeneration(config)
     model.generation_config = GenerationConfig(bos_token_id=pad, eos_token_id=[eos, pad], pad_token_id=pad)
     model.save_pretrained(out)
     return out

@@ -284,8 +284,10 @@ def test_shared_prefix_layout_is_what_packed_sdpa_reads():
     """The packed row of two groups: the first sequence of each whole, the others as branches whose positions continue
     from the prompt; each scored token is predicted by its own sequence's previous token (the prompt's last token for a
     branch's first)."""
-    ids, positions, source, dest = policy._layout([[5, 6, 7, 8], [9, 1], [5, 6, 3], [9, 1, 2]], [2, 1, 2, 1], True)
+    ids, positions, source, dest, pieces = policy._layout([[5, 6, 7, 8], [9, 1], [5, 6, 3], [9, 1, 2]], [2, 1, 2, 1],
+                                                          True)
     assert ids == [5, 6, 7, 8, 3, 9, 1, 1, 2]
+    assert pieces == [(0, 0), (2, 2), (1, 0), (3, 1)]  # (sequence, its first token laid out)
     assert positions == [0, 1, 2, 3, 2, 0, 1, 1, 2]
     #                   scored tokens: 7, 8 | 1 | 3 | 1, 2 (concatenated index 2, 3 | 5 | 8 | 10, 11)
     assert dest == [2, 3, 8, 5, 10, 11]
