@@ -3,7 +3,9 @@
 `HFEngine` generates with the policy's own Hugging Face model (CPU tests, debugging, machines without vLLM);
 `VLLMEngine` is a colocated vLLM engine per rank that sleeps while the policy trains. Both take prompts as token
 ids and return completions as token ids plus the logprob of each sampled token under the distribution actually
-sampled (after temperature, top-k, top-p). Nothing is decoded here.
+sampled (after temperature, top-k, top-p). Nothing is decoded here. A vision-language policy (Qwen2.5-VL) takes each
+prompt's images beside its ids (one unexpanded `<|image_pad|>` per image); both engines ban the image and video
+placeholders from sampling, as the trainer's logprobs do.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from transformers import DynamicCache
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+import vision
 
 
 @dataclass
@@ -61,6 +65,9 @@ class HFEngine:
     FSDP2-sharded policy it generates with an unsharded replica that load_weights fills, as the trainer does before
     every rollout (`policy.iter_full_weights`, the stream vLLM gets): decoding then needs no collectives, so each rank
     decodes on its own instead of all-gathering every layer for every token.
+
+    A vision-language model prefills each prompt with its images (placeholders expanded, 3-D mrope positions) and
+    decodes at its text position plus the prompt's rope delta, as its own `generate` does.
     """
 
     def __init__(self, model, pad_token_id: int, batch_size: int = 64):
@@ -69,6 +76,7 @@ class HFEngine:
         self.model = None if self.sharded else model
         self.pad_token_id = pad_token_id
         self.batch_size = batch_size
+        self.banned = vision.banned_token_ids(model.config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if not self.sharded:
@@ -80,8 +88,10 @@ class HFEngine:
             # Packed-training attentions do not decode: packed_sdpa has no KV cache, flex_attention compiles a kernel
             # per decoding shape.
             config = copy.deepcopy(self.policy.config)  # _from_config sets the attention on the config it gets
-            attn = config._attn_implementation
+            attn = vision.text_attention(config)
             attn = "sdpa" if attn in ("packed_sdpa", "flex_attention") else attn
+            if vision.is_vision_model(config):
+                attn = {"text_config": attn, "vision_config": "sdpa"}
             # The replica's init draws must not shift the sampling stream (resume, seeds).
             with torch.random.fork_rng(devices=[first.device] if first.is_cuda else []):
                 self.model = model_class._from_config(config, attn_implementation=attn)
@@ -99,18 +109,25 @@ class HFEngine:
         return None
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: Sampling,
+                 images: list[list | None] | None = None) -> list[Completion]:
+        """Completions for `prompts` (token ids); `images[i]` are prompt i's images (PNG bytes or PIL, one per
+        `<|image_pad|>` in its ids, in order), or None."""
         if self.model is None:
             raise RuntimeError("HFEngine on an FSDP-sharded policy: call load_weights(policy.iter_full_weights(model)) "
                                "before generate")
         if sampling.max_new_tokens < 1:
             raise ValueError(f"Sampling.max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+        images = [list(i or []) for i in images] if images is not None else [[] for _ in prompts]
+        if any(images) and not vision.is_vision_model(self.model.config):
+            raise ValueError(f"{type(self.model).__name__} is not a vision-language model: it cannot take images")
         out = []
         for start in range(0, len(prompts), self.batch_size):
-            out += self._generate_batch(prompts[start : start + self.batch_size], sampling)
+            end = start + self.batch_size
+            out += self._generate_batch(prompts[start:end], sampling, images[start:end])
         return out
 
-    def _generate_batch(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+    def _generate_batch(self, prompts: list[list[int]], sampling: Sampling, images: list[list]) -> list[Completion]:
         """A prefill of the left-padded batch, then one token per step from a KV cache. Written out rather than
         `generate()`, for two reasons: only `sampling` shapes the distribution (generate would also apply what the
         model's generation_config holds, e.g. Qwen2.5's repetition_penalty, which the trainer's logprobs know nothing
@@ -118,6 +135,15 @@ class HFEngine:
         for 64 rows of 1024 tokens at vocab 152k). Scores go through transformers' own warpers (temperature, top-k,
         top-p); Llama-layout models decode with `decode_step`, the others with their own forward."""
         device = next(self.model.parameters()).device
+        multimodal = vision.is_vision_model(self.model.config)
+        if multimodal:  # each placeholder becomes its image's tokens; a prompt is distinct by its ids and images
+            keys = [(tuple(p), tuple(map(vision.digest, i))) for p, i in zip(prompts, images)]
+            processor = vision.processor_for(self.model.config)
+            grids = [vision.pixels(processor, i)[1] if i else torch.zeros(0, 3, dtype=torch.long) for i in images]
+            prompts = [vision.expand(p, g, self.model.config.image_token_id, processor.merge_size)[0]
+                       for p, g in zip(prompts, grids)]
+        else:
+            keys = [tuple(p) for p in prompts]
         rows, width, new = len(prompts), max(len(p) for p in prompts), sampling.max_new_tokens
         input_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.ones((rows, width + new), dtype=torch.long)  # generated tokens are always attended
@@ -139,16 +165,31 @@ class HFEngine:
         self.model.eval()
         # A group's samples share their prompt: each distinct prompt is prefilled once, then its cache row is copied.
         distinct: dict[tuple, tuple[int, int]] = {}  # prompt -> (its number, its first row)
-        for i, p in enumerate(prompts):
-            distinct.setdefault(tuple(p), (len(distinct), i))
+        for i, key in enumerate(keys):
+            distinct.setdefault(key, (len(distinct), i))
         first = torch.tensor([row for _, row in distinct.values()], device=device)
-        which = torch.tensor([distinct[tuple(p)][0] for p in prompts], device=device)
+        which = torch.tensor([distinct[key][0] for key in keys], device=device)
         cache = DynamicCache(config=self.model.config)
+        extra = {}
+        if multimodal:  # 3-D positions over the images at prefill; text tokens after them run at position + delta
+            row_images = [image for _, row in distinct.values() for image in images[row]]
+            grid = None
+            if row_images:
+                pixel_values, grid = (t.to(device) for t in vision.pixels(processor, row_images))
+                extra = {"pixel_values": pixel_values, "image_grid_thw": grid}
+            ids = input_ids[first]
+            prefill_positions, delta = self.model.model.get_rope_index(
+                ids, mm_token_type_ids=(ids == self.model.config.image_token_id).int(), image_grid_thw=grid,
+                attention_mask=attention_mask[first, :width])
+            delta, text_position = delta[which], attention_mask[:, :width].sum(-1, keepdim=True) - 1
+        else:
+            prefill_positions = positions[first]
         logits = self.model(input_ids=input_ids[first], attention_mask=attention_mask[first, :width],
-                            position_ids=positions[first], past_key_values=cache, use_cache=True,
-                            logits_to_keep=1).logits[:, -1]
+                            position_ids=prefill_positions, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                            **extra).logits[:, -1]
         cache.reorder_cache(which)
         logits = logits[which]
+        banned = torch.tensor(self.banned, dtype=torch.long, device=device)
         lean = lean_decoding_supported(self.model)
         if lean:
             cache = KVBuffer.from_prefill(cache, width + new - 1)
@@ -158,6 +199,7 @@ class HFEngine:
             cos, sin = self.model.model.rotary_emb(logits[:, None], ahead)
         for step in range(new):
             scores = logits.float()
+            scores[:, banned] = -torch.inf
             for warp in warpers:
                 scores = warp(None, scores)  # these warpers never look at the ids
             probs = scores.softmax(-1)
@@ -170,6 +212,11 @@ class HFEngine:
             if lean:
                 logits = decode_step(self.model, cache, token, (cos[:, step : step + 1], sin[:, step : step + 1]),
                                      attend[..., : width + step + 1])
+            elif multimodal:
+                text_position = text_position + 1
+                logits = self.model(input_ids=token[:, None], attention_mask=attention_mask[:, : width + step + 1],
+                                    position_ids=(text_position + delta)[None].expand(3, -1, -1),
+                                    past_key_values=cache, use_cache=True).logits[:, -1]
             else:
                 positions = positions[:, -1:] + 1
                 logits = self.model(input_ids=token[:, None], attention_mask=attention_mask[:, : width + step + 1],
