@@ -552,47 +552,22 @@ def _packed_row(model, sequences: list[list[int]], score_from: list[int], share_
     share = share_prefixes and shares_prefixes(model)
     config, device = model.config, next(model.parameters()).device
     given = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
-    vision_inputs, prefix_keys = {}, None
-    if vision.is_vision_model(config):
-        images = [list(i) for i in images] if images is not None else [[] for _ in sequences]
-        if len(images) != len(sequences):
-            raise ValueError(f"{len(images)} image lists for {len(sequences)} sequences")
-        if not any(images):
-            dummy, blank = vision.dummy_sequence(config)
-            sequences, score_from, images = [*sequences, dummy], [*score_from, len(dummy)], [*images, [blank]]
-        processor, pad = vision.processor_for(config), config.image_token_id
-        grids = [vision.pixels(processor, i)[1] if i else torch.zeros(0, 3, dtype=torch.long) for i in images]
-        expanded = [vision.expand(s, g, pad, processor.merge_size) for s, g in zip(sequences, grids)]
-        starts = [[w[j] for j, t in enumerate(s) if t == pad] for s, (_, w) in zip(sequences, expanded)]
-        score_from = [(w + [len(e)])[f] for (e, w), f in zip(expanded, score_from)]
-        prefix_keys = [tuple(vision.digest(image) for image, at in zip(i, st) if at < f)
-                       for i, st, f in zip(images, starts, score_from)]
-        unexpanded = list(sequences)
-        sequences = [e for e, _ in expanded]
+    vision_inputs, prefix_keys, multimodal = {}, None, vision.is_vision_model(config)
+    if multimodal:
+        batch = vision.expand_batch(config, sequences, images, score_from)
+        sequences, score_from, prefix_keys = batch.sequences, batch.score_from, batch.prefix_keys
     ids, positions, source, dest, pieces = _layout(sequences, score_from, share, prefix_keys)
     branched = len(ids) < sum(map(len, sequences))  # some sequence was laid out from its score_from on
     source, dest = torch.tensor(source, dtype=torch.long), torch.tensor(dest, dtype=torch.long)
-    positions = torch.tensor(positions, dtype=torch.long)
-    mask = None
-    if vision.is_vision_model(config):
-        rope = {i: vision.rope_positions(model, sequences[i], grids[i]) for i in {i for i, _ in pieces}}
-        mrope = torch.cat([rope[i][:, begin:] for i, begin in pieces], 1)
-        row_images = [image for i, begin in pieces for image, at in zip(images[i], starts[i]) if at >= begin]
-        pixel_values, grid = vision.pixels(processor, row_images)
-        vision_inputs = {"pixel_values": pixel_values.to(device), "image_grid_thw": grid.to(device)}
-        back = torch.full((sum(map(len, sequences)),), -1, dtype=torch.long)  # expanded index -> given index
-        for i, (e, w) in enumerate(expanded):
-            if i < len(unexpanded):  # not the blank sequence
-                offset = sum(map(len, sequences[:i]))
-                back[offset + torch.tensor(w, dtype=torch.long)] = sum(map(len, unexpanded[:i])) + torch.arange(len(w))
+    positions, mask = torch.tensor(positions, dtype=torch.long)[None], None
+    if multimodal:
+        mrope, vision_inputs = vision.row_inputs(model, batch, pieces, device)
+        positions = torch.cat([positions, mrope])[:, None]  # [4, 1, L]
         targets = torch.tensor([t for s in sequences for t in s], dtype=torch.long)[dest]
         keep = ~torch.isin(targets, torch.tensor(vision.banned_token_ids(config)))
-        source, dest = source[keep], back[dest[keep]]
-        positions = torch.cat([positions[None], mrope])[:, None]  # [4, 1, L]
-    else:
-        positions = positions[None]
-        if branched and vision.text_attention(config) == "flex_attention":
-            mask = branch_block_mask(positions[0].to(device))
+        source, dest = source[keep], batch.given_index()[dest[keep]]
+    elif branched and vision.text_attention(config) == "flex_attention":
+        mask = branch_block_mask(positions[0].to(device))
     return PackedRow(torch.tensor(ids, dtype=torch.long, device=device)[None], positions.to(device),
                      source.to(device), dest.to(device), given[dest].to(device), mask, vision_inputs)
 
@@ -662,9 +637,10 @@ def completion_micro_batches(model, samples: list, index: list[int], max_tokens:
     """`pack` of the samples `index`, each group's shared prompt counted once per micro-batch where `model` shares
     prefixes; the same number of micro-batches on every rank."""
     chosen = [samples[i] for i in index]
+    images = _images(model, chosen)
     return pack(index, [s.prompt_ids + s.completion_ids for s in chosen], max_tokens,
                 [len(s.prompt_ids) for s in chosen], model,
-                [_image_tokens(model.config, s) for s in chosen] if vision.is_vision_model(model.config) else None)
+                images and [vision.added_tokens(model.config, s.prompt_ids, i) for s, i in zip(chosen, images)])
 
 
 def _images(model, samples: list) -> list[list] | None:
@@ -673,13 +649,6 @@ def _images(model, samples: list) -> list[list] | None:
         return None
     return [list(getattr(s, "info", {}).get("images") or []) for s in samples]
 
-
-def _image_tokens(config, sample) -> tuple[int, int]:
-    """The tokens a sample's image placeholders add when expanded: in all, and within its prompt."""
-    processor = vision.processor_for(config)
-    added = [vision.image_tokens(processor, image) - 1 for image in sample.info.get("images") or []]
-    in_prompt = sample.prompt_ids.count(config.image_token_id)
-    return sum(added), sum(added[:in_prompt])
 
 
 def completion_logprobs(model, samples: list, temperature: float = 1.0, chunk_size: int = 512,

@@ -9,6 +9,7 @@ values as transformers' Qwen2_5_VLProcessor, which cannot be built without torch
 import functools
 import hashlib
 import io
+from dataclasses import dataclass
 
 import torch
 from PIL import Image
@@ -81,6 +82,14 @@ def image_tokens(processor, image) -> int:
     after the processor's resize into [min_pixels, max_pixels]."""
     width, height = load_image(image).size
     return processor.get_number_of_image_patches(height, width, {}) // processor.merge_size ** 2
+
+
+def added_tokens(config, prompt_ids: list[int], images: list) -> tuple[int, int]:
+    """The tokens a sample's image placeholders add when expanded (its `images`, the prompt's first): in all, and
+    within its prompt. What a length budget counts beyond the ids."""
+    processor = processor_for(config)
+    added = [image_tokens(processor, image) - 1 for image in images]
+    return sum(added), sum(added[: prompt_ids.count(config.image_token_id)])
 
 
 def digest(image) -> str:
@@ -159,3 +168,59 @@ def dummy_sequence(config) -> tuple[list[int], Image.Image]:
     NCCL hangs)."""
     ids = [config.vision_start_token_id, config.image_token_id, config.vision_end_token_id]
     return ids, Image.new("RGB", (DUMMY_SIDE, DUMMY_SIDE))
+
+
+@dataclass
+class ExpandedBatch:
+    """The sequences of one packed forward with every placeholder expanded to its image's tokens."""
+
+    sequences: list[list[int]]  # expanded; a blank-image sequence last when none of the given had an image
+    score_from: list[int]  # each sequence's first scored token, in expanded positions
+    prefix_keys: list[tuple]  # digests of each sequence's images before score_from: a shared prompt shares them
+    images: list[list]  # each sequence's images, in the order of their placeholders
+    starts: list[list[int]]  # where each image's tokens start in its expanded sequence
+    grids: list[torch.Tensor]  # each sequence's image_grid_thw
+    where: list[list[int]]  # each given token's index in its expanded sequence (the given sequences only)
+
+    def given_index(self) -> torch.Tensor:
+        """For each token of the concatenated expanded sequences, its index in the concatenated given ones (-1 for
+        the tokens an expansion added and for the blank sequence)."""
+        index = torch.full((sum(map(len, self.sequences)),), -1, dtype=torch.long)
+        expanded_at, given_at = 0, 0
+        for sequence, where in zip(self.sequences, self.where):
+            index[expanded_at + torch.tensor(where, dtype=torch.long)] = given_at + torch.arange(len(where))
+            expanded_at, given_at = expanded_at + len(sequence), given_at + len(where)
+        return index
+
+
+def expand_batch(config, sequences: list[list[int]], images: list[list] | None,
+                 score_from: list[int]) -> ExpandedBatch:
+    """The sequences (one `<|image_pad|>` per image) expanded with their images (`images[i]`: sequence i's, PNG bytes
+    or PIL), plus a never-scored blank-image sequence when none has an image (`dummy_sequence`)."""
+    images = [list(i) for i in images] if images is not None else [[] for _ in sequences]
+    given = len(sequences)
+    if len(images) != len(sequences):
+        raise ValueError(f"{len(images)} image lists for {len(sequences)} sequences")
+    if not any(images):
+        dummy, blank = dummy_sequence(config)
+        sequences, score_from, images = [*sequences, dummy], [*score_from, len(dummy)], [*images, [blank]]
+    processor, pad = processor_for(config), config.image_token_id
+    grids = [pixels(processor, i)[1] if i else torch.zeros(0, 3, dtype=torch.long) for i in images]
+    expanded = [expand(s, g, pad, processor.merge_size) for s, g in zip(sequences, grids)]
+    starts = [[w[j] for j, t in enumerate(s) if t == pad] for s, (_, w) in zip(sequences, expanded)]
+    score_from = [(w + [len(e)])[f] for (e, w), f in zip(expanded, score_from)]
+    prefix_keys = [tuple(digest(image) for image, at in zip(i, st) if at < f)
+                   for i, st, f in zip(images, starts, score_from)]
+    return ExpandedBatch([e for e, _ in expanded], score_from, prefix_keys, images, starts, grids,
+                         [w for _, w in expanded[:given]])
+
+
+def row_inputs(model, batch: ExpandedBatch, pieces: list[tuple[int, int]], device) -> tuple[torch.Tensor, dict]:
+    """For a packed row laid out as `pieces` ((sequence, first token) each): mrope's [3, L] positions (a piece takes
+    its part of its whole sequence's) and the vision inputs, pixel_values and image_grid_thw of the images whose
+    tokens the row holds, in row order (a branch never repeats the images of the prompt it shares)."""
+    rope = {i: rope_positions(model, batch.sequences[i], batch.grids[i]) for i in {i for i, _ in pieces}}
+    mrope = torch.cat([rope[i][:, begin:] for i, begin in pieces], 1)
+    in_row = [image for i, begin in pieces for image, at in zip(batch.images[i], batch.starts[i]) if at >= begin]
+    pixel_values, grid = pixels(processor_for(model.config), in_row)
+    return mrope, {"pixel_values": pixel_values.to(device), "image_grid_thw": grid.to(device)}
