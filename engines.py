@@ -318,8 +318,12 @@ def linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def vllm_llm_kwargs(model: str, *, rank: int, seed: int, tensor_parallel_size: int, gpu_memory_utilization: float,
-                    max_model_len: int, max_num_seqs: int, enforce_eager: bool, dtype: str, **extra) -> dict:
-    """Keyword arguments of `vllm.LLM` for one in-process engine per rank (or per tensor-parallel group)."""
+                    max_model_len: int, max_num_seqs: int, enforce_eager: bool, dtype: str,
+                    max_images_per_prompt: int | None = None, **extra) -> dict:
+    """Keyword arguments of `vllm.LLM` for one in-process engine per rank (or per tensor-parallel group).
+    max_images_per_prompt: a vision-language model's image budget per prompt (no videos); None for a text model."""
+    if max_images_per_prompt is not None:  # vLLM's default of 999 per modality also inflates its profiling run
+        extra["limit_mm_per_prompt"] = {"image": max_images_per_prompt, "video": 0}
     return dict(
         model=model,
         distributed_executor_backend="external_launcher",  # join torchrun's process group, no worker processes
@@ -336,8 +340,12 @@ def vllm_llm_kwargs(model: str, *, rank: int, seed: int, tensor_parallel_size: i
     )
 
 
-def vllm_sampling_kwargs(sampling: Sampling) -> dict:
-    """Keyword arguments of `vllm.SamplingParams`: token ids out, plus the logprob of each sampled token."""
+def vllm_sampling_kwargs(sampling: Sampling, banned_token_ids: Iterable[int] = ()) -> dict:
+    """Keyword arguments of `vllm.SamplingParams`: token ids out, plus the logprob of each sampled token. Banned ids
+    get vLLM's strongest logit bias, -100, before temperature and before the logprobs are taken: against the other
+    logits that is a probability under e^-50, nothing in fp32, so the distribution is the trainer's, which drops them
+    outright."""
+    banned = {"logit_bias": {int(i): -100.0 for i in banned_token_ids}} if banned_token_ids else {}
     return dict(
         n=1,
         max_tokens=sampling.max_new_tokens,
@@ -348,15 +356,19 @@ def vllm_sampling_kwargs(sampling: Sampling) -> dict:
         logprobs=0,  # only the sampled token's logprob
         flat_logprobs=True,  # flat lists instead of one dict per token: far less garbage to collect
         detokenize=False,  # text is decoded once, later, for the reward
+        **banned,
     )
 
 
 def vllm_prompt(token_ids: list[int], images: list | None = None) -> dict:
-    """A `vllm.inputs.TokensPrompt` (a TypedDict, so a plain dict). With images, the ids hold one unexpanded image
-    placeholder per image (as `apply_chat_template` writes it): vLLM's processor expands them itself."""
+    """A `vllm.inputs.TokensPrompt` (a TypedDict, so a plain dict). With images (PNG bytes or PIL), the ids hold one
+    unexpanded image placeholder per image (as `apply_chat_template` writes it): vLLM's processor expands them itself
+    (expanded ids would be expanded again). Images go as RGB PIL images within kiln's limits (`vision.load_image`),
+    each with its content hash as its uuid, so vLLM's processor and encoder caches know a repeated image."""
     prompt = {"prompt_token_ids": list(token_ids)}
     if images:
-        prompt["multi_modal_data"] = {"image": list(images)}
+        prompt["multi_modal_data"] = {"image": [vision.load_image(image) for image in images]}
+        prompt["multi_modal_uuids"] = {"image": [vision.digest(image) for image in images]}
     return prompt
 
 
@@ -412,7 +424,7 @@ class VLLMEngine:
     def __init__(self, model: str, *, seed: int = 0, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.5, max_model_len: int = 4096, max_num_seqs: int = 256,
                  enforce_eager: bool = False, dtype: str = "bfloat16", sync_bucket_bytes: int = 1 << 30,
-                 **llm_kwargs):
+                 max_images_per_prompt: int | None = None, **llm_kwargs):
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
         if world % tensor_parallel_size:
@@ -432,13 +444,19 @@ class VLLMEngine:
         self.llm = LLM(**vllm_llm_kwargs(
             model, rank=rank, seed=seed, tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            enforce_eager=enforce_eager, dtype=dtype, **llm_kwargs))
+            enforce_eager=enforce_eager, dtype=dtype, max_images_per_prompt=max_images_per_prompt, **llm_kwargs))
         self.dtype = getattr(torch, dtype)
         self.sync_bucket_bytes = sync_bucket_bytes
         # vLLM's loader rejects a tied lm_head arriving in a call without the embedding it aliases; it is the
-        # same tensor anyway, so it is never sent.
-        text_config = self.llm.llm_engine.model_config.hf_text_config
-        self.tied_lm_head = bool(getattr(text_config, "tie_word_embeddings", False))
+        # same tensor anyway, so it is never sent. A vision-language config holds the flag at its top level.
+        model_config = self.llm.llm_engine.model_config
+        tied = getattr(model_config.hf_config, "tie_word_embeddings", None)
+        self.tied_lm_head = bool(tied if tied is not None else
+                                 getattr(model_config.hf_text_config, "tie_word_embeddings", False))
+        self.banned = vision.banned_token_ids(model_config.hf_config)
+        self.image_token_id = getattr(model_config.hf_config, "image_token_id", None)
+        self.image_processor = vision.image_processor(model) if vision.is_vision_model(model_config.hf_config) \
+            else None
         self.param_names = self.llm.apply_model(lambda m: {name for name, _ in m.named_parameters()})[0]
         self.state = "awake"  # "asleep" -> wake_up() -> "weights" -> load_weights() -> "awake" -> sleep()
         self.last_metrics: dict[str, float] = {}
@@ -491,10 +509,21 @@ class VLLMEngine:
             dist.all_gather_object(parts, (prompts, images), group=self.tp_group)
             first = sum(len(p) for p, _ in parts[: self.tp_rank])
             prompts, images = [p for ps, _ in parts for p in ps], [i for _, imgs in parts for i in imgs]
+        for p, i in zip(prompts, images):
+            if i and (self.image_processor is None or p.count(self.image_token_id) != len(i)):
+                raise ValueError(f"a prompt with {len(i)} images and {p.count(self.image_token_id)} image "
+                                 f"placeholders, for a {'vision' if self.image_processor else 'text-only'} model")
         start = time.perf_counter()
         outputs = self.llm.generate([vllm_prompt(p, i) for p, i in zip(prompts, images)],
-                                    SamplingParams(**vllm_sampling_kwargs(sampling)), use_tqdm=False)
+                                    SamplingParams(**vllm_sampling_kwargs(sampling, self.banned)), use_tqdm=False)
         seconds = time.perf_counter() - start
+        for p, i, output in zip(prompts, images, outputs):
+            if i:  # the engine's expansion must be the trainer's, token for token
+                want = len(p) + sum(vision.image_tokens(self.image_processor, image) - 1 for image in i)
+                if len(output.prompt_token_ids) != want:
+                    raise RuntimeError(f"vLLM expanded a prompt with {len(i)} images to {len(output.prompt_token_ids)} "
+                                       f"tokens where kiln's image processor gives {want}: the engine preprocesses "
+                                       "images differently (mm_processor_kwargs?) from the trainer")
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         self.last_metrics |= {"vllm/generate_seconds": seconds,
                               "vllm/generate_tokens_per_s": tokens / max(seconds, 1e-9)}

@@ -1,15 +1,22 @@
 """VLLMEngine's own logic on CPU, without vllm: weight bucketing, output conversion, and the wake/load/generate/sleep
 sequence driven against a small in-memory stand-in for `vllm.LLM` (the real API is checked by `make test-vllm`)."""
+import hashlib
+import io
 import sys
 import types
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from PIL import Image
+from transformers import AutoConfig
 
 import engines
+import tiny
+import vision
 
 
 def named(sizes: list[int]) -> list[tuple[str, torch.Tensor]]:
@@ -92,7 +99,30 @@ def test_kwargs_builders():
     assert sp == dict(n=1, max_tokens=7, temperature=0.6, top_p=0.9, top_k=20, stop_token_ids=[2, 0], logprobs=0,
                       flat_logprobs=True, detokenize=False)
     assert engines.vllm_prompt((1, 2)) == {"prompt_token_ids": [1, 2]}
-    assert engines.vllm_prompt([1], ["img"]) == {"prompt_token_ids": [1], "multi_modal_data": {"image": ["img"]}}
+    assert "limit_mm_per_prompt" not in kw
+    kw = engines.vllm_llm_kwargs("m", rank=0, seed=0, tensor_parallel_size=1, gpu_memory_utilization=0.4,
+                                 max_model_len=2048, max_num_seqs=64, enforce_eager=True, dtype="bfloat16",
+                                 max_images_per_prompt=6)
+    assert kw["limit_mm_per_prompt"] == {"image": 6, "video": 0}
+    assert engines.vllm_sampling_kwargs(engines.Sampling(), [5, 6])["logit_bias"] == {5: -100.0, 6: -100.0}
+
+
+def png(width, height, colour) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGBA", (width, height), colour).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_vllm_prompt_with_images():
+    """One unexpanded placeholder per image stays as it is; images go as RGB PIL images (a side under 28 px scaled
+    up) with content hashes as uuids, equal for equal images."""
+    red, blue = png(40, 10, (255, 0, 0, 255)), png(30, 30, (0, 0, 255, 128))
+    prompt = engines.vllm_prompt([1, 5, 2, 1, 5, 2, 1, 5, 2], [red, blue, red])
+    assert prompt["prompt_token_ids"] == [1, 5, 2, 1, 5, 2, 1, 5, 2]
+    items = prompt["multi_modal_data"]["image"]
+    assert [(i.mode, i.size) for i in items] == [("RGB", (112, 28)), ("RGB", (30, 30)), ("RGB", (112, 28))]
+    uuids = prompt["multi_modal_uuids"]["image"]
+    assert uuids[0] == uuids[2] == hashlib.sha256(red).hexdigest() != uuids[1]
 
 
 class TinyVLLMModel(torch.nn.Module):
@@ -117,9 +147,15 @@ class FakeLLM:
 
     def __init__(self, **kwargs):
         self.kwargs, self.calls, self.model = kwargs, [], TinyVLLMModel()
-        text_config = types.SimpleNamespace(tie_word_embeddings=True)
-        self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(hf_text_config=text_config),
-                                                reset_encoder_cache=lambda: self.calls.append(("reset_encoder",)))
+        self.prompts, self.added_tokens = [], 0  # what generate got; what it says the images added to each prompt
+        if Path(kwargs["model"]).is_dir():  # a real folder: its config, as vLLM reads it
+            hf_config = AutoConfig.from_pretrained(kwargs["model"])
+            text_config = hf_config.get_text_config()
+        else:
+            hf_config = text_config = types.SimpleNamespace(tie_word_embeddings=True)
+        self.llm_engine = types.SimpleNamespace(
+            model_config=types.SimpleNamespace(hf_config=hf_config, hf_text_config=text_config),
+            reset_encoder_cache=lambda: self.calls.append(("reset_encoder",)))
 
     def apply_model(self, fn):
         self.calls.append(("apply_model",))
@@ -136,8 +172,12 @@ class FakeLLM:
 
     def generate(self, prompts, params, use_tqdm=True):
         self.calls.append(("generate", len(prompts)))
-        return [request_output([p["prompt_token_ids"][-1]] * 2, [{p["prompt_token_ids"][-1]: Logprob(-1.0)}] * 2,
-                               request_id=str(i)) for i, p in enumerate(prompts)]
+        self.prompts, self.params = prompts, params
+        outputs = [request_output([p["prompt_token_ids"][-1]] * 2, [{p["prompt_token_ids"][-1]: Logprob(-1.0)}] * 2,
+                                  request_id=str(i)) for i, p in enumerate(prompts)]
+        for p, o in zip(prompts, outputs):
+            o.prompt_token_ids = p["prompt_token_ids"] + [0] * (self.added_tokens if "multi_modal_data" in p else 0)
+        return outputs
 
 
 @pytest.fixture
@@ -185,3 +225,34 @@ def test_vllm_engine_refuses_a_partial_sync(engine):
     engine.wake_up()
     with pytest.raises(RuntimeError, match=r"1 vLLM parameters got no weights, e.g. \['proj.bias'\]"):
         engine.load_weights([("embed.weight", torch.zeros(8, 4)), ("proj.weight", torch.zeros(4, 4))])
+
+
+@pytest.fixture
+def vl_engine(monkeypatch, tmp_path):
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM, SamplingParams=dict))
+    folder = tiny.make_tiny_vlm(tmp_path / "vl", ["<answer>red</answer> The answer is 3."] * 50)
+    return engines.VLLMEngine(str(folder), max_images_per_prompt=5)
+
+
+def test_vllm_engine_with_a_vision_model(vl_engine):
+    """A Qwen2.5-VL folder: image budget, tied flag from the top-level config, placeholders banned in sampling,
+    PIL images with uuids, and the engine's expanded prompt length checked against kiln's image processor."""
+    llm, config = vl_engine.llm, vl_engine.llm.llm_engine.model_config.hf_config
+    assert llm.kwargs["limit_mm_per_prompt"] == {"image": 5, "video": 0}
+    assert vl_engine.tied_lm_head and getattr(config.get_text_config(), "tie_word_embeddings", None) is not True
+    image = png(300, 201, (0, 128, 0, 255))
+    grid = vision.image_processor(llm.kwargs["model"])(images=[Image.open(io.BytesIO(image))])["image_grid_thw"]
+    llm.added_tokens = int(grid.prod()) // 4 - 1  # what vLLM's expansion adds for this image
+    question = [1, config.vision_start_token_id, config.image_token_id, config.vision_end_token_id, 7]
+    out = vl_engine.generate([question, [1, 7]], engines.Sampling(max_new_tokens=2), images=[[image], None])
+    assert [c.token_ids for c in out] == [[7, 7], [7, 7]]
+    assert llm.params["logit_bias"] == {config.image_token_id: -100.0, config.video_token_id: -100.0}
+    assert llm.prompts[0]["multi_modal_uuids"] == {"image": [hashlib.sha256(image).hexdigest()]}
+    assert "multi_modal_data" not in llm.prompts[1]
+    llm.added_tokens -= 1
+    with pytest.raises(RuntimeError, match="expanded a prompt with 1 images to"):
+        vl_engine.generate([question], engines.Sampling(), images=[[image]])
+    with pytest.raises(ValueError, match="2 images and 1 image placeholders"):
+        vl_engine.generate([question], engines.Sampling(), images=[[image, image]])
