@@ -3,16 +3,31 @@
 No vLLM engine can start without a GPU, so VLLMEngine is driven against `RecordingLLM`: each call it makes is bound
 to the real `vllm.LLM` method's signature, its weights go through the real vLLM Qwen2 model's `load_weights` (built
 on CPU; only the attention kernel, which holds no weights, is a stand-in), and its outputs are vLLM's own classes.
+The same for Qwen2.5-VL: kiln's weight names through vLLM's Qwen2_5_VLForConditionalGeneration, and vLLM's count of
+an image's tokens against kiln's.
 """
 import dataclasses
+import hashlib
+import io
 import inspect
 import os
 import socket
+import sys
+import types
 import typing
 
 import pytest
 import torch
-import vllm
+import transformers.models.qwen2_vl.image_processing_pil_qwen2_vl as qwen2_vl_pil
+from PIL import Image
+
+# vLLM's Qwen2-VL module imports smart_resize from transformers' torchvision image processor, and the only torchvision
+# wheel is a CUDA build that cannot import on a CPU torch: the PIL processor's identical function stands in.
+sys.modules.setdefault("transformers.models.qwen2_vl.image_processing_qwen2_vl",
+                       types.SimpleNamespace(smart_resize=qwen2_vl_pil.smart_resize))
+
+import vllm  # noqa: E402 (after the stand-in above)
+import vllm.model_executor.models.registry as vllm_registry  # noqa: E402
 from vllm import LLM, SamplingParams
 from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed.parallel_state import (destroy_distributed_environment, destroy_model_parallel,
@@ -28,6 +43,7 @@ from vllm.v1.executor.abstract import SLEEP_TAGS
 import engines
 import policy
 import tiny
+import vision
 
 pytestmark = pytest.mark.vllm
 
@@ -53,27 +69,34 @@ class StandInAttention(torch.nn.Module):
 
 
 @pytest.fixture(scope="module")
-def vllm_qwen2(model_dir):
-    """(vLLM's Qwen2ForCausalLM on CPU, its ModelConfig, the same model loaded by kiln's policy as weight source)."""
-    model_config = ModelConfig(model=str(model_dir), dtype="float32", skip_tokenizer_init=True)
-    config = VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"))
+def vllm_parallel_state():
+    """vLLM's (one-process) model-parallel groups, which building its models needs: once for the module."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
+        initialize_model_parallel(1)
+    yield
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
+@pytest.fixture(scope="module")
+def vllm_qwen2(model_dir, vllm_parallel_state):
+    """(vLLM's Qwen2ForCausalLM on CPU, its ModelConfig, the same model loaded by kiln's policy as weight source)."""
+    model_config = ModelConfig(model=str(model_dir), dtype="float32", skip_tokenizer_init=True)
+    config = VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"))
     with pytest.MonkeyPatch.context() as patch, set_current_vllm_config(config):
         import vllm.model_executor.models.qwen2 as vllm_qwen2_module
 
         patch.setattr(vllm_qwen2_module, "Attention", StandInAttention)
-        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
-        initialize_model_parallel(1)
         model = vllm_qwen2_module.Qwen2ForCausalLM(vllm_config=config)
         source = policy.load_model(model_dir)
         with torch.no_grad():
             for p in source.parameters():  # no zero biases or unit norms: every loaded tensor must show
                 p.normal_()
         yield model, model_config, source
-        destroy_model_parallel()
-        destroy_distributed_environment()
 
 
 def test_version():
@@ -111,11 +134,86 @@ def test_sampling_params(temperature):
     assert params.sampling_type == (SamplingType.GREEDY if temperature == 0 else SamplingType.RANDOM)
 
 
+def png(width: int, height: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 30)).save(out, format="PNG")
+    return out.getvalue()
+
+
 def test_tokens_prompt_keys():
     hints = typing.get_type_hints(TokensPrompt)
-    for prompt in (engines.vllm_prompt([1, 2, 3]), engines.vllm_prompt([1, 2], images=["an image"])):
+    image = png(40, 30)
+    for prompt in (engines.vllm_prompt([1, 2, 3]), engines.vllm_prompt([1, 2], images=[image])):
         assert TokensPrompt.__required_keys__ <= set(prompt) <= set(hints)
         assert TokensPrompt(**prompt) == prompt
+    assert prompt["multi_modal_uuids"] == {"image": [hashlib.sha256(image).hexdigest()]}
+    assert isinstance(prompt["multi_modal_data"]["image"][0], Image.Image)
+
+
+def test_banned_tokens_as_logit_bias():
+    params = SamplingParams(**engines.vllm_sampling_kwargs(engines.Sampling(), banned_token_ids=[5, 6]))
+    assert params.logit_bias == {5: -100.0, 6: -100.0}
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    return tiny.make_tiny_vlm(tmp_path_factory.mktemp("tiny-qwen2_5_vl"), ["<answer>red</answer> It is 3."] * 50)
+
+
+@pytest.fixture(scope="module")
+def vllm_qwen25_vl(vl_dir, vllm_parallel_state):
+    """(vLLM's Qwen2_5_VLForConditionalGeneration on CPU, its ModelConfig, kiln's policy model as weight source)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(vllm_registry, "_run_in_subprocess", lambda fn: fn())  # the model inspection, in process
+        model_config = ModelConfig(model=str(vl_dir), dtype="float32", skip_tokenizer_init=True)
+        config = VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"))
+        with set_current_vllm_config(config):
+            import vllm.model_executor.models.qwen2 as vllm_qwen2_module
+            import vllm.model_executor.models.qwen2_5_vl as vllm_qwen25_vl_module
+
+            patch.setattr(vllm_qwen2_module, "Attention", StandInAttention)
+            patch.setattr(vllm_qwen25_vl_module, "MMEncoderAttention", StandInAttention)
+            model = vllm_qwen25_vl_module.Qwen2_5_VLForConditionalGeneration(vllm_config=config)
+            source = policy.load_model(vl_dir)
+            with torch.no_grad():
+                for p in source.parameters():
+                    p.normal_()
+            yield model, model_config, source, vllm_qwen25_vl_module
+
+
+def test_qwen25_vl_weight_names(vllm_qwen25_vl):
+    """policy.iter_full_weights of a Qwen2.5-VL (model.visual.*, model.language_model.*) fills every parameter of
+    vLLM 0.32's Qwen2.5-VL through its own name mapping; the tied flag is only in the top-level config."""
+    model, model_config, source, _ = vllm_qwen25_vl
+    assert model_config.hf_config.tie_word_embeddings and not getattr(model_config.hf_text_config,
+                                                                      "tie_word_embeddings", None)
+    loaded = set()
+    for bucket in engines.bucket_weights(((n, t) for n, t in policy.iter_full_weights(source)
+                                          if n != "lm_head.weight"), cap_bytes=20_000):
+        loaded |= model.load_weights(bucket)
+    params = dict(model.named_parameters())
+    assert loaded == set(params)
+    assert torch.equal(params["visual.patch_embed.proj.weight"], source.model.visual.patch_embed.proj.weight)
+    assert torch.equal(params["visual.blocks.1.attn.qkv.weight"], source.model.visual.blocks[1].attn.qkv.weight)
+    embed = source.model.language_model.embed_tokens.weight
+    assert torch.equal(params["language_model.model.embed_tokens.weight"][: embed.shape[0]], embed)
+
+
+def test_image_token_count_is_vllms(vllm_qwen25_vl, vl_dir):
+    """vLLM's own count of an image's tokens (what it expands a placeholder to) equals vision.image_tokens, which
+    the HF engine and trainer expand by, for odd sizes, a scaled-up thin image and a long one."""
+    from vllm.multimodal.processing import InputProcessingContext
+
+    _, model_config, _, module = vllm_qwen25_vl
+    info = module.Qwen2_5_VLProcessingInfo(InputProcessingContext(model_config, tokenizer=None))
+    # its HF processor needs torchvision's video processor; the image kwargs it would route are none here
+    info.__dict__["supported_mm_processor_kwargs"] = {}
+    processor = vision.image_processor(str(vl_dir))
+    for width, height in [(91, 37), (201, 300), (40, 10), (2800, 28), (640, 480)]:
+        fitted = vision.load_image(png(width, height))
+        want = info.get_num_image_tokens(image_width=fitted.width, image_height=fitted.height,
+                                         image_processor=processor, mm_kwargs={})
+        assert vision.image_tokens(processor, fitted) == want, (width, height)
 
 
 def test_bucketed_load_through_the_real_vllm_qwen2(vllm_qwen2):
@@ -225,7 +323,7 @@ def test_vllm_engine_against_the_real_api(vllm_qwen2, model_dir, monkeypatch):
     assert torch.equal(model.model.embed_tokens.weight[: embed.shape[0]], embed)
     assert all(p.abs().sum() > 0 for p in model.parameters())
     sampling = engines.Sampling(max_new_tokens=4, temperature=0.7, stop_token_ids=[0])
-    completions = engine.generate([[1, 2, 3], [6]], sampling, images=[None, ["an image"]])
+    completions = engine.generate([[1, 2, 3], [6]], sampling)
     assert [(c.token_ids, c.finish_reason) for c in completions] == [([4, 5, 6, 7], "length"), ([7, 0], "stop")]
     assert completions[1].logprobs == [-0.5, -1.5]
     engine.sleep()
@@ -238,4 +336,12 @@ def test_vllm_engine_against_the_real_api(vllm_qwen2, model_dir, monkeypatch):
     assert wakes == [["weights"], ["kv_cache"]]
     assert [kwargs for name, _, kwargs in llm.calls if name == "sleep"] == [{"level": 2}, {"level": 2}]
     prompts = next(args[0] for name, args, _ in llm.calls if name == "generate")
-    assert prompts[1] == {"prompt_token_ids": [6], "multi_modal_data": {"image": ["an image"]}}
+    assert prompts[1] == {"prompt_token_ids": [6]}
+
+
+def test_image_budget_reaches_the_model_config(vl_dir, monkeypatch):
+    monkeypatch.setattr(vllm_registry, "_run_in_subprocess", lambda fn: fn())
+    args = EngineArgs(**llm_kwargs(vl_dir, max_images_per_prompt=5))
+    config = dataclasses.replace(args, enable_sleep_mode=False).create_model_config()
+    assert config.multimodal_config.get_limit_per_prompt("image") == 5
+    assert config.multimodal_config.get_limit_per_prompt("video") == 0
