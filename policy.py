@@ -106,16 +106,23 @@ AttentionMaskInterface.register("packed_sdpa", lambda *args, **kwargs: None)  # 
 def load_model(path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
     """A Hugging Face causal LM from a local folder (or the local hub cache), on CPU, in `dtype`. A vision-language
     model (Qwen2.5-VL) loads with its vision tower: `attn_implementation` goes to the language model, sdpa to the
-    vision tower (it attends within each image's windows; the packed attentions are for text rows)."""
+    vision tower (it attends within each image's windows; the packed attentions are for text rows). flex_attention
+    is refused for it (`check_attention`)."""
     if not vision.is_vision_model(AutoConfig.from_pretrained(path, local_files_only=True)):
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
                                                     local_files_only=True)
-    if attn_implementation == "flex_attention":  # transformers refuses it for Qwen2.5-VL's language model
-        raise ValueError(f"{path}: a vision-language model cannot train with flex_attention; use packed_sdpa (the "
-                         "default) or flash_attention_2")
     return AutoModelForImageTextToText.from_pretrained(
         path, dtype=dtype, local_files_only=True,
         attn_implementation={"text_config": attn_implementation, "vision_config": "sdpa"})
+
+
+def check_attention(path, attn_implementation: str) -> None:
+    """Refuse, before anything loads, an attention the model cannot train with: transformers refuses flex_attention
+    for Qwen2.5-VL's language model."""
+    if attn_implementation == "flex_attention" and vision.is_vision_model(
+            AutoConfig.from_pretrained(path, local_files_only=True)):
+        raise SystemExit(f"{path}: a vision-language model cannot train with flex_attention; use "
+                         "--attn-implementation packed_sdpa or flash_attention_2")
 
 
 def check_model_path(path: str, flag: str = "--model") -> None:

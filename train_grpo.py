@@ -303,6 +303,7 @@ def check_args(args: Args, world: int) -> None:
         agent_server.check_agent_cmd(args.agent_cmd)
     runlog.check_output_dir(args.output_dir, args.resume, args.overwrite)
     policy.check_model_path(args.model)
+    policy.check_attention(args.model, args.attn_implementation)
     engines.check_engine(args.engine)
 
 
