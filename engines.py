@@ -112,15 +112,15 @@ class HFEngine:
     def generate(self, prompts: list[list[int]], sampling: Sampling,
                  images: list[list | None] | None = None) -> list[Completion]:
         """Completions for `prompts` (token ids); `images[i]` are prompt i's images (PNG bytes or PIL, one per
-        `<|image_pad|>` in its ids, in order), or None."""
+        `<|image_pad|>` in its ids, in order), or None. A text-only model sees only the placeholder tokens."""
         if self.model is None:
             raise RuntimeError("HFEngine on an FSDP-sharded policy: call load_weights(policy.iter_full_weights(model)) "
                                "before generate")
         if sampling.max_new_tokens < 1:
             raise ValueError(f"Sampling.max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
-        images = [list(i or []) for i in images] if images is not None else [[] for _ in prompts]
-        if any(images) and not vision.is_vision_model(self.model.config):
-            raise ValueError(f"{type(self.model).__name__} is not a vision-language model: it cannot take images")
+        if images is None or not vision.is_vision_model(self.model.config):  # a text model sees only placeholders
+            images = [[] for _ in prompts]
+        images = [list(i or []) for i in images]
         out = []
         for start in range(0, len(prompts), self.batch_size):
             end = start + self.batch_size
