@@ -64,7 +64,7 @@ class Args:
     micro_batch_tokens: int = 4096
     """tokens per forward (packed: kiln's budget; padded: rows x longest row)"""
     repeats: int = 5
-    """measured updates per method (after one warm-up each)"""
+    """measured updates per method, alternating (after one warm-up each)"""
     seed: int = 0
 
 
@@ -170,18 +170,19 @@ def padded_update(model, samples, args: Args) -> list[torch.Tensor]:
     return sums
 
 
-def timed(update, model, samples, args: Args) -> list[float]:
-    seconds = []
-    for _ in range(args.repeats + 1):  # the first is a warm-up
-        model.zero_grad(set_to_none=True)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        update(model, samples, args)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-    return seconds[1:]
+def timed(update, model, samples, args: Args) -> float:
+    model.zero_grad(set_to_none=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    update(model, samples, args)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def set_text_attention(model, attn: str) -> None:
+    model.set_attn_implementation({"text_config": attn, "vision_config": "sdpa"})
 
 
 def main(args: Args) -> None:
@@ -190,14 +191,17 @@ def main(args: Args) -> None:
         model = build(args, Path(folder), device)
         samples = batch(args, model.config)
         tokens = sum(expanded_length(model, s) for s in samples)
-        packed = packed_update(model, samples, args)
-        model.set_attn_implementation({"text_config": "sdpa", "vision_config": "sdpa"})
+        packed = packed_update(model, samples, args)  # also the warm-ups
+        set_text_attention(model, "sdpa")
         padded = padded_update(model, samples, args)
         gap = max(abs(float(a - b)) / max(1.0, abs(float(b))) for a, b in zip(packed, padded))
         print(f"check: per-sample completion logprob sums agree to {gap:.1e} (relative)")
-        padded_s = timed(padded_update, model, samples, args)
-        model.set_attn_implementation({"text_config": "packed_sdpa", "vision_config": "sdpa"})
-        packed_s = timed(packed_update, model, samples, args)
+        packed_s, padded_s = [], []
+        for _ in range(args.repeats):  # alternating, so a busy spell of a shared machine hits both
+            padded_s.append(timed(padded_update, model, samples, args))
+            set_text_attention(model, "packed_sdpa")
+            packed_s.append(timed(packed_update, model, samples, args))
+            set_text_attention(model, "sdpa")
         width = sum(len(m) * max(expanded_length(model, samples[i]) for i in m)
                     for m in padded_rows(model, samples, args.micro_batch_tokens))
     print(f"{args.shape} on {device}: {len(samples)} samples, {tokens} tokens (images expanded), padded rows hold "
