@@ -57,19 +57,17 @@ def processor_for(config):
 
 
 def load_image(image) -> Image.Image:
-    """An RGB PIL image from PNG/JPEG bytes, a {"bytes": ...} dict, a path or a PIL image, within the limits both the
-    rollout and the model apply: a side under MIN_SIDE is scaled up (aspect kept), an aspect ratio over
-    MAX_ASPECT_RATIO is refused."""
-    if isinstance(image, dict):
-        image = image.get("bytes") or image.get("path")
-    if isinstance(image, (bytes, bytearray)):
+    """An RGB PIL image from encoded bytes (PNG, JPEG, ...) or a PIL image, within the limits both the rollout and the
+    model apply: transparency flattened onto white (as transformers' image processors do), a side under MIN_SIDE
+    scaled up (aspect kept), an aspect ratio over MAX_ASPECT_RATIO refused."""
+    if not isinstance(image, Image.Image):
         image = Image.open(io.BytesIO(image))
-    elif isinstance(image, str):
-        image = Image.open(image)
     width, height = image.size
     if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
         raise ValueError(f"image of {width}x{height} pixels: aspect ratio over {MAX_ASPECT_RATIO}")
-    image = image.convert("RGB")
+    if image.mode != "RGB":
+        white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        image = Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
     if min(width, height) < MIN_SIDE:
         scale = MIN_SIDE / min(width, height)
         image = image.resize((max(MIN_SIDE, round(width * scale)), max(MIN_SIDE, round(height * scale))),
@@ -95,15 +93,9 @@ def added_tokens(config, prompt_ids: list[int], images: list) -> tuple[int, int]
 def digest(image) -> str:
     """A content hash of an image (its encoded bytes, or a PIL image's pixels): vLLM's multi_modal_uuids, and the key
     that tells a shared prompt's images from another prompt's."""
-    if isinstance(image, dict):
-        image = image.get("bytes") or image.get("path")
     if isinstance(image, Image.Image):
-        data = f"{image.mode}{image.size}".encode() + image.tobytes()
-    elif isinstance(image, str):
-        data = image.encode()
-    else:
-        data = bytes(image)
-    return hashlib.sha256(data).hexdigest()
+        return hashlib.sha256(f"{image.mode}{image.size}".encode() + image.tobytes()).hexdigest()
+    return hashlib.sha256(bytes(image)).hexdigest()
 
 
 @functools.lru_cache(maxsize=512)  # the old, reference and updated policies all see the same images in a step

@@ -107,8 +107,12 @@ def test_expansion_equals_the_processor(vlm_dir, tokenizer, monkeypatch, sizes):
 
 
 def test_image_limits():
-    """A side under 28 pixels is scaled up (aspect kept), an aspect ratio over 100 refused, 100 accepted."""
+    """A side under 28 pixels is scaled up (aspect kept), an aspect ratio over 100 refused, 100 accepted, transparency
+    flattened onto white."""
     assert vision.load_image(png(10, 40, 0)).size == (112, 28)
+    clear = io.BytesIO()
+    Image.new("RGBA", (30, 30), (255, 0, 0, 0)).save(clear, format="PNG")
+    assert vision.load_image(clear.getvalue()).getpixel((3, 3)) == (255, 255, 255)
     assert vision.load_image(png(28, 2800, 0)).size == (2800, 28)
     with pytest.raises(ValueError, match="aspect ratio over 100"):
         vision.load_image(png(28, 2829, 0))
