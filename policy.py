@@ -637,7 +637,7 @@ def packed_values(value_model, sequences: list[list[int]], score_from: list[int]
 # (rollout.Sample); per-token results are [B, T] rows over its completion tokens, zero-padded.
 
 # What an idle micro-batch runs (a rank with fewer than another): FSDP's collectives must stay in step across ranks.
-_IDLE = [SimpleNamespace(prompt_ids=[0], completion_ids=[0])]
+_IDLE = [SimpleNamespace(prompt_ids=[0], completion_ids=[0], images=[])]
 
 
 def completion_micro_batches(model, samples: list, index: list[int], max_tokens: int) -> list[list[int]]:
@@ -651,10 +651,11 @@ def completion_micro_batches(model, samples: list, index: list[int], max_tokens:
 
 
 def _images(model, samples: list) -> list[list] | None:
-    """Each sample's images (`info["images"]`, in the order of its placeholders) for a vision model, else None."""
+    """Each sample's images (`Sample.images`, one per placeholder in its ids, in order) for a vision model, else
+    None."""
     if not vision.is_vision_model(model.config):
         return None
-    return [list(getattr(s, "info", {}).get("images") or []) for s in samples]
+    return [list(s.images) for s in samples]
 
 
 
@@ -662,7 +663,7 @@ def completion_logprobs(model, samples: list, temperature: float = 1.0, chunk_si
                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, T] logprobs (and entropies) of each sample's completion tokens given its prompt: one packed forward from
     the completions' first tokens on, a group's common prompt run once where the model can share it. A vision model
-    gets each sample's `info["images"]`. No samples (an idle micro-batch): one masked-out token is run and [1, 1]
+    gets each sample's `images`. No samples (an idle micro-batch): one masked-out token is run and [1, 1]
     returned."""
     samples = samples or _IDLE
     logprobs, entropy = packed_logprobs(model, [s.prompt_ids + s.completion_ids for s in samples],

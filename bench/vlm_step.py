@@ -106,7 +106,7 @@ def batch(args: Args, config) -> list[SimpleNamespace]:
             prompt += span + rng.integers(10, vocab, 12).tolist()
         for _ in range(args.group_size):
             completion = rng.integers(10, vocab, int(rng.integers(args.min_new, args.max_new + 1))).tolist()
-            samples.append(SimpleNamespace(prompt_ids=prompt, completion_ids=completion, info={"images": images},
+            samples.append(SimpleNamespace(prompt_ids=prompt, completion_ids=completion, images=images,
                                            group=group))
     return samples
 
@@ -121,7 +121,7 @@ def packed_update(model, samples, args: Args) -> list[torch.Tensor]:
 
 
 def expanded_length(model, sample) -> int:
-    added, _ = vision.added_tokens(model.config, sample.prompt_ids, sample.info["images"])
+    added, _ = vision.added_tokens(model.config, sample.prompt_ids, sample.images)
     return len(sample.prompt_ids) + len(sample.completion_ids) + added
 
 
@@ -144,7 +144,7 @@ def padded_update(model, samples, args: Args) -> list[torch.Tensor]:
         rows, completions, pixel_values, grids = [], [], [], []
         for i in micro:
             s = samples[i]
-            pixels, grid = vision.pixels(processor, s.info["images"])
+            pixels, grid = vision.pixels(processor, s.images)
             rows.append(vision.expand(s.prompt_ids + s.completion_ids, grid, pad, processor.merge_size)[0])
             completions.append(len(s.completion_ids))
             pixel_values.append(pixels)

@@ -63,10 +63,10 @@ def main(model_dir: str) -> None:
     if rank == 0:
         question, images = turn("I", "How many dots?", "I"), [png(37, 91, 0), png(64, 64, 1)]
         samples = [SimpleNamespace(prompt_ids=question, completion_ids=tokenizer.encode(answer),
-                                   info={"images": images}) for answer in ("3", "<answer>4</answer>")]
+                                   images=images) for answer in ("3", "<answer>4</answer>")]
     else:
         samples = [SimpleNamespace(prompt_ids=turn("Just text."), completion_ids=tokenizer.encode("def f(x): 1"),
-                                   info={})]
+                                   images=[])]
 
     text_only = policy._packed_row(model, [turn("No image.")], [3], False)
     assert len(text_only.vision_inputs["image_grid_thw"]) == 1 and text_only.targets.numel() == len(turn("No image."))-3
@@ -98,7 +98,7 @@ def main(model_dir: str) -> None:
     engine = engines.HFEngine(model, tokenizer.pad_token_id)
     engine.load_weights(policy.iter_full_weights(model))
     reference.load_state_dict({name: full(p) for name, p in model.named_parameters()}, strict=False)
-    prompts, images = [s.prompt_ids for s in samples], [s.info.get("images") for s in samples]
+    prompts, images = [s.prompt_ids for s in samples], [s.images for s in samples]
     sampling = engines.Sampling(max_new_tokens=8, temperature=0)
     got = engine.generate(prompts, sampling, images=images)
     want = engines.HFEngine(reference, tokenizer.pad_token_id).generate(prompts, sampling, images=images)

@@ -251,7 +251,7 @@ def test_hf_engine_with_images_equals_generate(vlm_dir, tokenizer):
 
 def test_hf_engine_bans_placeholders_and_matches_the_trainer(vlm_dir, tokenizer):
     """A model whose favourite next token is <|image_pad|>: HFEngine, sampling, never emits a placeholder, and the
-    trainer's completion_logprobs of its samples (images from info["images"]) equal the engine's."""
+    trainer's completion_logprobs of its samples (images from Sample.images) equal the engine's."""
     model = scrambled(policy.load_model(vlm_dir))
     sequences, images, prompts = rows(tokenizer)
     question = sequences[2][: prompts[2]]
@@ -262,7 +262,7 @@ def test_hf_engine_bans_placeholders_and_matches_the_trainer(vlm_dir, tokenizer)
     out = engines.HFEngine(model, tokenizer.pad_token_id).generate(
         batch, engines.Sampling(max_new_tokens=12, temperature=1.0), images=batch_images)
     assert not {t for c in out for t in c.token_ids} & set(vision.banned_token_ids(model.config))
-    samples = [SimpleNamespace(prompt_ids=p, completion_ids=c.token_ids, info={"images": i or []})
+    samples = [SimpleNamespace(prompt_ids=p, completion_ids=c.token_ids, images=i or [])
                for p, c, i in zip(batch, out, batch_images)]
     with torch.no_grad():
         logprobs, _ = policy.completion_logprobs(model, samples)
@@ -277,7 +277,7 @@ def test_micro_batches_count_expanded_tokens(vlm_dir, tokenizer):
     model = policy.load_model(vlm_dir)
     sequences, images, prompts = rows(tokenizer)
     samples = [SimpleNamespace(prompt_ids=sequences[k][: prompts[k]], completion_ids=sequences[k][prompts[k]:],
-                               info={"images": images[k]}) for k in (1, 2)]
+                               images=images[k]) for k in (1, 2)]
     ids_only = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     added = vision.image_tokens(vision.processor_for(model.config), images[2][0]) - 1
     assert policy.completion_micro_batches(model, samples, [0, 1], ids_only + added) == [[0, 1]]
