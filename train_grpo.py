@@ -32,6 +32,8 @@ import rewards
 import rollout
 import runlog
 import swe_grading
+import tools
+import vision
 
 
 # Defaults that depend on the policy loss: GSPO clips a sequence-level ratio (its paper's ranges) and averages each
@@ -314,9 +316,11 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     tokenizer = policy.load_tokenizer(args.model)
-    rows = rollout.load_rows_within(args.data, tokenizer, prompt_limit(args), verbose=rank == 0, tools=args.tools)
+    counting = image_counting(args.model)
+    rows = rollout.load_rows_within(args.data, tokenizer, prompt_limit(args), verbose=rank == 0, tools=args.tools,
+                                    **counting)
     eval_rows = (rollout.load_rows_within(args.eval_data, tokenizer, prompt_limit(args), verbose=rank == 0,
-                                          tools=args.tools) if args.eval_data else [])
+                                          tools=args.tools, **counting) if args.eval_data else [])
     if 0 < len(eval_rows) < world:  # a rank without eval rows would leave the others' collectives hanging
         raise SystemExit(f"{args.eval_data}: {len(eval_rows)} eval rows for {world} ranks; need at least one each")
     if score_fn is rewards.score_batch:  # a caller's own score function decides which sources it knows
@@ -330,9 +334,14 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     # vLLM takes its memory before the FSDP model does (its allocator must see a clean device).
     engine = None
     if args.engine == "vllm":
+        images = None  # a vision model's budget: the most a row has, and what every tool call may add
+        if counting:
+            images = max(len(data_prep.row_images(r)) for r in rows + eval_rows) + (
+                args.max_turns * tools.ImageLimits.max_images if args.tools != "none" else 0)
         engine = engines.VLLMEngine(
             args.model, seed=args.seed, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            max_model_len=args.vllm_max_model_len, tensor_parallel_size=args.vllm_tensor_parallel_size)
+            max_model_len=args.vllm_max_model_len, tensor_parallel_size=args.vllm_tensor_parallel_size,
+            max_images_per_prompt=images)
         engine.sleep()
     model = policy.shard_model(policy.load_model(args.model, attn_implementation=args.attn_implementation).to(device),
                                mixed_precision=args.mixed_precision,
@@ -480,11 +489,19 @@ def train_step(run: Run) -> dict:
     return metrics
 
 
+def image_counting(model: str) -> dict:
+    """The rollout's count_image for a vision-language model: the tokens an image expands to by the model's own
+    image processor, as the engines and the trainer expand it; {} for a text model (the rollout's default)."""
+    count = vision.image_counter(model)
+    return {"count_image": count} if count else {}
+
+
 def rollouts(args: Args, evaluation: bool = False):
-    """rollout.collect, or with --agent-cmd rollout.external_agents (the same arguments after the command). An
-    evaluation keeps failed agents' sessions: their result is graded like any other."""
+    """rollout.collect (images counted as the model expands them), or with --agent-cmd rollout.external_agents (the
+    same arguments after the command). An evaluation keeps failed agents' sessions: their result is graded like any
+    other."""
     if args.agent_cmd is None:
-        return rollout.collect
+        return functools.partial(rollout.collect, **image_counting(args.model))
     return functools.partial(rollout.external_agents, args.agent_cmd,
                              keep_failed=args.agent_keep_failed or evaluation)
 

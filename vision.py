@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from PIL import Image
-from transformers import AutoImageProcessor
+from transformers import AutoConfig, AutoImageProcessor
 
 MIN_SIDE = 28  # a smaller side is scaled up to this (aspect kept), as CodeV's tool does
 MAX_ASPECT_RATIO = 100  # a longer/shorter side ratio above this is refused (the image processor raises past 200)
@@ -80,6 +80,14 @@ def image_tokens(processor, image) -> int:
     after the processor's resize into [min_pixels, max_pixels]."""
     width, height = load_image(image).size
     return processor.get_number_of_image_patches(height, width, {}) // processor.merge_size ** 2
+
+
+def image_counter(path: str):
+    """image_tokens by the image processor of the model folder at `path` (its own min/max pixels), for a
+    vision-language model; None for a text model."""
+    if not is_vision_model(AutoConfig.from_pretrained(path, local_files_only=True)):
+        return None
+    return functools.partial(image_tokens, image_processor(str(path)))
 
 
 def added_tokens(config, prompt_ids: list[int], images: list) -> tuple[int, int]:
