@@ -162,9 +162,10 @@ class Args:
     dry_run: bool = False
     """print the resolved Args and exit"""
 
-    tools: Literal["none", "python", "swe"] = "none"
-    """multi-turn agent rollouts with these tools (python: a stateful sandboxed interpreter per trajectory; swe: bash,
-    an editor and submit in a Docker container per trajectory, for swebench rows, graded on the container's diff)"""
+    tools: Literal["none", "python", "codev", "swe"] = "none"
+    """multi-turn agent rollouts with these tools (python: a stateful sandboxed interpreter per trajectory, called with
+    <tool_call>; codev: the same on the row's images, called with CodeV's <code> tags; swe: bash, an editor and submit
+    in a Docker container per trajectory, for swebench rows, graded on the container's diff)"""
     max_turns: int = 4
     """assistant turns per trajectory (tools on)"""
     max_total_tokens: int = 2048
