@@ -1,9 +1,10 @@
 """GRPO with a vision-language policy end to end on CPU: a tiny Qwen2.5-VL, warm-started to write a code action and
 then an answer, trains for 2 steps on 2 torchrun ranks on vision_toy rows with the CodeV tag protocol (the Python tool
-on the row's image) and the rule reward: every trajectory matches the chat template's rendering, the tool ran, and
-the vision tower's weights got gradients and changed."""
+on the row's image) and the rule reward: every trajectory matches the chat template's rendering, the tool ran, the
+vision tower's weights got gradients and changed, and a run resumed from its step-1 checkpoint repeats step 2."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,12 @@ def task(tmp_path_factory):
     return root, model
 
 
+def deterministic(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items()
+            if not k.startswith(("timing_s/", "perf/", "rollout/seconds", "rollout/tokens_per_s", "timestamp",
+                                 "tools/seconds", "tools/agent_seconds"))}
+
+
 def test_two_rank_grpo_on_vision_toy_with_the_python_tool(task, tmp_path):
     root, model = task
     out = tmp_path / "run"
@@ -69,7 +76,7 @@ def test_two_rank_grpo_on_vision_toy_with_the_python_tool(task, tmp_path):
                "--output-dir", str(out), "--tools", "codev", "--max-turns", "2", "--prompts-per-step", "2",
                "--group-size", "4", "--max-new-tokens", "24", "--max-total-tokens", "1024",
                "--max-prompt-tokens", "1000", "--total-steps", "2", "--lr", "1e-3", "--check-tito",
-               "--save-every", "2", "--micro-batch-tokens", "4096", "--seed", "1"]
+               "--save-every", "1", "--micro-batch-tokens", "4096", "--seed", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
@@ -86,3 +93,14 @@ def test_two_rank_grpo_on_vision_toy_with_the_python_tool(task, tmp_path):
     visual = [(name, a, b) for (name, a), (_, b) in zip(initial.named_parameters(), trained.named_parameters())
               if ".visual." in name]
     assert visual and all(not torch.equal(a, b) for _, a, b in visual), [n for n, a, b in visual if torch.equal(a, b)]
+
+    # Resume from the step-1 checkpoint: step 2 again, with the same samples, rewards and update.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000002")
+    command[command.index(str(out))] = str(resumed)
+    result = subprocess.run(command + ["--resume"], capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    again = [json.loads(line) for line in open(resumed / "metrics.jsonl")]
+    again = {m["step"]: m for m in again if "critic/score/mean" in m}
+    assert sorted(again) == [1, 2] and deterministic(again[2]) == deterministic(steps[1])
