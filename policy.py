@@ -1,39 +1,28 @@
 """The model being trained: load a Hugging Face causal LM (or a value model for PPO's critic), shard it with FSDP2,
 attend within packed sequences (`packed_sdpa`), compute per-token logprobs and values of packed sequences (in chunks,
-a group's shared prompt run once), plan micro-batches, save/restore atomic DCP checkpoints, and stream full weights to
-an inference engine. Also the run's distributed reductions, its optimizer and learning-rate schedule.
+a group's shared prompt run once), plan micro-batches, and stream full weights to an inference engine. Also the
+run's distributed reductions, its optimizer and learning-rate schedule. Checkpoints are checkpoint.py's.
 
 Every function works on a plain model and on a `shard_model`-ed one, with or without torchrun.
 """
 
 import functools
 import itertools
-import json
 import logging
 import math
 import os
-import pickle
-import random
-import re
-import shutil
 import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable, Iterator, NoReturn
+from typing import Iterator, NoReturn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # kiln never downloads a model; read by huggingface_hub at import
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from huggingface_hub import save_torch_state_dict, snapshot_download, try_to_load_from_cache
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from huggingface_hub import try_to_load_from_cache
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import create_block_mask
@@ -215,6 +204,11 @@ def exit_distributed(code: int = 0) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def rank() -> int:
+    """This process's rank; 0 without a process group (a plain model, no `init_distributed`)."""
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def sum_over_ranks(value: float) -> float:
@@ -739,7 +733,7 @@ def step_if_finite(optimizer, grad_norm: float, family: str) -> dict:
     finite = math.isfinite(grad_norm)
     if finite:
         optimizer.step()
-    elif _rank() == 0:
+    elif rank() == 0:
         print(f"warning: {family} gradient norm is {grad_norm}: optimizer step skipped", flush=True)
     return {f"{family}/grad_norm": grad_norm, f"{family}/skipped_step": float(not finite)}
 
@@ -768,176 +762,3 @@ def iter_full_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
                 done.add(name)
                 yield _hf_name(name), param.detach().clone()
         unit.reshard()
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-_CHECKPOINT = re.compile(r"step_(\d+)")
-_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".index.json")
-
-
-def _copy_hf_files(hf_source_dir, dest: Path) -> None:
-    """Config, generation config, tokenizer and processor files of the source model: everything but weights."""
-    source = Path(hf_source_dir)
-    if not source.is_dir():
-        source = Path(snapshot_download(str(hf_source_dir), local_files_only=True))
-    dest.mkdir(parents=True, exist_ok=True)
-    for f in source.iterdir():
-        if f.is_file() and not f.name.endswith(_WEIGHT_FILES):
-            shutil.copy2(f, dest / f.name)
-
-
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_checkpoint(output_dir, step: int, model, optimizer, trainer_state: dict, hf_source_dir,
-                    keep_last: int | None = None) -> Path:
-    """<output_dir>/checkpoints/step_XXXXXXXX: a DCP checkpoint of {"model", "optimizer"} (sharded, any world size
-    can read it), trainer_state.json, rng/rank{r}.pt and hf/ (config + tokenizer files of `hf_source_dir`). Written
-    into a temp dir that rank 0 renames once every rank is done, so a crash mid-save leaves the last good checkpoint
-    as the newest. keep_last: how many checkpoints stay, the one just written always among them (older ones beyond
-    that are deleted). Collective: call on every rank."""
-    root = Path(output_dir) / "checkpoints"
-    final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
-    rank = _rank()
-    payload = json.dumps(trainer_state, indent=1)  # fail before writing anything if it is not JSON
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
-        (tmp / "rng").mkdir(parents=True)
-    _barrier()
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=tmp)
-    torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
-    if rank == 0:
-        _copy_hf_files(hf_source_dir, tmp / "hf")
-        (tmp / "trainer_state.json").write_text(payload)
-    _barrier()
-    if rank == 0:
-        if final.exists():  # the same step saved again (a resumed run): swap, then drop the old copy
-            old = root / f".old_step_{step:08d}"
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
-        found = _complete_checkpoints(root)
-        older = [p for p in found if _step_of(p) < step]
-        # A later step than this one was left by a run this one resumed before it (an unreadable checkpoint was
-        # skipped): kept, it would be the one a resume picks.
-        stale = [p for p in found if _step_of(p) > step]
-        if keep_last:
-            stale += older[: max(0, len(older) - (keep_last - 1))]
-        for path in stale:
-            shutil.rmtree(path)
-    _barrier()
-    return final
-
-
-def _step_of(checkpoint: Path) -> int:
-    return int(_CHECKPOINT.fullmatch(checkpoint.name).group(1))
-
-
-def _complete_checkpoints(root: Path) -> list[Path]:
-    found = [p for p in root.glob("step_*") if _CHECKPOINT.fullmatch(p.name) and (p / "trainer_state.json").is_file()]
-    return sorted(found, key=_step_of)
-
-
-def latest_checkpoint(output_dir) -> Path | None:
-    """The newest complete checkpoint under <output_dir>/checkpoints, or None (temp dirs of interrupted saves are
-    never returned)."""
-    found = _complete_checkpoints(Path(output_dir) / "checkpoints")
-    return found[-1] if found else None
-
-
-def load_newest_checkpoint(output_dir, load: Callable[[Path], dict]) -> tuple[Path | None, dict | None]:
-    """(checkpoint, trainer state) of the newest checkpoint under <output_dir>/checkpoints that `load` (e.g. a call of
-    load_checkpoint) reads without error; an unreadable one (a truncated or missing file) is skipped with a warning
-    naming it and the error, and the one before it is tried. (None, None) when there is none. Collective."""
-    for path in reversed(_complete_checkpoints(Path(output_dir) / "checkpoints")):
-        try:
-            return path, load(path)
-        except (OSError, EOFError, ValueError, RuntimeError, AssertionError, KeyError, pickle.UnpicklingError,
-                CheckpointException) as e:
-            if _rank() == 0:
-                reason = (str(e).strip().splitlines() or [""])[0]
-                print(f"warning: checkpoint {path} is unreadable ({type(e).__name__}: {reason}); trying the one "
-                      f"before it", flush=True)
-    return None, None
-
-
-def load_checkpoint(path, model, optimizer=None) -> dict:
-    """Restores model (and optimizer) state and this rank's RNG streams from `path`; returns the trainer state.
-    Collective: call on every rank, after `shard_model` and before the first step."""
-    path = Path(path)
-    try:  # read first: a checkpoint whose state is cut short fails before any weight changes
-        trainer_state = json.loads((path / "trainer_state.json").read_text())
-    except ValueError as e:
-        raise ValueError(f"{path / 'trainer_state.json'}: {e}") from e
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path / '.metadata'}: missing")
-    state = {"model": get_model_state_dict(model)}
-    if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    rng_file = path / "rng" / f"rank{_rank()}.pt"
-    if rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
-    else:
-        print(f"warning: {rng_file} missing (saved by fewer ranks, or removed): rank {_rank()} keeps its own RNG "
-              f"streams, so sampling from here on differs from the run that was interrupted")
-    return trainer_state
-
-
-def save_hf(model, hf_source_dir, out_dir) -> Path:
-    """The model's current weights as a Hugging Face folder (safetensors shards + the source's config and tokenizer
-    files), in the training dtype. Collective: call on every rank; rank 0 writes."""
-    out = Path(out_dir)
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if _rank() == 0:
-        if getattr(model.config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)  # tied to the embeddings; HF checkpoints omit it
-        _copy_hf_files(hf_source_dir, out)
-        # Gathered tensors can be views into one larger buffer; safetensors wants each to own its storage.
-        save_torch_state_dict({name: tensor.clone() for name, tensor in state.items()}, out)
-    _barrier()
-    return out
-
-
-def save_best(model, hf_source_dir, out_dir, record: dict) -> Path:
-    """The model as a Hugging Face folder at out_dir (`save_hf`) with `record` (step, metrics) in best.json, written
-    beside it and swapped in whole: a crash mid-save leaves the previous best. Collective: call on every rank."""
-    out = Path(out_dir)
-    tmp = out.with_name(f".{out.name}_tmp")
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
-    _barrier()
-    save_hf(model, hf_source_dir, tmp)
-    if _rank() == 0:
-        (tmp / "best.json").write_text(json.dumps(record, indent=1))
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-    _barrier()
-    return out

@@ -34,6 +34,7 @@ import runlog
 import swe_grading
 import tools
 import vision
+from checkpoint import load_checkpoint, load_newest_checkpoint, save_best, save_checkpoint
 
 
 # Defaults that depend on the policy loss: GSPO clips a sequence-level ratio (its paper's ranges) and averages each
@@ -365,7 +366,7 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     if args.tools == "swe":  # containers of dead kiln processes go; this one's go when it ends, however it ends
         containers.sweep(containers.shared_client())
         containers.remove_owned_at_exit(containers.shared_client())
-    checkpoint, state = (policy.load_newest_checkpoint(args.output_dir, lambda path: policy.load_checkpoint(
+    checkpoint, state = (load_newest_checkpoint(args.output_dir, lambda path: load_checkpoint(
         path, model, optimizer)) if args.resume else (None, None))
     step = data_pos = 0
     state = state or {}  # a fresh run: no best policy or evaluations yet
@@ -635,15 +636,15 @@ def keep_best(run: Run, metrics: dict) -> None:
                          + ", ".join(sorted(k for k in metrics if not k.startswith("val-aux/error/"))))
     if not run.best or metrics[name] > run.best["value"]:
         run.best = {"step": run.step, "metric": name, "value": metrics[name]}
-        policy.save_best(run.model, run.args.model, Path(run.args.output_dir) / "best",
-                         {"step": run.step, "metrics": metrics})
+        save_best(run.model, run.args.model, Path(run.args.output_dir) / "best",
+                  {"step": run.step, "metrics": metrics})
 
 
 def save(run: Run) -> None:
     state = {"step": run.step, "data_pos": run.data_pos, "scheduler": run.scheduler.state_dict(), "best": run.best,
              "evals": run.evals}
-    path = policy.save_checkpoint(run.args.output_dir, run.step, run.model, run.optimizer, state,
-                                  hf_source_dir=run.args.model, keep_last=run.args.keep_checkpoints)
+    path = save_checkpoint(run.args.output_dir, run.step, run.model, run.optimizer, state,
+                           hf_source_dir=run.args.model, keep_last=run.args.keep_checkpoints)
     if run.rank == 0:
         tqdm.write(f"step {run.step}: checkpoint {path}")
 

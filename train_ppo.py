@@ -38,6 +38,7 @@ import rewards
 import rollout
 import runlog
 import swe_grading
+from checkpoint import load_checkpoint, load_newest_checkpoint, save_best, save_checkpoint
 
 
 @dataclass
@@ -307,10 +308,10 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
         critic_checkpoint = Path(args.output_dir) / "critic" / "checkpoints" / checkpoint.name
         if not (critic_checkpoint / "trainer_state.json").is_file():
             raise FileNotFoundError(f"{checkpoint} has no critic checkpoint at {critic_checkpoint}")
-        policy.load_checkpoint(critic_checkpoint, value_model, critic_optimizer)
-        return policy.load_checkpoint(checkpoint, model, optimizer)
+        load_checkpoint(critic_checkpoint, value_model, critic_optimizer)
+        return load_checkpoint(checkpoint, model, optimizer)
 
-    checkpoint, state = policy.load_newest_checkpoint(args.output_dir, load_both) if args.resume else (None, None)
+    checkpoint, state = load_newest_checkpoint(args.output_dir, load_both) if args.resume else (None, None)
     if checkpoint is None:
         state = {"step": 0, "data_pos": 0, "kl_coef": args.kl_coef, "best": {}, "evals": []}
     elif rank == 0:
@@ -497,7 +498,7 @@ def evaluate(run: Run) -> dict:
     score = [metrics["val-core/all/pass@1"], metrics["val-core/all/reward/mean"]]
     if not run.best or score > run.best["score"]:
         run.best = {"step": run.step, "score": score}
-        policy.save_best(run.model, args.model, Path(args.output_dir) / "best", {"step": run.step, "metrics": metrics})
+        save_best(run.model, args.model, Path(args.output_dir) / "best", {"step": run.step, "metrics": metrics})
     run.evals.append({"step": run.step} | summary)
     if run.rank == 0:
         rewards.write_eval_report(args.output_dir, run.evals, run.best, args.eval_data)
@@ -508,11 +509,11 @@ def save(run: Run) -> None:
     """Critic first, then the policy: the policy's checkpoint marks the step complete, so the newest one always has its
     critic (keep_checkpoints keeps at least as many critic steps)."""
     args, critic = run.args, Path(run.args.output_dir) / "critic"
-    policy.save_checkpoint(critic, run.step, run.value_model, run.critic_optimizer, {"step": run.step},
-                           hf_source_dir=args.critic_model or args.model, keep_last=args.keep_checkpoints)
+    save_checkpoint(critic, run.step, run.value_model, run.critic_optimizer, {"step": run.step},
+                    hf_source_dir=args.critic_model or args.model, keep_last=args.keep_checkpoints)
     state = {"step": run.step, "data_pos": run.data_pos, "kl_coef": run.kl_coef, "best": run.best, "evals": run.evals}
-    path = policy.save_checkpoint(args.output_dir, run.step, run.model, run.optimizer, state, hf_source_dir=args.model,
-                                  keep_last=args.keep_checkpoints)
+    path = save_checkpoint(args.output_dir, run.step, run.model, run.optimizer, state, hf_source_dir=args.model,
+                           keep_last=args.keep_checkpoints)
     if run.rank == 0:
         tqdm.write(f"step {run.step}: checkpoint {path} (critic: {critic / 'checkpoints'})")
 

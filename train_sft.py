@@ -19,6 +19,7 @@ import data_prep
 import losses
 import policy
 import runlog
+from checkpoint import load_checkpoint, load_newest_checkpoint, save_checkpoint, save_hf
 
 
 @dataclass
@@ -129,7 +130,7 @@ def main(args: Args) -> dict:
     optimizer = policy.adamw(model, args.lr, args.weight_decay)
     scheduler = policy.lr_schedule(optimizer, args.warmup_steps, args.steps, "cosine", floor=0.1)
     step = 0
-    checkpoint, state = (policy.load_newest_checkpoint(args.output_dir, lambda path: policy.load_checkpoint(
+    checkpoint, state = (load_newest_checkpoint(args.output_dir, lambda path: load_checkpoint(
         path, model, optimizer)) if args.resume else (None, None))
     if checkpoint is not None:
         scheduler.load_state_dict(state["scheduler"])
@@ -162,11 +163,11 @@ def main(args: Args) -> dict:
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
-            policy.save_checkpoint(args.output_dir, step, model, optimizer,
-                                   {"step": step, "scheduler": scheduler.state_dict()}, hf_source_dir=args.model,
-                                   keep_last=args.keep_checkpoints)
+            save_checkpoint(args.output_dir, step, model, optimizer,
+                            {"step": step, "scheduler": scheduler.state_dict()}, hf_source_dir=args.model,
+                            keep_last=args.keep_checkpoints)
     bar.close()
-    policy.save_hf(model, args.model, out / "hf")
+    save_hf(model, args.model, out / "hf")
     if rank == 0:
         print(f"sft done: final loss {metrics.get('train/loss', float('nan')):.4f}, Hugging Face folder {out / 'hf'}")
     return metrics

@@ -1,4 +1,5 @@
-"""policy.py under 2-rank FSDP2 on gloo, every distributed check in one launch (imports dominate the cost):
+"""policy.py and checkpoint.py under 2-rank FSDP2 on gloo, every distributed check in one launch (imports dominate
+the cost):
 
     torchrun --nproc-per-node 2 tests/dist_policy.py MODEL_DIR OUT_DIR
 
@@ -17,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 import engines
 import policy
+from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_hf
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -125,11 +127,11 @@ def main(model_dir: str, out_dir: str) -> None:
 
     # Checkpoint: save, perturb (another step, more draws), load -> bit-exact state and the same RNG streams.
     state = {"step": 1, "data_pos": 8, "scheduler": scheduler.state_dict()}
-    path = policy.save_checkpoint(out_dir, 1, model, optimizer, state, hf_source_dir=model_dir)
+    path = save_checkpoint(out_dir, 1, model, optimizer, state, hf_source_dir=model_dir)
     after_save = draws()
     saved_params = {n: local(p) for n, p in model.named_parameters()}
     saved_optim = {(i, k): local(v) for i, s in optimizer.state.items() for k, v in s.items()}
-    assert path == Path(out_dir) / "checkpoints" / "step_00000001" and policy.latest_checkpoint(out_dir) == path
+    assert path == Path(out_dir) / "checkpoints" / "step_00000001" and latest_checkpoint(out_dir) == path
     for f in (".metadata", "trainer_state.json", f"rng/rank{rank}.pt", "hf/config.json", "hf/generation_config.json",
               "hf/tokenizer.json", "hf/tokenizer_config.json", "hf/chat_template.jinja"):
         assert (path / f).is_file(), f
@@ -140,7 +142,7 @@ def main(model_dir: str, out_dir: str) -> None:
     scheduler.step()
     draws()
     assert any(not torch.equal(local(p), saved_params[n]) for n, p in model.named_parameters())
-    restored = policy.load_checkpoint(path, model, optimizer)
+    restored = load_checkpoint(path, model, optimizer)
     assert restored == state, restored
     for n, p in model.named_parameters():
         assert torch.equal(local(p), saved_params[n]), n
@@ -151,13 +153,13 @@ def main(model_dir: str, out_dir: str) -> None:
     report("checkpoint_roundtrip")
 
     # Saving the same step again (a resumed run) replaces it; keep_last prunes older ones.
-    policy.save_checkpoint(out_dir, 2, model, optimizer, state | {"step": 2}, hf_source_dir=model_dir)
-    policy.save_checkpoint(out_dir, 2, model, optimizer, state | {"step": 2}, hf_source_dir=model_dir, keep_last=1)
+    save_checkpoint(out_dir, 2, model, optimizer, state | {"step": 2}, hf_source_dir=model_dir)
+    save_checkpoint(out_dir, 2, model, optimizer, state | {"step": 2}, hf_source_dir=model_dir, keep_last=1)
     assert [p.name for p in (Path(out_dir) / "checkpoints").iterdir()] == ["step_00000002"]
     report("checkpoint_resave_and_prune")
 
     # save_hf: a Hugging Face folder that loads back into exactly the current weights.
-    hf = policy.save_hf(model, model_dir, Path(out_dir) / "hf_final")
+    hf = save_hf(model, model_dir, Path(out_dir) / "hf_final")
     reloaded = policy.load_model(hf)
     for name, tensor in policy.iter_full_weights(model):
         assert torch.equal(dict(reloaded.named_parameters())[name], tensor), name

@@ -22,6 +22,7 @@ import policy  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
 import tiny  # noqa: E402
+from checkpoint import save_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,7 @@ def test_a_kiln_checkpoint_generates_its_own_weights(toy, tmp_path, one_rank):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     optimizer = torch.optim.AdamW(model.parameters())
-    checkpoint = policy.save_checkpoint(tmp_path / "run", 7, model, optimizer, {"step": 7}, hf_source_dir=model_dir)
+    checkpoint = save_checkpoint(tmp_path / "run", 7, model, optimizer, {"step": 7}, hf_source_dir=model_dir)
     out = rollout.generate(args_for(root, checkpoint, tmp_path / "samples.jsonl"))
     tokenizer = policy.load_tokenizer(model_dir)
     moved = greedy_texts(model, tokenizer, rows)
@@ -169,8 +170,8 @@ def test_two_ranks_from_a_checkpoint_with_tools(toy, tmp_path):
     policy.init_distributed()
     try:
         model = policy.load_model(model_dir)
-        checkpoint = policy.save_checkpoint(tmp_path / "run", 3, model, torch.optim.AdamW(model.parameters()),
-                                            {"step": 3}, hf_source_dir=model_dir)
+        checkpoint = save_checkpoint(tmp_path / "run", 3, model, torch.optim.AdamW(model.parameters()),
+                                     {"step": 3}, hf_source_dir=model_dir)
     finally:
         if created:
             dist.destroy_process_group()

@@ -20,6 +20,7 @@ import data_prep  # noqa: E402
 import policy  # noqa: E402
 import tiny  # noqa: E402
 import train_sft  # noqa: E402
+from checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -83,10 +84,10 @@ def test_two_ranks_with_code_reward_then_kill_and_resume(task, tmp_path):
     assert {s["step"] for s in samples} == {2, 4, 6} and all(s["task_id"].startswith("toy/") for s in samples)
 
     # Parameters changed: the last checkpoint differs from the initial model.
-    checkpoint = policy.latest_checkpoint(straight)
+    checkpoint = latest_checkpoint(straight)
     assert checkpoint.name == "step_00000006"
     initial, trained = policy.load_model(model), policy.load_model(model)
-    policy.load_checkpoint(checkpoint, trained)
+    load_checkpoint(checkpoint, trained)
     changed = [n for (n, a), (_, b) in zip(initial.named_parameters(), trained.named_parameters())
                if not torch.equal(a, b)]
     assert len(changed) == len(list(initial.parameters()))
@@ -96,11 +97,11 @@ def test_two_ranks_with_code_reward_then_kill_and_resume(task, tmp_path):
     proc = subprocess.Popen(grpo_command(root, model, killed, "--total-steps", "6"), env=env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 300
-    while policy.latest_checkpoint(killed) is None and time.time() < deadline and proc.poll() is None:
+    while latest_checkpoint(killed) is None and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    resumed_from = policy.latest_checkpoint(killed)
+    resumed_from = latest_checkpoint(killed)
     assert resumed_from is not None
     start = json.loads((resumed_from / "trainer_state.json").read_text())["step"]
     assert start < 6

@@ -25,6 +25,7 @@ import judge as judge_lib  # noqa: E402
 import policy  # noqa: E402
 import rewards  # noqa: E402
 import tiny  # noqa: E402
+from checkpoint import latest_checkpoint  # noqa: E402
 from judge_server import Script, engine_answer, make_handler, scripted_judge, serve  # noqa: E402
 
 
@@ -438,7 +439,7 @@ def test_grpo_stops_on_a_failing_judge_naming_it(vl_task, tmp_path):
                                              rf"{url}: malformed: .*Stopped before training on them \(step 1\)"):
             train_grpo.main(grpo_args(root, model, tmp_path, url))
     assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text()
-    assert policy.latest_checkpoint(tmp_path) is None
+    assert latest_checkpoint(tmp_path) is None
     dead = f"http://127.0.0.1:{free_port()}/v1"
     with pytest.raises(SystemExit, match=f"judge server {dead}/models does not answer"):
         train_grpo.setup(grpo_args(root, model, tmp_path, dead), rewards.score_batch)

@@ -25,6 +25,7 @@ TRAIN_AND_SAVE = textwrap.dedent("""
     import sys, torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     import policy
+    from checkpoint import save_checkpoint
     model_dir, out = sys.argv[1], sys.argv[2]
     rank, world, device = policy.init_distributed()
     model = policy.shard_model(policy.load_model(model_dir))
@@ -32,7 +33,7 @@ TRAIN_AND_SAVE = textwrap.dedent("""
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
-    policy.save_checkpoint(out, 1, model, optimizer, {"step": 1}, hf_source_dir=model_dir)
+    save_checkpoint(out, 1, model, optimizer, {"step": 1}, hf_source_dir=model_dir)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save(full, out + "/checkpointed_weights.pt")

@@ -1,5 +1,5 @@
-"""policy.py: tiny model + tokenizer, chat template, packed chunked logprobs, checkpoints; the FSDP2 checks run in
-one torchrun launch (tests/dist_policy.py)."""
+"""policy.py and checkpoint.py: tiny model + tokenizer, chat template, packed chunked logprobs, checkpoints; the FSDP2
+checks run in one torchrun launch (tests/dist_policy.py)."""
 
 import collections
 import copy
@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import engines
 import policy
 import tiny
+from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = [inspect.getsource(m) for m in (json.decoder, json.encoder, textwrap, inspect)]
@@ -566,26 +567,26 @@ def test_exit_distributed_flushes_and_keeps_the_exit_code():
 def test_interrupted_save_is_ignored(model_dir, tmp_path, monkeypatch):
     model = policy.load_model(model_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    assert policy.latest_checkpoint(tmp_path) is None
-    good = policy.save_checkpoint(tmp_path, 10, model, optimizer, {"step": 10}, hf_source_dir=model_dir)
-    assert policy.latest_checkpoint(tmp_path) == good
+    assert latest_checkpoint(tmp_path) is None
+    good = save_checkpoint(tmp_path, 10, model, optimizer, {"step": 10}, hf_source_dir=model_dir)
+    assert latest_checkpoint(tmp_path) == good
 
     def crash(*args, **kwargs):
         raise KeyboardInterrupt("killed mid-save")
 
     monkeypatch.setattr(policy.dcp, "save", crash)
     with pytest.raises(KeyboardInterrupt):
-        policy.save_checkpoint(tmp_path, 20, model, optimizer, {"step": 20}, hf_source_dir=model_dir)
+        save_checkpoint(tmp_path, 20, model, optimizer, {"step": 20}, hf_source_dir=model_dir)
     assert (tmp_path / "checkpoints" / ".tmp_step_00000020").is_dir()  # the debris a crash leaves
-    assert policy.latest_checkpoint(tmp_path) == good
-    assert policy.load_checkpoint(good, model, optimizer) == {"step": 10}
+    assert latest_checkpoint(tmp_path) == good
+    assert load_checkpoint(good, model, optimizer) == {"step": 10}
     monkeypatch.undo()
-    again = policy.save_checkpoint(tmp_path, 20, model, optimizer, {"step": 20}, hf_source_dir=model_dir)
-    assert policy.latest_checkpoint(tmp_path) == again
+    again = save_checkpoint(tmp_path, 20, model, optimizer, {"step": 20}, hf_source_dir=model_dir)
+    assert latest_checkpoint(tmp_path) == again
     assert not (tmp_path / "checkpoints" / ".tmp_step_00000020").exists()
     with pytest.raises(TypeError):  # not JSON: refused before anything is written
-        policy.save_checkpoint(tmp_path, 30, model, optimizer, {"step": object()}, hf_source_dir=model_dir)
-    assert policy.latest_checkpoint(tmp_path) == again
+        save_checkpoint(tmp_path, 30, model, optimizer, {"step": object()}, hf_source_dir=model_dir)
+    assert latest_checkpoint(tmp_path) == again
 
 
 @pytest.mark.slow

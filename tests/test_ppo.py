@@ -25,6 +25,7 @@ import policy  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
 import tiny  # noqa: E402
+from checkpoint import latest_checkpoint, load_checkpoint, save_hf  # noqa: E402
 from test_runs import undocumented  # noqa: E402
 
 APPS_DIR = ROOT.parent / "shared" / "data" / "apps"  # 5 real problems: 2 introductory, 2 interview, 1 competition
@@ -151,7 +152,7 @@ def test_experience_lives_on_policy_tokens_of_multi_turn_samples(apps, tmp_path)
     with torch.no_grad():  # a head that is not all zero, so values differ token by token
         t.value_model.score.weight.fill_(0.05)
         t.value_model.score.bias.fill_(0.3)
-    critic = policy.save_hf(t.value_model, apps[1], tmp_path / "critic_hf")  # a saved value model keeps its head
+    critic = save_hf(t.value_model, apps[1], tmp_path / "critic_hf")  # a saved value model keeps its head
     assert (policy.load_value_model(critic).score.bias == 0.3).all()
     samples = multi_turn_samples(t, apps[2])
     exp, metrics = train_ppo.make_experience(t, samples)
@@ -369,12 +370,12 @@ def test_two_ranks_on_apps_then_kill_and_resume(apps, tmp_path):
     assert {s["step"] for s in samples} == {2, 4} and all(s["task_id"].startswith("apps/") for s in samples)
 
     # Both models trained and checkpointed at the last step.
-    checkpoint = policy.latest_checkpoint(straight)
+    checkpoint = latest_checkpoint(straight)
     assert checkpoint.name == "step_00000004"
     for load, path in ((policy.load_model, checkpoint), (policy.load_value_model,
                                                          straight / "critic" / "checkpoints" / checkpoint.name)):
         initial, trained = load(apps[1]), load(apps[1])
-        policy.load_checkpoint(path, trained)
+        load_checkpoint(path, trained)
         unchanged = [n for (n, a), (_, b) in zip(initial.named_parameters(), trained.named_parameters())
                      if torch.equal(a, b)]
         assert not unchanged, (path, unchanged)
@@ -384,11 +385,11 @@ def test_two_ranks_on_apps_then_kill_and_resume(apps, tmp_path):
     proc = subprocess.Popen(ppo_command(apps, killed), env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
-    while policy.latest_checkpoint(killed) is None and time.time() < deadline and proc.poll() is None:
+    while latest_checkpoint(killed) is None and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    resumed_from = policy.latest_checkpoint(killed)
+    resumed_from = latest_checkpoint(killed)
     assert resumed_from is not None
     start = json.loads((resumed_from / "trainer_state.json").read_text())["step"]
     assert start < 4

@@ -27,6 +27,7 @@ import tiny  # noqa: E402
 import train_grpo  # noqa: E402
 import train_ppo  # noqa: E402
 import train_sft  # noqa: E402
+from checkpoint import load_checkpoint, load_newest_checkpoint, save_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +93,8 @@ def test_pruning_keeps_the_newest_and_an_unreadable_checkpoint_is_skipped(toy, t
     optimizer = policy.adamw(model, 1e-3, 0.0)
 
     def save(step, out=tmp_path):
-        return policy.save_checkpoint(out, step, model, optimizer, {"step": step}, hf_source_dir=model_dir,
-                                      keep_last=2)
+        return save_checkpoint(out, step, model, optimizer, {"step": step}, hf_source_dir=model_dir,
+                               keep_last=2)
 
     def steps(out=tmp_path):
         return sorted(p.name for p in (out / "checkpoints").glob("step_*"))
@@ -107,19 +108,19 @@ def test_pruning_keeps_the_newest_and_an_unreadable_checkpoint_is_skipped(toy, t
     assert steps() == ["step_00000001"]
 
     def load(path):
-        return policy.load_checkpoint(path, model, optimizer)
+        return load_checkpoint(path, model, optimizer)
 
     for step in (2, 4):
         save(step, tmp_path / "a")
-    assert policy.load_newest_checkpoint(tmp_path / "a", load)[1] == {"step": 4}
+    assert load_newest_checkpoint(tmp_path / "a", load)[1] == {"step": 4}
     distcp = sorted((tmp_path / "a" / "checkpoints" / "step_00000004").glob("*.distcp"))[0]
     distcp.write_bytes(distcp.read_bytes()[:1000])  # a truncated shard
-    path, state = policy.load_newest_checkpoint(tmp_path / "a", load)
+    path, state = load_newest_checkpoint(tmp_path / "a", load)
     assert path.name == "step_00000002" and state == {"step": 2}
     assert "checkpoint " + str(tmp_path / "a" / "checkpoints" / "step_00000004") + " is unreadable" in \
         capsys.readouterr().out
     (tmp_path / "a" / "checkpoints" / "step_00000002" / "trainer_state.json").write_text('{"step": ')
-    assert policy.load_newest_checkpoint(tmp_path / "a", load) == (None, None)
+    assert load_newest_checkpoint(tmp_path / "a", load) == (None, None)
     assert "trainer_state.json: Expecting value" in capsys.readouterr().out
 
 

@@ -19,6 +19,7 @@ import chat  # noqa: E402
 import data_prep  # noqa: E402
 import policy  # noqa: E402
 import tiny  # noqa: E402
+from checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +90,7 @@ def test_two_rank_grpo_on_vision_toy_with_the_python_tool(task, tmp_path):
     assert max(m["mismatch/engine_abs"] for m in steps) <= 1e-3  # HFEngine and the trainer: one distribution
 
     initial, trained = policy.load_model(model), policy.load_model(model)
-    policy.load_checkpoint(policy.latest_checkpoint(out), trained)
+    load_checkpoint(latest_checkpoint(out), trained)
     visual = [(name, a, b) for (name, a), (_, b) in zip(initial.named_parameters(), trained.named_parameters())
               if ".visual." in name]
     assert visual and all(not torch.equal(a, b) for _, a, b in visual), [n for n, a, b in visual if torch.equal(a, b)]
