@@ -574,7 +574,7 @@ def test_interrupted_save_is_ignored(model_dir, tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise KeyboardInterrupt("killed mid-save")
 
-    monkeypatch.setattr(policy.dcp, "save", crash)
+    monkeypatch.setattr("checkpoint.dcp.save", crash)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path, 20, model, optimizer, {"step": 20}, hf_source_dir=model_dir)
     assert (tmp_path / "checkpoints" / ".tmp_step_00000020").is_dir()  # the debris a crash leaves
