@@ -1,6 +1,7 @@
 """CodeV's data and protocol: the codev importer and extract-images on parquets in CodeV / DeepEyes shape, vision_toy
 (deterministic, answers recomputed from the images), the <code> tag protocol token-in-token-out with a scripted engine
 (check_tito, SFT's encode_conversation, masks), images in budgets and samples, the Python tool's images and paths."""
+import functools
 import io
 import sys
 from collections import deque
@@ -11,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image, ImageDraw, ImageFont
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -22,6 +24,7 @@ import rewards  # noqa: E402
 import rollout  # noqa: E402
 import tiny  # noqa: E402
 import tools  # noqa: E402
+import vision  # noqa: E402
 import vision_tasks  # noqa: E402
 
 CORPUS = ["<code>```python\nprint(image.size)\n```</code>\n\n", "<answer>3</answer>", "Let me crop the image.",
@@ -255,11 +258,18 @@ def test_code_stop_inside_a_token_keeps_the_ids(tokenizer):
     assert chat.parse_code_action("print(1)</code>")[0].startswith("Error: </code> without an opening <code>")
 
 
+QWEN2_5_VL_PROCESSOR = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=12_845_056, patch_size=14,
+                                                temporal_patch_size=2, merge_size=2)  # Qwen2.5-VL-7B's preprocessor
+count_qwen_tokens = functools.partial(vision.image_tokens, QWEN2_5_VL_PROCESSOR)
+
+
 def test_image_tokens_follow_qwen2_5_vl_resizing():
-    assert rollout.image_tokens(png((56, 56))) == 4
-    assert rollout.image_tokens(png((10, 10))) == 4  # below min_pixels: scaled up to 56 x 56
-    assert rollout.image_tokens(png((1024, 768))) == (1036 // 28) * (756 // 28)
-    assert rollout.image_tokens(png((1024, 768)), max_pixels=28 * 28 * 64) <= 64
+    assert count_qwen_tokens(png((56, 56))) == 4
+    assert count_qwen_tokens(png((10, 10))) == 4  # scaled up to 28 x 28 (vision.MIN_SIDE), then to min_pixels
+    assert count_qwen_tokens(png((1024, 768))) == (1036 // 28) * (756 // 28)  # sides rounded to 28-pixel blocks
+    small = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 64, patch_size=14, merge_size=2)
+    assert vision.image_tokens(small, png((1024, 768))) <= 64
+    assert rollout.placeholder_only(png((1024, 768))) == 1  # a text-only model sees the placeholder alone
 
 
 def test_an_observation_that_does_not_fit_ends_the_trajectory_without_its_images(tokenizer):
@@ -268,7 +278,8 @@ def test_an_observation_that_does_not_fit_ends_the_trajectory_without_its_images
     engine = TagEngine(tokenizer, [ACTION])
     limits = rollout.AgentLimits(max_turns=4, max_total_tokens=prompt + 300)
     samples, metrics = rollout.multi_turn(engine, tokenizer, [codev_row()], 1, engines.Sampling(max_new_tokens=100),
-                                          replay_codev_toolbox([tools.ToolResult("big", images=[big])]), limits)
+                                          replay_codev_toolbox([tools.ToolResult("big", images=[big])]), limits,
+                                          count_image=count_qwen_tokens)
     sample = samples[0]
     assert sample.finish_reason == "max_total_tokens" and metrics["rollout/finish_max_total_tokens_frac"] == 1
     assert sample.images == [ROW_IMAGE] and sample.info["images"] == []
@@ -278,7 +289,8 @@ def test_an_observation_that_does_not_fit_ends_the_trajectory_without_its_images
     engine = TagEngine(tokenizer, [ACTION, "<answer>3</answer>"])
     limits = rollout.AgentLimits(max_turns=4, max_total_tokens=prompt + 600)
     samples, _ = rollout.multi_turn(engine, tokenizer, [codev_row()], 1, engines.Sampling(max_new_tokens=100),
-                                    replay_codev_toolbox([tools.ToolResult("big", images=[big])]), limits)
+                                    replay_codev_toolbox([tools.ToolResult("big", images=[big])]), limits,
+                                    count_image=count_qwen_tokens)
     assert samples[0].images == [ROW_IMAGE, big] and samples[0].ids.count(chat.image_pad_id(tokenizer)) == 2
 
 
