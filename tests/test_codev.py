@@ -164,6 +164,24 @@ def test_vision_toy_is_deterministic_and_its_answers_are_right():
         assert (reward.info["acc"], reward.info["format"], reward.info["tool"]) == (1.0, 1.0, 1.0)
 
 
+def test_rule_tool_reward_reads_row_images_as_data_prep_does(tmp_path):
+    """The tool reward's input image, stored as a {"bytes", "path"} dict with only its path (as Hugging Face's Image
+    feature leaves it), is read by data_prep's loader: a crop of its target box scores 1, a crop elsewhere 0."""
+    picture = Image.new("RGB", (64, 64), "white")
+    picture.paste((255, 0, 0), (10, 10, 20, 20))
+    picture.save(tmp_path / "source.png")
+    row = codev_row(images=[{"bytes": None, "path": str(tmp_path / "source.png")}],
+                    extra_info={"index": 0, "split": "train", "target_box": [10, 10, 20, 20]})
+
+    def crop(box) -> bytes:
+        buf = io.BytesIO()
+        picture.crop(box).save(buf, format="PNG")
+        return buf.getvalue()
+
+    assert rewards.vl_tool_score(row, "", None, {"images": [crop((5, 5, 30, 30))]}).value == 1.0
+    assert rewards.vl_tool_score(row, "", None, {"images": [crop((30, 30, 60, 60))]}).value == 0.0
+
+
 # ----------------------------------------------------------------------------------------------- the tag protocol
 
 
