@@ -287,6 +287,8 @@ def _agent_turn(engine: Engine, tokenizer, live: list[Trajectory], sampling: Sam
         return
     budget = min(max(limits.max_total_tokens - traj.length for traj in live), sampling.max_new_tokens)
     turn_sampling = dataclasses.replace(sampling, max_new_tokens=max(budget, 1))
+    if all(traj.box.protocol == "codev" for traj in live):  # the engine stops on </code> (chat.code_stop decides)
+        turn_sampling.stop = [*sampling.stop, chat.CODE_STOP]
     completions = _generate(engine, [traj.prompt_ids + traj.completion_ids for traj in live], turn_sampling,
                             [list(traj.images) for traj in live])
     pending, eot_id = [], tokenizer.convert_tokens_to_ids(eot)
@@ -525,7 +527,7 @@ def load_generator(args: GenerateArgs, tokenizer, device: torch.device) -> Engin
         model = policy.load_model(args.model)
     model = model.to(device=device, dtype=dtype).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return HFEngine(model, pad_token_id=pad)
+    return HFEngine(model, pad_token_id=pad, tokenizer=tokenizer)
 
 
 def sample_line(sample: Sample, index: int) -> dict:
