@@ -3,9 +3,10 @@
 `HFEngine` generates with the policy's own Hugging Face model (CPU tests, debugging, machines without vLLM);
 `VLLMEngine` is a colocated vLLM engine per rank that sleeps while the policy trains. Both take prompts as token
 ids and return completions as token ids plus the logprob of each sampled token under the distribution actually
-sampled (after temperature, top-k, top-p). Nothing is decoded here. A vision-language policy (Qwen2.5-VL) takes each
-prompt's images beside its ids (one unexpanded `<|image_pad|>` per image); both engines ban the image and video
-placeholders from sampling, as the trainer's logprobs do.
+sampled (after temperature, top-k, top-p). Nothing is decoded here but to match stop strings (`Sampling.stop`),
+which end a completion at the token that completes one, that token kept whole. A vision-language policy (Qwen2.5-VL)
+takes each prompt's images beside its ids (one unexpanded `<|image_pad|>` per image); both engines ban the image and
+video placeholders from sampling, as the trainer's logprobs do.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Iterable, Iterator, Protocol
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from transformers import DynamicCache
+from transformers import AutoTokenizer, DynamicCache
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import vision
@@ -33,13 +34,14 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # strings that end a completion once its decoded text holds one
 
 
 @dataclass
 class Completion:
     token_ids: list[int]
     logprobs: list[float]  # log p(token) under the sampled distribution (logits / temperature)
-    finish_reason: str  # "stop" (hit a stop token, which is kept) or "length"
+    finish_reason: str  # "stop" (hit a stop token or completed a stop string; that token is kept) or "length"
 
 
 class Engine(Protocol):
@@ -68,15 +70,19 @@ class HFEngine:
 
     A vision-language model prefills each prompt with its images (placeholders expanded, 3-D mrope positions) and
     decodes at its text position plus the prompt's rope delta, as its own `generate` does.
+
+    Stop strings are matched in each row's decoded completion (special tokens written out, as chat.code_stop reads
+    it) with `tokenizer`, by default the model folder's (loaded the first time a Sampling has stop strings).
     """
 
-    def __init__(self, model, pad_token_id: int, batch_size: int = 64):
+    def __init__(self, model, pad_token_id: int, batch_size: int = 64, tokenizer=None):
         self.policy = model
         self.sharded = any(isinstance(m, FSDPModule) for m in model.modules())
         self.model = None if self.sharded else model
         self.pad_token_id = pad_token_id
         self.batch_size = batch_size
         self.banned = vision.banned_token_ids(model.config)
+        self.tokenizer = tokenizer
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if not self.sharded:
@@ -118,6 +124,12 @@ class HFEngine:
                                "before generate")
         if sampling.max_new_tokens < 1:
             raise ValueError(f"Sampling.max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+        if sampling.stop and self.tokenizer is None:
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(self.policy.name_or_path, local_files_only=True)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"HFEngine: stop strings {sampling.stop} need a tokenizer and the model's folder "
+                                 f"{self.policy.name_or_path!r} has none: pass HFEngine(tokenizer=...)") from e
         if images is None or not vision.is_vision_model(self.model.config):  # a text model sees only placeholders
             images = [[] for _ in prompts]
         images = [list(i or []) for i in images]
@@ -161,6 +173,7 @@ class HFEngine:
         tokens = torch.full((rows, new), self.pad_token_id, dtype=torch.long, device=device)
         logprobs = torch.zeros((rows, new), device=device)
         stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+        string_end = [new] * rows  # tokens up to and including the one that completed a stop string
         was_training = self.model.training
         self.model.eval()
         # A group's samples share their prompt: each distinct prompt is prefilled once, then its cache row is copied.
@@ -207,6 +220,9 @@ class HFEngine:
             tokens[:, step] = token.masked_fill(stopped, self.pad_token_id)
             logprobs[:, step] = probs.gather(1, token[:, None]).squeeze(1).log()  # no [rows, vocab] log_softmax
             stopped |= torch.isin(token, stop_tokens)
+            if sampling.stop:
+                for row in self._completed_stop_strings(tokens[:, : step + 1], stopped, sampling.stop):
+                    stopped[row], string_end[row] = True, step + 1
             if step == new - 1 or stopped.all():
                 break
             if lean:
@@ -224,7 +240,16 @@ class HFEngine:
         self.model.train(was_training)
         tokens, logprobs = tokens[:, : step + 1].cpu(), logprobs[:, : step + 1].cpu()
         stop_ids = set(sampling.stop_token_ids)
-        return [truncate_at_stop(tokens[i].tolist(), logprobs[i].tolist(), stop_ids) for i in range(rows)]
+        out = [truncate_at_stop(tokens[i, : string_end[i]].tolist(), logprobs[i, : string_end[i]].tolist(), stop_ids)
+               for i in range(rows)]
+        return [Completion(c.token_ids, c.logprobs, "stop") if string_end[i] < new else c for i, c in enumerate(out)]
+
+    def _completed_stop_strings(self, tokens: torch.Tensor, stopped: torch.Tensor, stop: list[str]) -> list[int]:
+        """The rows still going whose decoded tokens [rows, generated] now hold a stop string: it was completed by the
+        last token, or an earlier step would have stopped them."""
+        live = (~stopped).nonzero().flatten().tolist()
+        texts = self.tokenizer.batch_decode(tokens[live].tolist(), skip_special_tokens=False)
+        return [row for row, text in zip(live, texts) if any(s in text for s in stop)]
 
 
 def sample_from(probs: torch.Tensor) -> torch.Tensor:
@@ -353,9 +378,13 @@ def vllm_sampling_kwargs(sampling: Sampling, banned_token_ids: Iterable[int] = (
         top_p=sampling.top_p,
         top_k=sampling.top_k,  # 0 = off in vLLM too
         stop_token_ids=list(sampling.stop_token_ids),  # the stop token stays in the output, as in HFEngine
+        stop=list(sampling.stop),
+        # vLLM keeps the ids up to the token that completes a stop string, that token whole; the text is not used
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,  # stop strings are matched in the text as HFEngine and chat.code_stop decode it
         logprobs=0,  # only the sampled token's logprob
         flat_logprobs=True,  # flat lists instead of one dict per token: far less garbage to collect
-        detokenize=False,  # text is decoded once, later, for the reward
+        detokenize=bool(sampling.stop),  # stop strings need it; kiln decodes text once, later, for the reward
         **banned,
     )
 

@@ -5,7 +5,9 @@
 Reads only the model part of the checkpoint (never the optimizer), restores it in fp32 into a model built from the
 checkpoint's hf/ config, and writes safetensors shards + index, config, generation config and the tokenizer files
 (chat template included). Then it loads the written folder back with `from_pretrained` and compares its logits on a
-few prompts with the restored model's, printing the max abs difference; it exits non-zero past the tolerance.
+few prompts with the restored model's, printing the max abs difference; it exits non-zero past the tolerance. A
+vision-language checkpoint (Qwen2.5-VL) is built and reloaded as such (vision tower included), and the prompts
+include one with an image.
 """
 from __future__ import annotations
 
@@ -18,8 +20,12 @@ from typing import Literal
 import torch
 import torch.distributed.checkpoint as dcp
 import tyro
+from PIL import Image
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
+                          GenerationConfig)
+
+import vision
 
 # Written by save_pretrained itself; every other file in hf/ (tokenizer, chat template, ...) is copied as is.
 WRITTEN_BY_SAVE = {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json"}
@@ -32,6 +38,7 @@ PROMPTS = [
     "Write a Python function that returns the longest palindromic substring of a string.",
     "import sys\n\nfor line in sys.stdin:\n",
 ]
+IMAGE_QUESTION = "What is in the image?"
 
 
 @dataclass
@@ -73,13 +80,19 @@ def read_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
     return {clean_name(name): tensor.float() for name, tensor in state.items()}
 
 
+def model_class(config):
+    """The Auto class a checkpoint's config builds, as policy.load_model picks it: vision-language models (a vision
+    tower beside the language model) as image-text-to-text, the others as causal LMs."""
+    return AutoModelForImageTextToText if vision.is_vision_model(config) else AutoModelForCausalLM
+
+
 def restore_model(checkpoint: Path, state: dict[str, torch.Tensor]):
     """A model built from hf/config.json holding exactly the checkpoint's weights (fp32); tied weights stay tied."""
     hf_dir = checkpoint / "hf"
     if not (hf_dir / "config.json").is_file():
         raise SystemExit(f"{hf_dir}: config.json missing; the checkpoint must carry its hf/ folder")
     config = AutoConfig.from_pretrained(hf_dir)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model_class(config).from_config(config, dtype=torch.float32)
     first_name: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         first_name.setdefault(id(param), name)
@@ -99,10 +112,30 @@ def restore_model(checkpoint: Path, state: dict[str, torch.Tensor]):
     return model.eval()
 
 
+def verification_inputs(model, tokenizer) -> list[dict]:
+    """Forward inputs of the prompts the logits are compared on: PROMPTS as text and, for a vision-language model, a
+    chat turn with a seeded noise image, its placeholder expanded as the trainer expands it (vision.py)."""
+    inputs = [dict(tokenizer(p, return_tensors="pt")) for p in PROMPTS]
+    if vision.is_vision_model(model.config):
+        generator = torch.Generator().manual_seed(0)
+        image = Image.fromarray(torch.randint(0, 256, (84, 112, 3), dtype=torch.uint8, generator=generator).numpy())
+        turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": IMAGE_QUESTION}]}]
+        text = tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+        processor = vision.processor_for(model.config)
+        pixel_values, grid = vision.pixels(processor, [image])
+        ids, _ = vision.expand(tokenizer(text, add_special_tokens=False)["input_ids"], grid,
+                               model.config.image_token_id, processor.merge_size)
+        input_ids = torch.tensor([ids])
+        inputs.append({"input_ids": input_ids, "pixel_values": pixel_values, "image_grid_thw": grid,
+                       "mm_token_type_ids": (input_ids == model.config.image_token_id).int()})
+    return inputs
+
+
 @torch.no_grad()
 def prompt_logits(model, tokenizer, device: str) -> list[torch.Tensor]:
     model.to(device)
-    out = [model(**tokenizer(p, return_tensors="pt").to(device)).logits[0].float().cpu() for p in PROMPTS]
+    out = [model(**{k: v.to(device) for k, v in inputs.items()}).logits[0].float().cpu()
+           for inputs in verification_inputs(model, tokenizer)]
     model.cpu()
     return out
 
@@ -123,7 +156,7 @@ def merge(args: Args) -> float:
             shutil.copy2(path, args.out / path.name)
 
     # The written folder, as anyone will load it; fp32 compute, so only the storage dtype differs from `reference`.
-    merged = AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32).eval()
+    merged = model_class(AutoConfig.from_pretrained(args.out)).from_pretrained(args.out, dtype=torch.float32).eval()
     logits = prompt_logits(merged, AutoTokenizer.from_pretrained(args.out), args.device)
     diff = max((a - b).abs().max().item() for a, b in zip(reference, logits))
     scale = max(1.0, max(r.abs().max().item() for r in reference))

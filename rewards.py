@@ -256,13 +256,6 @@ def row_question(row: dict) -> str:
     return text.replace("<image>", "").strip()
 
 
-def image_bytes(image) -> bytes:
-    """A row image (bytes, a path, or a {"bytes", "path"} dict) as bytes."""
-    if isinstance(image, dict):
-        return image["bytes"] if image.get("bytes") else image_bytes(image["path"])
-    return image if isinstance(image, bytes) else Path(image).read_bytes()
-
-
 def crop_holds_target(source: bytes, crop: bytes, box: Sequence[int]) -> bool:
     """Whether `crop` is an unscaled piece of the `source` image that contains box = (x0, y0, x1, y1) of it. Found by
     matching the crop's rarest colour, so a large uniform background costs nothing."""
@@ -303,7 +296,7 @@ def vl_tool_score(row: dict, completion: str, judge: judge_lib.Judge | None,
     as multi-turn rollouts record them; without them the judge is told that no image was produced)."""
     source = row["data_source"].lower()
     tool_images = list(sample_info.get("images") or [])
-    inputs = [image_bytes(i) for i in row.get("images") or []]
+    inputs = data_prep.row_images(row)
     if source in RULE_TOOL_SOURCES:
         box = row["extra_info"].get("target_box")
         if not inputs or box is None:

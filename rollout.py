@@ -4,13 +4,13 @@ generate`, a model's samples for a data set, and `python rollout.py serve`, the 
 
 Images: a trajectory holds one unexpanded image placeholder per image (as the chat template renders it) and its images
 in placeholder order (the row's, then the tools'); the engine gets them with the ids from the first turn on. Length
-budgets count the tokens the model will see, each placeholder expanded (`image_tokens`).
+budgets count the tokens the model will see: `count_image`, the model's own count (`vision.image_counter`), gives the
+tokens a placeholder expands to; without one each image is its placeholder alone, as a text-only model sees it.
 """
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import io
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,9 +21,7 @@ from typing import Callable, Literal
 import torch
 import torch.distributed as dist
 import tyro
-from PIL import Image
 from tqdm import tqdm
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 import agent_server
 import chat
@@ -31,6 +29,7 @@ import containers
 import data_prep
 import merge
 import policy
+import vision
 from engines import Engine, HFEngine, Sampling, VLLMEngine
 from tools import TOOL_SCHEMAS, TOOLBOXES, ToolBox, call_tool, check_swe_rows, tool_message
 
@@ -57,14 +56,9 @@ class Sample:
         return self.prompt_ids + self.completion_ids
 
 
-def image_tokens(image: bytes, min_pixels: int = 56 * 56, max_pixels: int = 12_845_056) -> int:
-    """How many tokens one image placeholder becomes in Qwen2.5-VL: the image resized as its processor does
-    (smart_resize: sides rounded to 28 = 14-pixel patches x 2 merged, pixels within [min_pixels, max_pixels]), one token
-    per 28 x 28 block. The pixel bounds are Qwen2.5-VL's preprocessor_config defaults; only the header is read."""
-    width, height = Image.open(io.BytesIO(image)).size
-    resized_height, resized_width = smart_resize(height, width, factor=28, min_pixels=min_pixels,
-                                                 max_pixels=max_pixels)
-    return resized_height // 28 * (resized_width // 28)
+def placeholder_only(image: bytes) -> int:
+    """The count_image of a text-only model: an image is its placeholder token and nothing more."""
+    return 1
 
 
 def check_images(sample: Sample, pad_id: int | None) -> None:
@@ -78,7 +72,7 @@ def check_images(sample: Sample, pad_id: int | None) -> None:
 
 
 def load_rows_within(source: str, tokenizer, max_prompt_tokens: int, verbose: bool = True,
-                     tools: str = "none", count_image: Callable[[bytes], int] = image_tokens) -> list[dict]:
+                     tools: str = "none", count_image: Callable[[bytes], int] = placeholder_only) -> list[dict]:
     """`data_prep.load_rows(source)` less the rows whose prompt, as the rollout renders it (with the signatures of the
     toolbox `tools`, each image placeholder counted as `count_image` tokens), is longer than `max_prompt_tokens`
     (counted, and printed when verbose); a source with none left is refused."""
@@ -101,7 +95,8 @@ def load_rows_within(source: str, tokenizer, max_prompt_tokens: int, verbose: bo
 
 def collect(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampling: Sampling, tools: str = "none",
             limits: AgentLimits | None = None, first_group: int = 0, check: bool = False,
-            eot: str | None = None, count_image: Callable[[bytes], int] = image_tokens) -> tuple[list[Sample], dict]:
+            eot: str | None = None,
+            count_image: Callable[[bytes], int] = placeholder_only) -> tuple[list[Sample], dict]:
     """`group_size` samples of each row: single-turn, or multi-turn agent rollouts with the toolbox `tools` names
     (TOOLBOXES) whose turns end with the token `eot` (default: end_of_turn's), budgets counting each image as
     `count_image` tokens. check: compare every trajectory with the chat template's rendering of its messages; the
@@ -198,7 +193,7 @@ class Trajectory:
 def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampling: Sampling,
                new_toolbox: Callable[[dict], ToolBox], limits: AgentLimits = AgentLimits(),
                first_group: int = 0, eot: str | None = None,
-               count_image: Callable[[bytes], int] = image_tokens) -> tuple[list[Sample], dict]:
+               count_image: Callable[[bytes], int] = placeholder_only) -> tuple[list[Sample], dict]:
     """Multi-turn rollout: each row's prompt (and images) `group_size` times; every turn is generated for all live
     trajectories in one engine call, then all their tool calls run concurrently; a turn that ends with the token `eot`
     (default: end_of_turn's), or (tag protocol) stops on </code>, can call tools. Lengths count each image as
@@ -286,12 +281,14 @@ def _any_live_anywhere(live: list) -> bool:
 
 
 def _agent_turn(engine: Engine, tokenizer, live: list[Trajectory], sampling: Sampling, limits: AgentLimits,
-                eot: str, pool: ThreadPoolExecutor, count_image: Callable[[bytes], int] = image_tokens) -> None:
+                eot: str, pool: ThreadPoolExecutor, count_image: Callable[[bytes], int] = placeholder_only) -> None:
     if not live:  # other ranks still turn: one throwaway token keeps this rank's collectives in step
         _generate(engine, [[tokenizer.pad_token_id]], dataclasses.replace(sampling, max_new_tokens=1), [[]])
         return
     budget = min(max(limits.max_total_tokens - traj.length for traj in live), sampling.max_new_tokens)
     turn_sampling = dataclasses.replace(sampling, max_new_tokens=max(budget, 1))
+    if all(traj.box.protocol == "codev" for traj in live):  # the engine stops on </code> (chat.code_stop decides)
+        turn_sampling.stop = [*sampling.stop, chat.CODE_STOP]
     completions = _generate(engine, [traj.prompt_ids + traj.completion_ids for traj in live], turn_sampling,
                             [list(traj.images) for traj in live])
     pending, eot_id = [], tokenizer.convert_tokens_to_ids(eot)
@@ -530,7 +527,7 @@ def load_generator(args: GenerateArgs, tokenizer, device: torch.device) -> Engin
         model = policy.load_model(args.model)
     model = model.to(device=device, dtype=dtype).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return HFEngine(model, pad_token_id=pad)
+    return HFEngine(model, pad_token_id=pad, tokenizer=tokenizer)
 
 
 def sample_line(sample: Sample, index: int) -> dict:
@@ -541,10 +538,12 @@ def sample_line(sample: Sample, index: int) -> dict:
     return line | {k: sample.info[k] for k in ("turns", "tool_calls", "tool_errors") if k in sample.info}
 
 
-def generate_lines(engine: Engine, tokenizer, rows: list[dict], args: GenerateArgs, sampling: Sampling) -> list[dict]:
-    """`args.n_samples` samples of every row, as sample lines in row order, on every rank. Each round takes the next
-    batch_size x world rows, this rank answers every world-th of them, and the lines are gathered. Every rank runs
-    every round, with or without rows of its own: multi-turn rounds and tensor-parallel engines are collectives."""
+def generate_lines(engine: Engine, tokenizer, rows: list[dict], args: GenerateArgs, sampling: Sampling,
+                   count_image: Callable[[bytes], int] = placeholder_only) -> list[dict]:
+    """`args.n_samples` samples of every row, as sample lines in row order, on every rank, budgets counting each image
+    as `count_image` tokens. Each round takes the next batch_size x world rows, this rank answers every world-th of
+    them, and the lines are gathered. Every rank runs every round, with or without rows of its own: multi-turn rounds
+    and tensor-parallel engines are collectives."""
     rank, world = dist.get_rank(), dist.get_world_size()
     limits = AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens, args.max_agent_seconds)
     per_round = args.batch_size * world
@@ -553,7 +552,7 @@ def generate_lines(engine: Engine, tokenizer, rows: list[dict], args: GenerateAr
     for start in range(0, len(rows), per_round):
         positions = list(range(start + rank, min(start + per_round, len(rows)), world))
         samples, _ = collect(engine, tokenizer, [rows[p] for p in positions], args.n_samples, sampling, args.tools,
-                             limits, first_group=start + rank, eot=args.end_of_turn)
+                             limits, first_group=start + rank, eot=args.end_of_turn, count_image=count_image)
         lines += policy.gather_objects([(positions[i // args.n_samples], sample_line(s, i % args.n_samples))
                                         for i, s in enumerate(samples)])
         bar.update(min(per_round, len(rows) - start))
@@ -571,7 +570,9 @@ def generate(args: GenerateArgs) -> Path:
     start = time.perf_counter()
     hf_dir = Path(args.model) / "hf" if is_checkpoint(args.model) else args.model
     tokenizer = policy.load_tokenizer(hf_dir)
-    rows = load_rows_within(args.data, tokenizer, args.max_prompt_tokens, verbose=rank == 0, tools=args.tools)
+    count_image = vision.image_counter(hf_dir) or placeholder_only  # as the model's own image processor expands them
+    rows = load_rows_within(args.data, tokenizer, args.max_prompt_tokens, verbose=rank == 0, tools=args.tools,
+                            count_image=count_image)
     if args.tools == "swe":  # containers of dead kiln processes go; this one's go when it ends, however it ends
         containers.sweep(containers.shared_client())
         containers.remove_owned_at_exit(containers.shared_client())
@@ -580,7 +581,7 @@ def generate(args: GenerateArgs) -> Path:
                         stop_token_ids=policy.stop_token_ids(tokenizer, hf_dir,
                                                              chat.end_of_turn(tokenizer, args.end_of_turn)))
     seconds["load"] = time.perf_counter() - start
-    lines = generate_lines(engine, tokenizer, rows, args, sampling)
+    lines = generate_lines(engine, tokenizer, rows, args, sampling, count_image)
     seconds["generate"] = time.perf_counter() - start - seconds["load"]
     if rank == 0:
         data_prep.write_atomically(args.out, lines)

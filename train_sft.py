@@ -2,7 +2,9 @@
 
 `torchrun --nproc-per-node 8 train_sft.py --model ... --data conversations.jsonl`. The same masks (assistant
 tokens only), packing, FSDP2 and checkpoints as the RL scripts. A data row is either `{"messages": [...]}`
-(tool turns included) or a kiln row whose `extra_info["solution"]` becomes the assistant's answer.
+(tool turns included) or a kiln row whose `extra_info["solution"]` becomes the assistant's answer. A row's `images`
+(bytes, paths, data URLs; one per {"type": "image"} part of its messages, in order, tool and observation turns
+included) go with it into a vision-language model's packed forward (CodeV's cold start), never into the loss mask.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import data_prep
 import losses
 import policy
 import runlog
+import vision
 from checkpoint import load_checkpoint, load_newest_checkpoint, save_checkpoint, save_hf
 
 
@@ -98,13 +101,35 @@ def checked_messages(messages, where: str) -> list[dict]:
     return list(messages)
 
 
-def load_conversations(path: str) -> list[list[dict]]:
+def load_conversations(path: str) -> list[tuple[list[dict], list[bytes]]]:
+    """Each row's messages and images (encoded bytes; a relative path is read from the data file's folder)."""
     if path.endswith(".jsonl"):
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
     else:
         rows = data_prep.load_rows(path)
-    return [conversation(row, f"{path} row {i}") for i, row in enumerate(rows)]
+    out = []
+    for i, row in enumerate(rows):
+        where, messages = f"{path} row {i}", conversation(row, f"{path} row {i}")
+        images = [data_prep.image_bytes(image, Path(path).parent) for image in row.get("images") or []]
+        if len(images) != data_prep.count_image_parts(messages):
+            raise SystemExit(f"{where}: images: {len(images)} images but the messages have "
+                             f"{data_prep.count_image_parts(messages)} image parts")
+        out.append((messages, images))
+    return out
+
+
+def encode(tokenizer, conversations: list[tuple[list[dict], list[bytes]]],
+           eot: str) -> list[tuple[list[int], list[int], list[bytes]]]:
+    """(ids, loss mask, images) of each conversation: chat.encode_conversation's ids and mask (1 on assistant tokens
+    only: image placeholders and tool/observation turns are 0), its images one per placeholder."""
+    pad = chat.image_pad_id(tokenizer)
+    encoded = [(*chat.encode_conversation(tokenizer, messages, eot), images) for messages, images in conversations]
+    for i, (ids, _, images) in enumerate(encoded):
+        if images and ids.count(pad) != len(images):
+            raise SystemExit(f"conversation {i}: {len(images)} images but the chat template renders "
+                             f"{ids.count(pad)} image placeholders")
+    return encoded
 
 
 def main(args: Args) -> dict:
@@ -118,8 +143,8 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.seed)
     tokenizer = policy.load_tokenizer(args.model)
     eot = chat.end_of_turn(tokenizer, args.end_of_turn)
-    encoded = [chat.encode_conversation(tokenizer, c, eot) for c in load_conversations(args.data)]
-    untrained = [i for i, (_, mask) in enumerate(encoded) if not any(mask)]
+    encoded = encode(tokenizer, load_conversations(args.data), eot)
+    untrained = [i for i, (_, mask, _) in enumerate(encoded) if not any(mask)]
     if untrained:  # a loss over zero tokens is NaN and trains nothing
         raise SystemExit(f"{args.data}: {len(untrained)} conversations have no token to train on (first: row "
                          f"{untrained[0]}); the assistant turns must end with {eot!r}, or set --end-of-turn")
@@ -143,9 +168,10 @@ def main(args: Args) -> dict:
     while step < args.steps:
         # A seeded permutation per epoch: resuming at `step` replays exactly the same batches.
         picked = data_prep.in_epoch_order(encoded, step * args.batch_size + rank * per_rank, per_rank, args.seed)
-        tokens = policy.sum_over_ranks(sum(sum(mask) for _, mask in picked))
+        tokens = policy.sum_over_ranks(sum(sum(mask) for _, mask, _ in picked))
         micro_batches = [[picked[i] for i in micro] for micro in policy.pack(
-            list(range(len(picked))), [ids for ids, _ in picked], args.micro_batch_tokens)]
+            list(range(len(picked))), [ids for ids, _, _ in picked], args.micro_batch_tokens,
+            image_tokens=image_tokens(model, picked))]
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for micro in micro_batches:
@@ -173,10 +199,20 @@ def main(args: Args) -> dict:
     return metrics
 
 
-def sft_loss(model, micro: list[tuple[list[int], list[int]]], total_tokens: float) -> torch.Tensor:
-    """Negative log-likelihood of the masked-in (assistant) tokens of one packed micro-batch, over `total_tokens`."""
-    logprobs, _ = policy.packed_logprobs(model, [ids for ids, _ in micro])
-    mask = torch.tensor([m for _, mask in micro for m in mask], dtype=torch.float32, device=logprobs.device)
+def image_tokens(model, picked: list[tuple[list[int], list[int], list[bytes]]]) -> list[tuple[int, int]] | None:
+    """What each conversation's image placeholders add when expanded, for packing a vision-language model's
+    micro-batches by the tokens it runs; None for a text model."""
+    if not vision.is_vision_model(model.config):
+        return None
+    return [vision.added_tokens(model.config, ids, images) for ids, _, images in picked]
+
+
+def sft_loss(model, micro: list[tuple[list[int], list[int], list[bytes]]], total_tokens: float) -> torch.Tensor:
+    """Negative log-likelihood of the masked-in (assistant) tokens of one packed micro-batch of (ids, mask, images),
+    over `total_tokens`. A vision-language model's forward gets the images (a text model sees the placeholders)."""
+    images = [list(i) for _, _, i in micro] if vision.is_vision_model(model.config) else None
+    logprobs, _ = policy.packed_logprobs(model, [ids for ids, _, _ in micro], images=images)
+    mask = torch.tensor([m for _, mask, _ in micro for m in mask], dtype=torch.float32, device=logprobs.device)
     return -losses.masked_sum(logprobs, mask) / total_tokens
 
 

@@ -1,6 +1,8 @@
 """CodeV's data and protocol: the codev importer and extract-images on parquets in CodeV / DeepEyes shape, vision_toy
 (deterministic, answers recomputed from the images), the <code> tag protocol token-in-token-out with a scripted engine
 (check_tito, SFT's encode_conversation, masks), images in budgets and samples, the Python tool's images and paths."""
+import dataclasses
+import functools
 import io
 import sys
 from collections import deque
@@ -10,7 +12,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from PIL import Image, ImageDraw, ImageFont
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -22,6 +26,7 @@ import rewards  # noqa: E402
 import rollout  # noqa: E402
 import tiny  # noqa: E402
 import tools  # noqa: E402
+import vision  # noqa: E402
 import vision_tasks  # noqa: E402
 
 CORPUS = ["<code>```python\nprint(image.size)\n```</code>\n\n", "<answer>3</answer>", "Let me crop the image.",
@@ -161,6 +166,24 @@ def test_vision_toy_is_deterministic_and_its_answers_are_right():
         assert (reward.info["acc"], reward.info["format"], reward.info["tool"]) == (1.0, 1.0, 1.0)
 
 
+def test_rule_tool_reward_reads_row_images_as_data_prep_does(tmp_path):
+    """The tool reward's input image, stored as a {"bytes", "path"} dict with only its path (as Hugging Face's Image
+    feature leaves it), is read by data_prep's loader: a crop of its target box scores 1, a crop elsewhere 0."""
+    picture = Image.new("RGB", (64, 64), "white")
+    picture.paste((255, 0, 0), (10, 10, 20, 20))
+    picture.save(tmp_path / "source.png")
+    row = codev_row(images=[{"bytes": None, "path": str(tmp_path / "source.png")}],
+                    extra_info={"index": 0, "split": "train", "target_box": [10, 10, 20, 20]})
+
+    def crop(box) -> bytes:
+        buf = io.BytesIO()
+        picture.crop(box).save(buf, format="PNG")
+        return buf.getvalue()
+
+    assert rewards.vl_tool_score(row, "", None, {"images": [crop((5, 5, 30, 30))]}).value == 1.0
+    assert rewards.vl_tool_score(row, "", None, {"images": [crop((30, 30, 60, 60))]}).value == 0.0
+
+
 # ----------------------------------------------------------------------------------------------- the tag protocol
 
 
@@ -255,11 +278,18 @@ def test_code_stop_inside_a_token_keeps_the_ids(tokenizer):
     assert chat.parse_code_action("print(1)</code>")[0].startswith("Error: </code> without an opening <code>")
 
 
+QWEN2_5_VL_PROCESSOR = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=12_845_056, patch_size=14,
+                                                temporal_patch_size=2, merge_size=2)  # Qwen2.5-VL-7B's preprocessor
+count_qwen_tokens = functools.partial(vision.image_tokens, QWEN2_5_VL_PROCESSOR)
+
+
 def test_image_tokens_follow_qwen2_5_vl_resizing():
-    assert rollout.image_tokens(png((56, 56))) == 4
-    assert rollout.image_tokens(png((10, 10))) == 4  # below min_pixels: scaled up to 56 x 56
-    assert rollout.image_tokens(png((1024, 768))) == (1036 // 28) * (756 // 28)
-    assert rollout.image_tokens(png((1024, 768)), max_pixels=28 * 28 * 64) <= 64
+    assert count_qwen_tokens(png((56, 56))) == 4
+    assert count_qwen_tokens(png((10, 10))) == 4  # scaled up to 28 x 28 (vision.MIN_SIDE), then to min_pixels
+    assert count_qwen_tokens(png((1024, 768))) == (1036 // 28) * (756 // 28)  # sides rounded to 28-pixel blocks
+    small = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 64, patch_size=14, merge_size=2)
+    assert vision.image_tokens(small, png((1024, 768))) <= 64
+    assert rollout.placeholder_only(png((1024, 768))) == 1  # a text-only model sees the placeholder alone
 
 
 def test_an_observation_that_does_not_fit_ends_the_trajectory_without_its_images(tokenizer):
@@ -268,7 +298,8 @@ def test_an_observation_that_does_not_fit_ends_the_trajectory_without_its_images
     engine = TagEngine(tokenizer, [ACTION])
     limits = rollout.AgentLimits(max_turns=4, max_total_tokens=prompt + 300)
     samples, metrics = rollout.multi_turn(engine, tokenizer, [codev_row()], 1, engines.Sampling(max_new_tokens=100),
-                                          replay_codev_toolbox([tools.ToolResult("big", images=[big])]), limits)
+                                          replay_codev_toolbox([tools.ToolResult("big", images=[big])]), limits,
+                                          count_image=count_qwen_tokens)
     sample = samples[0]
     assert sample.finish_reason == "max_total_tokens" and metrics["rollout/finish_max_total_tokens_frac"] == 1
     assert sample.images == [ROW_IMAGE] and sample.info["images"] == []
@@ -278,7 +309,8 @@ def test_an_observation_that_does_not_fit_ends_the_trajectory_without_its_images
     engine = TagEngine(tokenizer, [ACTION, "<answer>3</answer>"])
     limits = rollout.AgentLimits(max_turns=4, max_total_tokens=prompt + 600)
     samples, _ = rollout.multi_turn(engine, tokenizer, [codev_row()], 1, engines.Sampling(max_new_tokens=100),
-                                    replay_codev_toolbox([tools.ToolResult("big", images=[big])]), limits)
+                                    replay_codev_toolbox([tools.ToolResult("big", images=[big])]), limits,
+                                    count_image=count_qwen_tokens)
     assert samples[0].images == [ROW_IMAGE, big] and samples[0].ids.count(chat.image_pad_id(tokenizer)) == 2
 
 
@@ -287,6 +319,80 @@ def test_a_sample_whose_images_and_placeholders_differ_is_refused(tokenizer):
     with pytest.raises(RuntimeError, match="vision_toy/0: the trajectory has 2 images but 1 image placeholders"):
         rollout.multi_turn(engine, tokenizer, [codev_row(images=[ROW_IMAGE, ROW_IMAGE])], 1,
                            engines.Sampling(max_new_tokens=50), replay_codev_toolbox([]))
+
+
+PARROT_ROW = codev_row(prompt=[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}])
+
+
+@pytest.fixture(scope="module")
+def parrot(tmp_path_factory):
+    """The tiny model trained until greedy decoding says ACTION, then runs on past </code> (the made-up output a
+    model writes when nothing stops it) and ends its turn: (model, tokenizer, prompt ids, the ids it says)."""
+    folder = tiny.make_tiny_model(tmp_path_factory.mktemp("parrot"), CORPUS)
+    tokenizer, model = policy.load_tokenizer(folder), policy.load_model(folder)
+    prompt = chat.encode_prompt(tokenizer, PARROT_ROW["prompt"])
+    said = tokenizer(ACTION + "\nI think the output is 7.", add_special_tokens=False)["input_ids"] + [
+        tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    ids = torch.tensor([prompt + said])
+    torch.manual_seed(0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        logprobs = model(ids).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+        chosen = logprobs.gather(1, ids[0, len(prompt):, None])
+        if chosen.min().exp() > 0.9:  # every token a clear greedy choice
+            break
+        optimizer.zero_grad()
+        (-chosen.mean()).backward()
+        optimizer.step()
+    return model.eval(), tokenizer, prompt, said
+
+
+def test_hf_engine_stops_where_a_stop_string_ends_inside_a_token(parrot):
+    model, tokenizer, prompt, said = parrot
+    greedy = engines.Sampling(max_new_tokens=len(said) + 5, temperature=0)
+    free = engines.HFEngine(model, tokenizer.pad_token_id).generate([prompt], greedy)[0]
+    assert free.token_ids[: len(said)] == said  # unstopped, it says everything
+    engine = engines.HFEngine(model, tokenizer.pad_token_id)  # the tokenizer comes from the model's folder
+    stopped = engine.generate([prompt, prompt], dataclasses.replace(greedy, stop=["</code>", "never written"]))
+    kept = next(k for k, token in enumerate(said) if tokenizer.decode([token]) == ">\n") + 1
+    for completion in stopped:  # the ids as sampled, up to the token that completes </code>, that token whole
+        assert completion.token_ids == said[:kept] and completion.finish_reason == "stop"
+        assert completion.logprobs == pytest.approx(free.logprobs[:kept], abs=1e-5)
+    assert tokenizer.decode(stopped[0].token_ids).endswith("</code>\n")  # the text runs on past the stop string
+    assert chat.code_stop(tokenizer, said) == kept
+    # A stop string that ends where a token ends; one never written: the budget ends the completion.
+    at_boundary = engine.generate([prompt], dataclasses.replace(greedy, stop=["crop(("]))[0]
+    assert tokenizer.decode(at_boundary.token_ids).endswith("image.crop((") and at_boundary.finish_reason == "stop"
+    unwritten = engine.generate([prompt], dataclasses.replace(greedy, max_new_tokens=8, stop=["</table>"]))[0]
+    assert unwritten.token_ids == said[:8] and unwritten.finish_reason == "length"
+
+
+def test_codev_turns_end_at_code_stop_with_nothing_generated_after_it(parrot):
+    """A codev rollout with the real HFEngine: the engine is asked to stop on </code> and returns no token after
+    the one that completes it (before, it generated on and the rollout threw that away)."""
+    model, tokenizer, _, said = parrot
+
+    class Recording(engines.HFEngine):
+        def generate(self, prompts, sampling, images=None):
+            self.calls.append((sampling, super().generate(prompts, sampling, images)))
+            return self.calls[-1][1]
+
+    engine = Recording(model, tokenizer.pad_token_id, tokenizer=tokenizer)
+    engine.calls = []
+    sampling = engines.Sampling(max_new_tokens=len(said) + 5, temperature=0,
+                                stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    samples, _ = rollout.multi_turn(engine, tokenizer, [PARROT_ROW], 1, sampling,
+                                    replay_codev_toolbox([tools.ToolResult("(28, 56)")]),
+                                    rollout.AgentLimits(max_turns=2))
+    sample, (first_sampling, first) = samples[0], engine.calls[0]
+    kept = chat.code_stop(tokenizer, said)
+    assert first_sampling.stop == ["</code>"] and sampling.stop == []
+    assert first[0].token_ids == said[:kept] and first[0].finish_reason == "stop"
+    assert sample.completion_ids[:kept] == said[:kept] and sample.loss_mask[:kept] == [1] * kept
+    assert sample.loss_mask[kept] == 0  # the end-of-turn token after </code> is the rollout's, then the observation
+    assert sample.info["messages"][1] == {"role": "assistant", "content": ACTION + "\n"}
+    assert sample.info["tool_calls"] == 1
+    assert chat.check_tito(tokenizer, sample, sample.info["messages"]) == []
 
 
 # ----------------------------------------------------------------------------------------------- the python tool

@@ -1,5 +1,6 @@
 """merge.py on a real 2-rank FSDP2 checkpoint (torchrun, gloo): the Hugging Face folder it writes reloads with
-`from_pretrained` and generates exactly what the checkpointed model generates."""
+`from_pretrained` and generates exactly what the checkpointed model generates; a Qwen2.5-VL checkpoint merges with its
+vision tower."""
 import json
 import os
 import subprocess
@@ -9,10 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
+import merge as merge_lib
+import policy
 import tiny
+from checkpoint import save_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i * i)\n",
@@ -108,3 +113,31 @@ def test_bf16_merge_within_tolerance_and_refused_past_it(checkpoint, tmp_path):
 def test_not_a_checkpoint(tmp_path):
     result = merge(str(tmp_path), str(tmp_path / "out"))
     assert result.returncode == 1 and ".metadata missing" in result.stderr
+
+
+def test_vision_language_checkpoint_merges_with_its_vision_tower(tmp_path):
+    """A Qwen2.5-VL checkpoint saved the way the trainers save one (weights moved off the folder's, vision tower
+    included) merges into a folder that reloads as a vision-language model with the checkpoint's logits on an image
+    prompt, not the original folder's."""
+    model_dir = tiny.make_tiny_vlm(tmp_path / "tiny_vl", ["<answer>red</answer> It is 3."] * 50)
+    created = not dist.is_initialized()
+    policy.init_distributed()
+    try:
+        model = policy.load_model(model_dir)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        saved = save_checkpoint(tmp_path / "run", 3, model, torch.optim.AdamW(model.parameters()), {"step": 3},
+                                hf_source_dir=model_dir)
+    finally:
+        if created:
+            dist.destroy_process_group()
+    assert merge_lib.merge(merge_lib.Args(saved, tmp_path / "hf", dtype="float32", device="cpu")) == 0
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf").eval()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    image_prompt = merge_lib.verification_inputs(merged, tokenizer)[-1]
+    assert image_prompt["pixel_values"].shape[0] > 0
+    with torch.no_grad():
+        got, want, original = (m.eval()(**image_prompt).logits for m in (merged, model, policy.load_model(model_dir)))
+    assert torch.equal(got, want) and not torch.allclose(got, original, atol=1e-3)

@@ -3,6 +3,7 @@ multimodal logprobs against per-sequence forwards, the placeholder ban in the tr
 images against the model's own generate; the FSDP2 checks run in one torchrun launch (tests/dist_vision.py)."""
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -12,12 +13,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLProcessor
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
 
+import chat
+import data_prep
 import engines
 import policy
+import rollout
 import tiny
 import vision
 
@@ -282,6 +288,32 @@ def test_micro_batches_count_expanded_tokens(vlm_dir, tokenizer):
     added = vision.image_tokens(vision.processor_for(model.config), images[2][0]) - 1
     assert policy.completion_micro_batches(model, samples, [0, 1], ids_only + added) == [[0, 1]]
     assert policy.completion_micro_batches(model, samples, [0, 1], ids_only + added - 1) == [[0], [1]]
+
+
+def test_generate_counts_images_with_the_model_processor(vlm_dir, tokenizer, tmp_path):
+    """`rollout.py generate` on vision_toy rows keeps the rows whose prompt fits --max-prompt-tokens with each image
+    counted as the model's own image processor expands it (at most 64 tokens for the tiny model), not as Qwen2.5-VL's
+    defaults would (81 for a 256-pixel square) nor as one placeholder token, and answers them with their images."""
+    rows, _ = data_prep.vision_toy_rows(6, 0, seed=0, size=256)
+    data_prep.write_rows(rows, tmp_path / "rows.parquet")
+    qwen = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=12_845_056, patch_size=14, merge_size=2)
+    text = [len(chat.encode_prompt(tokenizer, row["prompt"])) for row in rows]
+    model_length = [n + vision.image_counter(str(vlm_dir))(row["images"][0]) - 1 for n, row in zip(text, rows)]
+    qwen_length = [n + vision.image_tokens(qwen, row["images"][0]) - 1 for n, row in zip(text, rows)]
+    limit = min(qwen_length)
+    kept = [data_prep.row_id(row) for row, n in zip(rows, model_length) if n <= limit]
+    assert len(kept) != sum(n <= limit for n in qwen_length) and 0 < len(kept) < len(rows)
+    created = not dist.is_initialized()
+    policy.init_distributed()
+    try:
+        out = rollout.generate(rollout.GenerateArgs(model=str(vlm_dir), data=str(tmp_path / "rows.parquet"),
+                                                    out=str(tmp_path / "samples.jsonl"), max_new_tokens=4,
+                                                    max_prompt_tokens=limit))
+    finally:
+        if created:
+            dist.destroy_process_group()
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["task_id"] for line in lines] == kept and all(line["completion_tokens"] > 0 for line in lines)
 
 
 @pytest.mark.slow

@@ -37,9 +37,11 @@ from vllm.inputs import TokensPrompt
 from vllm.logprobs import FlatLogprobs, append_logprobs_for_next_position, create_sample_logprobs
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingType
+from vllm.v1.engine.detokenizer import IncrementalDetokenizer, uses_fast_detokenizer
 from vllm.v1.engine.llm_engine import LLMEngine
 from vllm.v1.executor.abstract import SLEEP_TAGS
 
+import chat
 import engines
 import policy
 import tiny
@@ -153,6 +155,27 @@ def test_tokens_prompt_keys():
 def test_banned_tokens_as_logit_bias():
     params = SamplingParams(**engines.vllm_sampling_kwargs(engines.Sampling(), banned_token_ids=[5, 6]))
     assert params.logit_bias == {5: -100.0, 6: -100.0}
+
+
+def test_stop_strings_keep_the_completing_token_in_vllms_detokenizer(tmp_path):
+    """kiln's stop strings through vLLM's own incremental detokenizer (what its output processor runs on every
+    step's tokens): the ids end with the token that completes </code>, that token whole though the text goes on,
+    whether the tokens arrive one per step or several at once (speculative decoding), as HFEngine and chat.code_stop
+    end them."""
+    text = "<code>```python\nprint(1)\n```</code>\nI think it is 7."
+    tokenizer = policy.load_tokenizer(tiny.make_tiny_model(tmp_path, [text] * 20))
+    params = SamplingParams(**engines.vllm_sampling_kwargs(engines.Sampling(stop=["</code>"], stop_token_ids=[2])))
+    assert (params.stop, params.include_stop_str_in_output, params.detokenize) == (["</code>"], True, True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    kept = chat.code_stop(tokenizer, ids)
+    assert tokenizer.decode(ids[kept - 1 : kept]).startswith(">") and tokenizer.decode(ids[kept - 1 : kept]) != ">"
+    request = types.SimpleNamespace(request_id="r", prompt_token_ids=[1], sampling_params=params)
+    one_by_one = IncrementalDetokenizer.from_new_request(tokenizer, request)
+    assert uses_fast_detokenizer(tokenizer)
+    stops = [one_by_one.update([token], stop_terminated=False) for token in ids[:kept]]
+    assert stops == [None] * (kept - 1) + ["</code>"] and one_by_one.output_token_ids == ids[:kept]
+    at_once = IncrementalDetokenizer.from_new_request(tokenizer, request)
+    assert at_once.update(ids, stop_terminated=False) == "</code>" and at_once.output_token_ids == ids[:kept]
 
 
 @pytest.fixture(scope="module")
