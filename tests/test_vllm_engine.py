@@ -96,8 +96,11 @@ def test_kwargs_builders():
     assert kw["logprobs_mode"] == "processed_logprobs"
     sp = engines.vllm_sampling_kwargs(engines.Sampling(max_new_tokens=7, temperature=0.6, top_p=0.9, top_k=20,
                                                        stop_token_ids=[2, 0]))
-    assert sp == dict(n=1, max_tokens=7, temperature=0.6, top_p=0.9, top_k=20, stop_token_ids=[2, 0], logprobs=0,
-                      flat_logprobs=True, detokenize=False)
+    assert sp == dict(n=1, max_tokens=7, temperature=0.6, top_p=0.9, top_k=20, stop_token_ids=[2, 0], stop=[],
+                      include_stop_str_in_output=True, skip_special_tokens=False, logprobs=0, flat_logprobs=True,
+                      detokenize=False)  # no stop strings: vLLM need not detokenize
+    with_stop = engines.vllm_sampling_kwargs(engines.Sampling(max_new_tokens=7, stop=["</code>"]))
+    assert with_stop["stop"] == ["</code>"] and with_stop["detokenize"] is True
     assert engines.vllm_prompt((1, 2)) == {"prompt_token_ids": [1, 2]}
     assert "limit_mm_per_prompt" not in kw
     kw = engines.vllm_llm_kwargs("m", rank=0, seed=0, tensor_parallel_size=1, gpu_memory_utilization=0.4,
