@@ -8,7 +8,7 @@ it: its `docker stop` + `docker rm` clean-up, ./logs under a temporary working f
 (resolves) and a no-op patch (applies, fixes nothing) of every instance; the verdicts must agree. Rounds alternate the
 graders; medians are reported. Throughput: `--batch` gold gradings at concurrency 1 and `--concurrency`, per grader.
 
-    .venv/bin/python bench/swe_grading.py [--rows /work/swe-instances/rows.parquet --rounds 3 --concurrency 4]
+    .venv/bin/python bench/swe_grading.py [--rows runs/swe-instances/rows.parquet --rounds 3 --concurrency 4]
 
 Needs the Docker daemon and the offline instances (`python tests/swe_instances.py --out DIR`).
 """
@@ -42,7 +42,7 @@ NOOP = b"diff --git a/NOTES.txt b/NOTES.txt\nnew file mode 100644\n--- /dev/null
 
 @dataclass
 class Args:
-    rows: str = os.environ.get("KILN_SWE_DIR", "/work/swe-instances") + "/rows.parquet"
+    rows: str = os.environ.get("KILN_SWE_DIR", "runs/swe-instances") + "/rows.parquet"
     """swebench rows whose images are on this Docker host"""
     rounds: int = 3
     """timed rounds per grader, patch and instance (alternating graders)"""
