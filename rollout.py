@@ -112,8 +112,7 @@ def collect(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampli
         metrics["tools/tito_drift_frac"] = sum(bool(d) for _, d in drifts) / len(drifts)
         first = next(((s, d) for s, d in drifts if d), None)
         if first is not None:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            tqdm.write(f"rank {rank}, task {data_prep.row_id(first[0].row)}: {first[1][0]}")
+            tqdm.write(f"rank {policy.rank()}, task {data_prep.row_id(first[0].row)}: {first[1][0]}")
     return samples, metrics
 
 
@@ -423,8 +422,7 @@ def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict],
         "agents/seconds_mean": sum(agent.seconds for agent in agents) / n,
     }
     if any(agent.status != "ok" for agent in agents):
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        tqdm.write(f"rank {rank}: {sum(agent.status != 'ok' for agent in agents)} of {len(agents)} agents failed or "
+        tqdm.write(f"rank {policy.rank()}: {sum(agent.status != 'ok' for agent in agents)} of {len(agents)} agents failed or "
                    f"timed out ({'kept' if keep_failed else 'dropped'}); the end of their output:\n{failures}")
     if not _any_live_anywhere(samples):  # nothing to train on or grade on any rank: the command is broken
         raise SystemExit(f"--agent-cmd: no agent of this round left a session to learn from ({len(agents)} agents on "
