@@ -18,6 +18,7 @@ from PIL import Image, UnidentifiedImageError
 import containers
 import data_prep
 import sandbox
+import swe_grading
 
 SWE_CONTAINER = containers.ContainerLimits(timeout=60.0, output_cap=10_000)  # an agent's container; see README
 SWE_MAX_COMMAND_SECONDS = 600  # the most a `bash` call may ask for (README's budget table)
@@ -284,11 +285,7 @@ def check_swe_rows(rows: list[dict], tools: str, source: str) -> None:
         raise SystemExit(f"{source}: swebench rows run with --tools swe and --tools swe runs only swebench rows "
                          f"({len(swe)} of {len(rows)} rows are swebench, --tools {tools})")
     if tools == "swe":
-        missing = containers.missing_images(containers.shared_client(),
-                                            {json.loads(r["reward_model"]["ground_truth"])["image"] for r in swe})
-        if missing:
-            raise SystemExit(f"{source}: {len(missing)} instance images are not on this Docker host, e.g. "
-                             f"{missing[0]}; pull or `docker load` them first (README, SWE-bench)")
+        swe_grading.check_images([json.loads(r["reward_model"]["ground_truth"]) for r in swe], source)
 
 
 TOOLBOXES: dict[str, Callable[[dict], ToolBox]] = {"python": python_toolbox, "codev": codev_toolbox,
