@@ -19,6 +19,7 @@ import containers
 import data_prep
 import sandbox
 import swe_grading
+import vision
 
 SWE_CONTAINER = containers.ContainerLimits(timeout=60.0, output_cap=10_000)  # an agent's container; see README
 SWE_MAX_COMMAND_SECONDS = 600  # the most a `bash` call may ask for (README's budget table)
@@ -86,8 +87,8 @@ class ImageLimits:
     patch, huge ones downscaled, and only the first few kept."""
 
     max_images: int = 5  # per call
-    max_aspect: float = 100.0
-    min_side: int = 28  # pixels: one 2x2 merge of 14-pixel patches
+    max_aspect: float = vision.MAX_ASPECT_RATIO
+    min_side: int = vision.MIN_SIDE  # pixels: one 2x2 merge of 14-pixel patches
     max_pixels: int = 12_845_056  # Qwen2.5-VL's preprocessor_config max_pixels
 
 
