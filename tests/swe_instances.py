@@ -212,11 +212,16 @@ def make_repo(sdist: Path, repo: Path) -> str:
     env = {"GIT_AUTHOR_NAME": "kiln", "GIT_AUTHOR_EMAIL": "kiln@localhost", "GIT_COMMITTER_NAME": "kiln",
            "GIT_COMMITTER_EMAIL": "kiln@localhost", "GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE,
            "PATH": "/usr/bin:/bin"}
-    for command in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
-        run(["git", "-c", "safe.directory=*", "-C", str(repo), *command], env=env)  # the sdist's owner is not ours
+    # A commit of more loose objects than gc.auto starts a background repack, which races the docker SDK tarring the
+    # build context (FileNotFoundError in .git/objects); the repository's own config keeps it off inside the image too.
+    git = ["git", "-c", "safe.directory=*", "-c", "gc.auto=0", "-c", "maintenance.auto=false", "-C", str(repo)]
+    run([*git, "init", "-q", "-b", "main"], env=env)  # safe.directory: the sdist's owner is not ours
+    for key, value in (("gc.auto", "0"), ("maintenance.auto", "false")):
+        run([*git, "config", key, value], env=env)
+    for command in (["add", "-A"], ["commit", "-q", "-m", "base"]):
+        run([*git, *command], env=env)
     (repo / ".git" / "info" / "exclude").write_text(EXCLUDE)
-    head = run(["git", "-c", "safe.directory=*", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return head.stdout.strip()
+    return run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
 def patch_files(patch: str) -> list[str]:

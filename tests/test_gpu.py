@@ -14,18 +14,22 @@ def test_compiled_chunk_math_equals_eager_in_bf16(with_entropy):
     rows, vocab, temperature = 300, 151936, 0.8
     logits = (torch.randn(rows, vocab, device="cuda") * 4).bfloat16()
     targets = torch.randint(0, vocab, (rows,), device="cuda")
-    eager = policy._chunk_forward(logits.clone(), targets, temperature, with_entropy)
-    compiled = policy._compiled(policy._chunk_forward)(logits.clone(), targets, temperature, with_entropy)
+    banned = torch.tensor([vocab - 2, vocab - 1], device="cuda")  # a vision model's placeholders; no target is one
+    targets[targets >= vocab - 2] = 0
+    eager = policy._chunk_forward(logits.clone(), targets, temperature, with_entropy, banned)
+    compiled = policy._compiled(policy._chunk_forward)(logits.clone(), targets, temperature, with_entropy, banned)
     for name, a, b in zip(["logprob", "lse", "entropy"], eager, compiled):
         if a is not None:
             torch.testing.assert_close(b, a, atol=5e-4, rtol=1e-5, msg=name)
     entropy = eager[2]
     grad_logprob = torch.randn(rows, 1, device="cuda")
     grad_entropy = torch.randn(rows, 1, device="cuda") if with_entropy else None
-    g_eager = policy._chunk_grad(logits.clone(), targets, eager[1], entropy, grad_logprob, grad_entropy, temperature)
+    g_eager = policy._chunk_grad(logits.clone(), targets, eager[1], entropy, grad_logprob, grad_entropy, temperature,
+                                 banned)
     g_compiled = policy._compiled(policy._chunk_grad)(logits.clone(), targets, eager[1], entropy, grad_logprob,
-                                                      grad_entropy, temperature)
+                                                      grad_entropy, temperature, banned)
     assert g_compiled.dtype == torch.bfloat16
+    assert not g_compiled[:, banned].any()
     torch.testing.assert_close(g_compiled.float(), g_eager.float(), atol=1e-3, rtol=1e-2)
 
 
@@ -36,7 +40,8 @@ def test_chunked_head_bf16_on_gpu_matches_fp32_reference():
     hidden = torch.randn(1000, 256, device="cuda").bfloat16().requires_grad_()
     weight = (torch.randn(50000, 256, device="cuda") * 0.05).bfloat16().requires_grad_()
     targets = torch.randint(0, 50000, (1000,), device="cuda")
-    out = policy._ChunkedChosenLogprobs.apply(hidden, weight, targets, 1.0, 256, False)
+    no_banned = torch.empty(0, dtype=torch.long, device="cuda")
+    out = policy._ChunkedChosenLogprobs.apply(hidden, weight, targets, 1.0, 256, False, no_banned)
     out[:, 0].sum().backward()
     hidden32, weight32 = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
     ref = torch.log_softmax(hidden32 @ weight32.T, -1).gather(1, targets[:, None]).squeeze(1)
