@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Callable, Literal
 
 import torch
-import torch.distributed as dist
 import tyro
 from tqdm import tqdm
 
 import agent_server
 import chat
+import collectives
 import containers
 import data_prep
 import merge
@@ -47,6 +47,7 @@ class Sample:
     text: str = ""  # decoded completion, for the reward
     finish_reason: str = ""
     reward: float = 0.0
+    shaped_reward: float = 0.0  # what advantages are computed from: the reward plus the trainer's shaping, if any
     advantage: float = 0.0  # the sample's share of the signal, set by the trainer from the rewards of its batch
     info: dict = field(default_factory=dict)
     images: list[bytes] = field(default_factory=list)  # encoded images, one per placeholder in `ids`, in that order
@@ -112,7 +113,7 @@ def collect(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampli
         metrics["tools/tito_drift_frac"] = sum(bool(d) for _, d in drifts) / len(drifts)
         first = next(((s, d) for s, d in drifts if d), None)
         if first is not None:
-            tqdm.write(f"rank {policy.rank()}, task {data_prep.row_id(first[0].row)}: {first[1][0]}")
+            tqdm.write(f"rank {collectives.rank()}, task {data_prep.row_id(first[0].row)}: {first[1][0]}")
     return samples, metrics
 
 
@@ -218,7 +219,7 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
                 raise ValueError(f"{task}: the prompt is {traj.length} tokens with the tool signatures and its "
                                  f"images, no room for an answer within max_total_tokens {limits.max_total_tokens}")
         with ThreadPoolExecutor(max_workers=16) as pool:
-            while _any_live_anywhere(live := [traj for traj in trajectories if not traj.finish_reason]):
+            while collectives.any_rank(live := [traj for traj in trajectories if not traj.finish_reason]):
                 _agent_turn(engine, tokenizer, live, sampling, limits, eot, pool, count_image)
     finally:
         close_all([traj.box for traj in trajectories])
@@ -267,16 +268,6 @@ def close_all(boxes: list[ToolBox]) -> None:
             failure = failure or e
     if failure is not None:
         raise failure
-
-
-def _any_live_anywhere(live: list) -> bool:
-    """Whether any rank still has a live trajectory. Under torchrun every rank must make the same number of engine
-    calls (HFEngine's load_weights streams FSDP parameters; a TP-sharded vLLM engine is a collective), so ranks turn
-    together."""
-    flag = torch.tensor(float(bool(live)))
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() > 0
 
 
 def _agent_turn(engine: Engine, tokenizer, live: list[Trajectory], sampling: Sampling, limits: AgentLimits,
@@ -422,9 +413,9 @@ def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict],
         "agents/seconds_mean": sum(agent.seconds for agent in agents) / n,
     }
     if any(agent.status != "ok" for agent in agents):
-        tqdm.write(f"rank {policy.rank()}: {sum(agent.status != 'ok' for agent in agents)} of {len(agents)} agents failed or "
+        tqdm.write(f"rank {collectives.rank()}: {sum(agent.status != 'ok' for agent in agents)} of {len(agents)} agents failed or "
                    f"timed out ({'kept' if keep_failed else 'dropped'}); the end of their output:\n{failures}")
-    if not _any_live_anywhere(samples):  # nothing to train on or grade on any rank: the command is broken
+    if not collectives.any_rank(samples):  # nothing to train on or grade on any rank: the command is broken
         raise SystemExit(f"--agent-cmd: no agent of this round left a session to learn from ({len(agents)} agents on "
                          f"this rank: {metrics['agents/failed_frac']:.0%} exited non-zero, "
                          f"{metrics['agents/timeout_frac']:.0%} were killed at the wall limit); the end of their "
@@ -542,7 +533,7 @@ def generate_lines(engine: Engine, tokenizer, rows: list[dict], args: GenerateAr
     as `count_image` tokens. Each round takes the next batch_size x world rows, this rank answers every world-th of
     them, and the lines are gathered. Every rank runs every round, with or without rows of its own: multi-turn rounds
     and tensor-parallel engines are collectives."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = collectives.rank(), collectives.world_size()
     limits = AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens, args.max_agent_seconds)
     per_round = args.batch_size * world
     lines: list[tuple[int, dict]] = []
@@ -551,7 +542,7 @@ def generate_lines(engine: Engine, tokenizer, rows: list[dict], args: GenerateAr
         positions = list(range(start + rank, min(start + per_round, len(rows)), world))
         samples, _ = collect(engine, tokenizer, [rows[p] for p in positions], args.n_samples, sampling, args.tools,
                              limits, first_group=start + rank, eot=args.end_of_turn, count_image=count_image)
-        lines += policy.gather_objects([(positions[i // args.n_samples], sample_line(s, i % args.n_samples))
+        lines += collectives.gather_objects([(positions[i // args.n_samples], sample_line(s, i % args.n_samples))
                                         for i, s in enumerate(samples)])
         bar.update(min(per_round, len(rows) - start))
     bar.close()

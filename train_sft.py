@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 import chat
+import collectives
 import data_prep
 import losses
 import policy
@@ -168,7 +169,7 @@ def main(args: Args) -> dict:
     while step < args.steps:
         # A seeded permutation per epoch: resuming at `step` replays exactly the same batches.
         picked = data_prep.in_epoch_order(encoded, step * args.batch_size + rank * per_rank, per_rank, args.seed)
-        tokens = policy.sum_over_ranks(sum(sum(mask) for _, mask, _ in picked))
+        tokens = collectives.sum_over_ranks(sum(sum(mask) for _, mask, _ in picked))
         micro_batches = [[picked[i] for i in micro] for micro in policy.pack(
             list(range(len(picked))), [ids for ids, _, _ in picked], args.micro_batch_tokens,
             image_tokens=image_tokens(model, picked))]
@@ -183,7 +184,7 @@ def main(args: Args) -> dict:
         stepped = policy.step_if_finite(optimizer, grad_norm, "train")
         scheduler.step()
         step += 1
-        metrics = {"step": step, "train/loss": policy.sum_over_ranks(loss_sum), **stepped,
+        metrics = {"step": step, "train/loss": collectives.sum_over_ranks(loss_sum), **stepped,
                    "train/lr": scheduler.get_last_lr()[0], "train/tokens": tokens}
         log.metrics(metrics)
         bar.update(1)
