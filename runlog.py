@@ -131,7 +131,7 @@ def announced_eval(evaluate: Callable, run) -> dict:
 
 
 def eval_line(step: int, metrics: dict) -> str:
-    """`eval step N: all pass@1 0.430 | toy pass@1 0.430 | reward 0.512` from rewards.report_metrics' metrics: every
+    """`eval step N: all pass@1 0.430 | toy pass@1 0.430 | reward 0.512` from eval_report.report_metrics' metrics: every
     data source's pass@1 (not its difficulties) and the mean reward."""
     groups = [k.split("/")[1] for k in metrics if k.startswith("val-core/") and k.endswith("/pass@1")
               and k.count("/") == 2]

@@ -25,6 +25,7 @@ import collectives
 import containers
 import data_prep
 import engines
+import eval_report
 import judge as judge_lib
 import losses
 import policy
@@ -229,7 +230,7 @@ class Run:
     step: int = 0
     data_pos: int = 0
     best: dict = field(default_factory=dict)  # {"step", "metric", "value"} of the policy kept in best/
-    evals: list[dict] = field(default_factory=list)  # every eval's rewards.report summary and step, for the report
+    evals: list[dict] = field(default_factory=list)  # every eval's eval_report.report summary and step, for the report
     judge: judge_lib.Judge | None = None  # the LLM judge of vl_agent rows (--judge-url)
 
 
@@ -672,14 +673,14 @@ def evaluate(run: Run) -> dict:
     ungraded = {"val-aux/judge_ungraded": len(run.eval_rows) - len(graded)} if run.judge is not None else {}
     if not graded:
         return ungraded
-    summary = rewards.report({data_prep.row_id(row): row for row in run.eval_rows}, [task for task, _ in graded],
+    summary = eval_report.report({data_prep.row_id(row): row for row in run.eval_rows}, [task for task, _ in graded],
                              [reward for _, reward in graded])
-    metrics = rewards.report_metrics(summary) | ungraded
+    metrics = eval_report.report_metrics(summary) | ungraded
     run.evals.append({"step": run.step} | summary)
     run.best = keep_best(run.best, run.args.best_metric, metrics, run.step, run.model, run.args.model,
                          run.args.output_dir)
     if run.rank == 0:
-        rewards.write_eval_report(run.args.output_dir, run.evals, run.best, run.args.eval_data)
+        eval_report.write_eval_report(run.args.output_dir, run.evals, run.best, run.args.eval_data)
     return metrics
 
 

@@ -32,6 +32,7 @@ import collectives
 import containers
 import data_prep
 import engines
+import eval_report
 import losses
 import policy
 import rewards
@@ -201,7 +202,7 @@ class Run:
     data_pos: int = 0
     kl_coef: float = 0.0
     best: dict = field(default_factory=dict)  # {"step", "metric", "value"} of the policy kept in best/
-    evals: list[dict] = field(default_factory=list)  # every eval's rewards.report summary and step, for the report
+    evals: list[dict] = field(default_factory=list)  # every eval's eval_report.report summary and step, for the report
 
 
 @dataclass
@@ -515,13 +516,13 @@ def evaluate(run: Run) -> dict:
     results = run.score_fn([s.row for s in samples], [s.text for s in samples])
     graded = collectives.gather_objects([(data_prep.row_id(s.row), rewards.for_report(r))
                                          for s, r in zip(samples, results)])
-    summary = rewards.report({data_prep.row_id(row): row for row in run.eval_rows}, [task for task, _ in graded],
+    summary = eval_report.report({data_prep.row_id(row): row for row in run.eval_rows}, [task for task, _ in graded],
                              [reward for _, reward in graded])
-    metrics = rewards.report_metrics(summary)
+    metrics = eval_report.report_metrics(summary)
     run.evals.append({"step": run.step} | summary)
     run.best = keep_best(run.best, args.best_metric, metrics, run.step, run.model, args.model, args.output_dir)
     if run.rank == 0:
-        rewards.write_eval_report(args.output_dir, run.evals, run.best, args.eval_data)
+        eval_report.write_eval_report(args.output_dir, run.evals, run.best, args.eval_data)
     return metrics
 
 
