@@ -291,7 +291,7 @@ def test_agents_see_no_answers_and_get_their_placeholders(tmp_path, monkeypatch)
 
 
 def served_url(process) -> str:
-    """The endpoint `rollout.py serve` announces on its first line."""
+    """The endpoint `serve.py` announces on its first line."""
     line = process.stdout.readline()
     match = re.search(r"at (http://\S+/v1)", line)
     assert match, line + process.stdout.read()
@@ -301,7 +301,7 @@ def served_url(process) -> str:
 @pytest.mark.slow
 def test_rollout_serve_answers_a_real_client(tmp_path):
     model = tiny.make_tiny_model(tmp_path / "tiny", CORPUS)
-    process = subprocess.Popen([sys.executable, str(ROOT / "rollout.py"), "serve", "--model", str(model), "--port", "0",
+    process = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--model", str(model), "--port", "0",
                                 "--max-new-tokens", "6"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:

@@ -239,12 +239,12 @@ def test_a_trainer_interrupted_mid_rollout_removes_its_containers(docker_client,
 
 @pytest.mark.slow
 def test_generate_with_swe_tools_writes_the_containers_diffs(docker_client, swe_rows, tmp_path):
-    """`rollout.py generate --tools swe`: a line per sample whose completion is its container's diff (an untrained
+    """`generate.py --tools swe`: a line per sample whose completion is its container's diff (an untrained
     model changes nothing: ""); no container is left."""
     data_prep.write_rows([swe_rows[M1359]], tmp_path / "swe.parquet")
     model = tiny.make_tiny_model(tmp_path / "model", CORPUS, max_position_embeddings=8192)
     generated = subprocess.run(
-        [sys.executable, str(ROOT / "rollout.py"), "generate", "--model", str(model), "--data",
+        [sys.executable, str(ROOT / "generate.py"), "--model", str(model), "--data",
          str(tmp_path / "swe.parquet"), "--out", str(tmp_path / "samples.jsonl"), "--tools", "swe", "--n-samples", "2",
          "--temperature", "1.0", "--max-new-tokens", "8", "--max-turns", "2", "--max-prompt-tokens", "4000",
          "--max-total-tokens", "4100", "--dtype", "float32"], capture_output=True, text=True, timeout=600)

@@ -22,8 +22,8 @@ from transformers.processing_utils import ProcessorMixin
 import chat
 import data_prep
 import engines
+import generate
 import policy
-import rollout
 import tiny
 import vision
 
@@ -291,7 +291,7 @@ def test_micro_batches_count_expanded_tokens(vlm_dir, tokenizer):
 
 
 def test_generate_counts_images_with_the_model_processor(vlm_dir, tokenizer, tmp_path):
-    """`rollout.py generate` on vision_toy rows keeps the rows whose prompt fits --max-prompt-tokens with each image
+    """`generate.py` on vision_toy rows keeps the rows whose prompt fits --max-prompt-tokens with each image
     counted as the model's own image processor expands it (at most 64 tokens for the tiny model), not as Qwen2.5-VL's
     defaults would (81 for a 256-pixel square) nor as one placeholder token, and answers them with their images."""
     rows, _ = data_prep.vision_toy_rows(6, 0, seed=0, size=256)
@@ -306,7 +306,7 @@ def test_generate_counts_images_with_the_model_processor(vlm_dir, tokenizer, tmp
     created = not dist.is_initialized()
     policy.init_distributed()
     try:
-        out = rollout.generate(rollout.GenerateArgs(model=str(vlm_dir), data=str(tmp_path / "rows.parquet"),
+        out = generate.generate(generate.GenerateArgs(model=str(vlm_dir), data=str(tmp_path / "rows.parquet"),
                                                     out=str(tmp_path / "samples.jsonl"), max_new_tokens=4,
                                                     max_prompt_tokens=limit))
     finally:
