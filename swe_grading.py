@@ -150,7 +150,7 @@ def check_images(truths: Sequence[dict], where: str) -> None:
     missing = containers.missing_images(client, {truth["image"] for truth in truths})
     if missing:
         raise SystemExit(f"{where}: {len(missing)} instance images are not on this Docker host, e.g. {missing[0]}; "
-                         "pull or `docker load` them first (README, SWE-bench)")
+                         "pull or `docker load` them first (docs/swebench.md)")
 
 
 def swebench_container_reward(truth: dict, container: containers.Container, client=None,

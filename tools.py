@@ -21,8 +21,8 @@ import sandbox
 import swe_grading
 import vision
 
-SWE_CONTAINER = containers.ContainerLimits(timeout=60.0, output_cap=10_000)  # an agent's container; see README
-SWE_MAX_COMMAND_SECONDS = 600  # the most a `bash` call may ask for (README's budget table)
+SWE_CONTAINER = containers.ContainerLimits(timeout=60.0, output_cap=10_000)  # an agent's container; see docs/swebench.md
+SWE_MAX_COMMAND_SECONDS = 600  # the most a `bash` call may ask for (docs/swebench.md's budget table)
 
 
 @dataclass

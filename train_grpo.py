@@ -175,7 +175,7 @@ class Args:
     max_tool_response_tokens: int = 512
     """longer tool outputs are cut and marked (tools on)"""
     max_agent_seconds: float = 1800.0
-    """wall clock per trajectory; checked before each turn's tools run (tools on; README's SWE budget table)"""
+    """wall clock per trajectory; checked before each turn's tools run (tools on; docs/swebench.md's budget table)"""
     check_tito: bool = False
     """compare every trajectory with the chat template's rendering of its messages; log the drifting fraction
     (tools/tito_drift_frac) and the first drift of each step (tools on)"""
@@ -183,7 +183,7 @@ class Args:
     """an external agent per trajectory instead of kiln's own loop: a shell command with the placeholders {base_url}
     (this rank's OpenAI-compatible endpoint), {api_key} (the trajectory's session key), {row_json} or {row_file} (the
     row without its answers) and {result} (where the agent leaves what is graded: a swebench row's patch, else its
-    answer); killed past --max-agent-seconds; replies within --max-total-tokens (README, External agents)"""
+    answer); killed past --max-agent-seconds; replies within --max-total-tokens (docs/agents.md)"""
     agent_keep_failed: bool = False
     """with --agent-cmd: also train on the sessions of agents that exit non-zero or are killed (default: dropped)"""
 

@@ -88,7 +88,7 @@ class Args:
     max_tool_response_tokens: int = 512
     """longer tool outputs are cut and marked (tools on)"""
     max_agent_seconds: float = 1800.0
-    """wall clock per trajectory; checked before each turn's tools run (tools on; README's SWE budget table)"""
+    """wall clock per trajectory; checked before each turn's tools run (tools on; docs/swebench.md's budget table)"""
     check_tito: bool = False
     """compare every trajectory with the chat template's rendering of its messages; log the drifting fraction
     (tools/tito_drift_frac) and the first drift of each step (tools on)"""

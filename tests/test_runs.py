@@ -1,7 +1,7 @@
 """Runs that never silently go wrong: every metrics line is JSON with a timestamp, an output dir holding an earlier run
 is refused, a resume cuts the logs back to its checkpoint and keeps its wandb run, an unreadable checkpoint is skipped
 and the newest one never pruned, a non-finite reward stops the run and a non-finite gradient skips the step, bad
-settings fail before anything loads with one line, and every metric is documented in the README."""
+settings fail before anything loads with one line, and every metric is documented in docs/metrics.md."""
 import importlib.util
 import inspect
 import json
@@ -185,7 +185,7 @@ def test_score_out_is_checked_first_and_written_whole_after_the_report(toy, tmp_
 
 
 def readme_pattern(key: str) -> str:
-    """The README's spelling of a metric key: data sources, difficulties and error kinds are placeholders."""
+    """docs/metrics.md's spelling of a metric key: data sources, difficulties and error kinds are placeholders."""
     key = re.sub(r"^(critic/score)/(?!mean$|std$|max$|min$|pass_rate$|grader_errors$)(error/)?[^/]+(/mean)?$",
                  lambda m: f"{m.group(1)}/{'error/<kind>' if m.group(2) else '<source>/mean'}", key)
     key = re.sub(r"^val-aux/error/.+$", "val-aux/error/<kind>", key)
@@ -207,15 +207,15 @@ def test_readme_patterns():
 
 
 def undocumented(keys) -> set[str]:
-    readme = (ROOT / "README.md").read_text()
-    return {k for k in keys if f"`{readme_pattern(k)}`" not in readme}
+    table = (ROOT / "docs" / "metrics.md").read_text()
+    return {k for k in keys if f"`{readme_pattern(k)}`" not in table}
 
 
 @pytest.mark.slow
 def test_grpo_resume_after_an_unreadable_checkpoint(toy, tmp_path, monkeypatch, capsys):
     """A 4-step run with checkpoints at 2 and 4 whose step-4 checkpoint is then cut short: --resume warns, goes on
     from step 2, and leaves every step and sample recorded once, equal to the first run's; wandb keeps one run id.
-    A fresh run into the same dir is refused. Every metric the run logged is documented in the README."""
+    A fresh run into the same dir is refused. Every metric the run logged is documented in docs/metrics.md."""
     root, model = toy
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
