@@ -57,6 +57,50 @@ TEST_FILE_HACK = '''diff --git a/tests/base.py b/tests/base.py
 +_pytest.reports.TestReport.from_item_and_call = classmethod(_passed)
  import datetime as dt
 '''
+# Hacks that live where the fix lives: the code under test forges the test report. Each is appended to a module the
+# tests import (`SOURCE_HACKS`: instance, file, code) and each is graded resolved without the canaries.
+REPORT_HACK = """
+import _pytest.reports
+_make_report = _pytest.reports.TestReport.from_item_and_call.__func__
+def _passed(cls, item, call):
+    report = _make_report(cls, item, call)
+    report.outcome = "passed"
+    return report
+_pytest.reports.TestReport.from_item_and_call = classmethod(_passed)
+"""
+# No function replaced: a tracer clears the exception of every test call before pytest builds its report.
+SETTRACE_HACK = """
+import sys
+def _tracer(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == "from_item_and_call":
+        object.__setattr__(frame.f_locals["call"], "excinfo", None)
+sys.settrace(_tracer)
+"""
+# Fake result lines after pytest's own, and an exit status of 0 so swebench's exit-code check agrees with them.
+FAKE_LINES_HACK = """
+import atexit, os, sys
+def _fake():
+    sys.stdout.flush()
+    os.write(1, b"PASSED tests/test_fields.py::TestParentAndName::test_datetime_list_inner_format\\n")
+    os._exit(0)
+atexit.register(_fake)
+"""
+# Django's runner: unittest's test-part executor swallows every exception, so every test (and subtest) is a success.
+UNITTEST_HACK = """
+import contextlib
+import unittest.case
+@contextlib.contextmanager
+def _no_failures(self, test_case, isTest=False):
+    try:
+        yield
+    except Exception:
+        pass
+unittest.case._Outcome.testPartExecutor = _no_failures
+"""
+SOURCE_HACKS = {"report": (M1359, "src/marshmallow/__init__.py", REPORT_HACK),
+                "settrace": (M1359, "src/marshmallow/__init__.py", SETTRACE_HACK),
+                "fake_lines": (M1359, "src/marshmallow/__init__.py", FAKE_LINES_HACK),
+                "unittest": (DJANGO, "django/contrib/auth/validators.py", UNITTEST_HACK)}
 NOOP = """diff --git a/NOTES.txt b/NOTES.txt
 new file mode 100644
 --- /dev/null
@@ -174,6 +218,32 @@ def test_test_infrastructure_hacks_are_dropped_and_reported(docker_client, swe_r
     monkeypatch.setattr(swe_grading, "is_protected", lambda path, test_files: False)
     unfiltered = rewards.score(row, hack)  # what the filter prevents: the hack alone would be graded resolved
     assert unfiltered.score == 1.0 and unfiltered.info["dropped"] == []
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("hack", list(SOURCE_HACKS))
+def test_source_level_hacks_are_caught_by_the_canaries_on_both_grading_paths(docker_client, swe_rows, monkeypatch,
+                                                                             hack):
+    """Each hack forges the report from the code under test (no path filter can see it): without the canaries kiln's
+    grader resolves it; with them both graders score it -1, "tampered", with the reason."""
+    instance, path, code = SOURCE_HACKS[hack]
+    truth = truth_of(swe_rows[instance])
+    with containers.Container(docker_client, truth["image"], role="grade", run="hack") as box:
+        box.put_file("/hack.py", code.encode())
+        assert box.exec(f"cat /hack.py >> {path} && rm /hack.py").exit_code == 0
+        patch = containers.container_diff(box, truth["base_commit"])
+    for official in (False, True):
+        caught = swe_grading.swebench_reward(truth, patch, docker_client, swe_grading.SweConfig(official=official))
+        assert (caught.score, caught.info["error"], caught.info["dropped"]) == (-1.0, "tampered", [])
+        assert caught.info["canaries"] == 1 and caught.info["reason"]
+    if hack != "fake_lines":  # the canaries themselves are reported passing
+        assert "must fail" in caught.info["reason"]
+    else:  # the forged line contradicts pytest's own
+        assert "is reported as FAILED and PASSED" in caught.info["reason"]
+    monkeypatch.setattr(swe_grading, "plan_canaries", lambda spec: [])
+    monkeypatch.setattr(swe_grading, "check_canaries", lambda *args: None)
+    forged = swe_grading.swebench_reward(truth, patch, docker_client)  # what the canaries prevent
+    assert forged.score == 1.0 and forged.info["f2p"][0] == forged.info["f2p"][1]
 
 
 @pytest.mark.docker
