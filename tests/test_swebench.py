@@ -246,6 +246,59 @@ def test_source_level_hacks_are_caught_by_the_canaries_on_both_grading_paths(doc
     assert forged.score == 1.0 and forged.info["f2p"][0] == forged.info["f2p"][1]
 
 
+# An instance image whose repository knows its future, the way published images can (SWE-bench#465): the fix
+# committed on another branch, tagged, behind a remote-tracking ref, ORIG_HEAD and FETCH_HEAD, in a stash, in a
+# commit only a reflog reaches and in a dangling blob; refs packed. HEAD is back on the base commit, the tree clean.
+FUTURE_HISTORY = """set -e
+g="git -c user.name=future -c user.email=future@localhost"
+branch=$(git symbolic-ref --short HEAD)
+$g checkout -q -b future && git apply /gold.diff && $g commit -qam "the fix" && future=$(git rev-parse HEAD)
+$g tag -a v9 -m "release with the fix" && git update-ref refs/remotes/origin/main "$future"
+git remote add origin https://example.invalid/repo.git
+$g checkout -q -b gone && git apply /gold.diff && echo '# gone' >> README.rst && $g commit -qam "gone"
+$g checkout -q "$branch" && $g branch -q -D gone
+echo "$future" > .git/ORIG_HEAD && printf '%s\\t\\tbranch main of origin\\n' "$future" > .git/FETCH_HEAD
+git apply /gold.diff && $g stash -q
+git hash-object -w /gold.diff >/dev/null
+rm /gold.diff && git pack-refs --all && test -z "$(git status --porcelain)" && echo "$future"
+"""
+
+
+@pytest.mark.docker
+def test_agent_containers_hold_no_history_beyond_the_base_commit(docker_client, swe_rows):
+    truth = truth_of(swe_rows[M1359])
+    fix_line = "getattr(self.root.opts, self.SCHEMA_OPTS_VAR_NAME)"
+    find_fix = f"git cat-file --batch-all-objects --batch | grep -c -F '{fix_line}'; grep -rlF '{fix_line}' .git"
+    with containers.Container(docker_client, truth["image"], role="grade", run="future") as box:
+        box.put_file("/gold.diff", truth["patch"].encode())
+        made = box.exec(FUTURE_HISTORY)
+        assert made.exit_code == 0, made.output
+        future = made.output.split()[-1]
+        box._container.commit("kiln-swe/future-history", "test")
+    image = "kiln-swe/future-history:test"
+    try:
+        with containers.Container(docker_client, image, role="grade", run="future") as plain:
+            assert int(plain.exec(find_fix).output.split()[0]) >= 2  # what the agent would find without the scrub
+            assert future in plain.exec("git log --all --reflog --format=%H").output
+        with containers.Container(docker_client, image, role="agent", run="future") as agent:
+            assert agent.exec(find_fix).output.split() == ["0"]
+            assert agent.exec(f"grep -rl {future} .git").output == ""
+            assert agent.exec(f"git cat-file -t {future}").exit_code != 0
+            listing = agent.exec("git log --all --reflog --format=%H; git tag; git stash list; git remote; "
+                                 "git fsck --unreachable --no-reflogs --no-progress; ls .git")
+            assert listing.output.split()[0] == truth["base_commit"] and future not in listing.output
+            assert sorted(listing.output.split()[1:]) == ["HEAD", "config", "description", "hooks", "index", "info",
+                                                          "objects", "packed-refs", "refs"]
+            assert agent.exec("git status --porcelain && git diff --stat").output == ""
+            assert agent.exec("git log -1 --format=%H").output.strip() == truth["base_commit"]
+            assert agent.exec("git apply /dev/stdin <<'EOF'\n" + truth["patch"] + "EOF").exit_code == 0
+            graded = swe_grading.swebench_container_reward(truth, agent, docker_client)
+            assert graded.score == 1.0  # the agent's diff against the base still grades
+    finally:
+        for tag in (containers.history_free_image(docker_client, image), image):
+            docker_client.images.remove(tag, force=True)
+
+
 @pytest.mark.docker
 def test_agent_container_diff_binary_and_new_files_a_p2p_break_and_unusable_diffs(docker_client, swe_rows):
     truth = truth_of(swe_rows[M1359])
