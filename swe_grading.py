@@ -244,17 +244,17 @@ def _ungraded(spec: TestSpec, dropped: list[str] = ()) -> dict:
 
 
 def check_images(truths: Sequence[dict], where: str) -> None:
-    """SystemExit before any grading when instances need Docker and the daemon does not answer, or an instance image
-    is missing (naming one and `where`)."""
+    """Checked before any grading: DockerUnavailable when instances need Docker and the daemon does not answer,
+    ImageMissing when an instance image is not on the host (naming one and `where`)."""
     if not truths:
         return
     try:
         client = containers.connect()
     except containers.DockerUnavailable as e:
-        raise SystemExit(f"{where}: swebench instances are graded in Docker: {e}") from None
+        raise containers.DockerUnavailable(f"{where}: swebench instances are graded in Docker: {e}") from None
     missing = containers.missing_images(client, {truth["image"] for truth in truths})
     if missing:
-        raise SystemExit(f"{where}: {len(missing)} instance images are not on this Docker host, e.g. {missing[0]}; "
+        raise containers.ImageMissing(f"{where}: {len(missing)} instance images are not on this Docker host, e.g. {missing[0]}; "
                          "pull or `docker load` them first (README, SWE-bench)")
 
 

@@ -10,12 +10,16 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import docker.errors
 import docker.models.images
 import pytest
+import requests
+from urllib3.util.retry import Retry
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -176,6 +180,69 @@ def test_unreachable_daemon_is_an_error_not_a_reward(monkeypatch, tmp_path):
              "PASS_TO_PASS": [], "test_patch": "", "base_commit": "0" * 40}
     with pytest.raises(containers.DockerUnavailable, match="cannot reach the Docker daemon"):
         swe_grading.swebench_reward(truth, NOOP.encode())
+
+
+def api_error(status: int) -> docker.errors.APIError:
+    response = requests.Response()
+    response.status_code = status
+    return docker.errors.APIError(f"daemon says {status}", response=response)
+
+
+def test_transient_daemon_errors_are_retried_with_backoff_and_counted(monkeypatch):
+    monkeypatch.setattr(containers, "CALL_RETRY", Retry(total=3, other=3, backoff_factor=0))
+    errors, undone, before = [api_error(500), requests.exceptions.ReadTimeout("slow"), api_error(409)], [], \
+        containers.docker_retries()["retries"]
+
+    def flaky():
+        if errors:
+            raise errors.pop(0)
+        return "started"
+    assert containers.retry_transient(flaky, "start", undo=lambda: undone.append(1)) == "started"
+    assert containers.docker_retries()["retries"] - before == 3 and len(undone) == 3
+    for permanent in (api_error(400), docker.errors.NotFound("gone")):  # the same call would fail the same way
+        with pytest.raises(type(permanent)):
+            containers.retry_transient(lambda: (_ for _ in ()).throw(permanent), "start")
+    with pytest.raises(docker.errors.APIError, match="503 Server Error"):  # out of tries: the last error
+        containers.retry_transient(lambda: (_ for _ in ()).throw(api_error(503)), "start")
+
+
+def test_idempotent_calls_are_retried_inside_the_sdk(monkeypatch):
+    """A daemon on 127.0.0.1 that answers /_ping with 503 twice: the SDK's urllib3 Retry asks again, counted."""
+    pings = []
+
+    class Daemon(BaseHTTPRequestHandler):
+        def do_GET(self):
+            pings.append(self.path) if self.path.endswith("/_ping") else None
+            busy = self.path.endswith("/_ping") and len(pings) <= 2
+            body = b"busy" if busy else (b"OK" if self.path.endswith("/_ping") else b'{"ApiVersion": "1.41"}')
+            self.send_response(503 if busy else 200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Daemon)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("DOCKER_HOST", f"tcp://127.0.0.1:{server.server_address[1]}")
+    before = containers.docker_retries()["retries"]
+    try:
+        containers.connect()
+    finally:
+        server.shutdown()
+    assert len(pings) == 3 and containers.docker_retries()["retries"] - before == 2
+
+
+@pytest.mark.docker
+def test_a_container_that_cannot_start_raises_after_retries_and_leaves_nothing(docker_client, monkeypatch):
+    monkeypatch.setattr(containers, "CALL_RETRY", Retry(total=2, other=2, backoff_factor=0))
+    monkeypatch.setattr(docker_client.api, "start", lambda *a, **k: (_ for _ in ()).throw(api_error(500)))
+    before = containers.docker_retries()
+    with pytest.raises(containers.ContainerStartFailed, match="after 2 retries"):
+        containers.Container(docker_client, swe_instances.BASE_IMAGE, role="grade", run="never-starts")
+    after = containers.docker_retries()
+    assert (after["retries"] - before["retries"], after["start_failures"] - before["start_failures"]) == (2, 1)
+    assert docker_client.containers.list(all=True, filters={"label": f"{containers.RUN}=never-starts"}) == []
 
 
 def test_under_ci_a_missing_daemon_fails_the_docker_tests(tmp_path):
