@@ -313,6 +313,7 @@ def _kiln(spec: TestSpec, canaries: Sequence[Canary], patch: bytes | None, clien
                 return Grade(-1.0, info | {"error": "patch_apply", "reason": applied.output[-2000:]})
         container.put_file("/kiln_eval.sh", spec.eval_script.encode())
         run = container.exec("bash /kiln_eval.sh", timeout=config.eval_timeout, cap=config.log_cap)
+        info["docker_retries"] = container.retries
     info["seconds"] = time.perf_counter() - start
     if run.timed_out:
         return Grade(-1.0, info | {"error": "eval_timeout"})
