@@ -289,9 +289,9 @@ def run_tests(truth: dict, patch: bytes | None, client=None, config: SweConfig =
     """Apply `patch` (None: none, the tree at the base commit) in a fresh container from the instance image, run the
     row's eval script and grade its log, with kiln's grader or (config.official) swebench's run_instance."""
     spec = spec_of(truth)
+    client = client or containers.connect()
     canaries = plan_canaries(spec)
     planted = spec_of(truth | {"eval_script": plant_canaries(truth["eval_script"], canaries)})
-    client = client or containers.connect()
     grade = (_official if config.official else _kiln)(planted, canaries, patch, client, config)
     grade.info["dropped"] = list(dropped)
     return grade
