@@ -40,6 +40,7 @@ from tqdm import tqdm
 import data_prep
 import eval_report
 import judge as judge_lib
+import runlog
 import sandbox
 import swe_grading
 
@@ -594,4 +595,5 @@ def swe_check_main(args: SweCheckArgs) -> list[dict]:
 
 if __name__ == "__main__":
     cli = tyro.extras.subcommand_cli_from_dict({"score": ScoreArgs, "swe-check": SweCheckArgs})
-    (swe_check_main if isinstance(cli, SweCheckArgs) else main)(cli)
+    with runlog.one_line_errors():
+        (swe_check_main if isinstance(cli, SweCheckArgs) else main)(cli)

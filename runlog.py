@@ -21,6 +21,7 @@ import tyro
 import wandb
 from tqdm import tqdm
 
+import containers
 import data_prep
 
 # What a trainer writes into its output dir: --overwrite removes these (and nothing else) before a fresh run.
@@ -161,7 +162,7 @@ def parse_args(args_class):
 
 # Errors a user acts on (a bad argument, row or path), reported as their message alone.
 KNOWN_ERRORS = (data_prep.RowError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
-                PermissionError)
+                PermissionError, containers.DockerUnavailable, containers.ImageMissing)
 
 
 @contextmanager
