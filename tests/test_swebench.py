@@ -5,6 +5,7 @@ Without a daemon the docker tests skip, except under CI=true, where a missing da
 The instances are built once per session; KILN_SWE_DIR keeps their downloads and rows between sessions, and images
 already on the host are reused.
 """
+import fcntl
 import json
 import os
 import signal
@@ -130,7 +131,10 @@ def docker_client():
 def swe_rows(docker_client, tmp_path_factory) -> dict[str, dict]:
     """The kiln rows of the offline instances, by instance id."""
     out = Path(os.environ["KILN_SWE_DIR"]) if os.environ.get("KILN_SWE_DIR") else tmp_path_factory.mktemp("swe")
-    rows = data_prep.load_rows(swe_instances.main(swe_instances.Args(out=out)))
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "w") as lock:  # `make test` runs two pytest workers: one builds, the other waits
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        rows = data_prep.load_rows(swe_instances.main(swe_instances.Args(out=out)))
     return {row["extra_info"]["index"]: row for row in rows}
 
 
