@@ -454,10 +454,10 @@ def check_agent_cmd(command: str) -> None:
     try:
         names = {name for _, name, _, _ in string.Formatter().parse(command) if name is not None}
     except ValueError as e:
-        raise SystemExit(f"--agent-cmd {command!r}: {e} (write literal braces as {{{{ and }}}})") from None
+        raise ValueError(f"--agent-cmd {command!r}: {e} (write literal braces as {{{{ and }}}})") from None
     unknown = names - set(PLACEHOLDERS)
     if unknown:
-        raise SystemExit(f"--agent-cmd: unknown placeholder {{{sorted(unknown)[0]}}}; known: "
+        raise ValueError(f"--agent-cmd: unknown placeholder {{{sorted(unknown)[0]}}}; known: "
                          + ", ".join(f"{{{p}}}" for p in PLACEHOLDERS))
 
 

@@ -198,7 +198,7 @@ def save_best(model, hf_source_dir, out_dir, record: dict) -> Path:
 def check_best_metric(name: str) -> None:
     """--best-metric must name an evaluation metric ("" keeps no best policy)."""
     if name and not name.startswith(("val-core/", "val-aux/")):
-        raise SystemExit(f"--best-metric {name}: must be an evaluation metric (val-core/... or val-aux/...), e.g. "
+        raise ValueError(f"--best-metric {name}: must be an evaluation metric (val-core/... or val-aux/...), e.g. "
                          "val-core/all/test_pass_rate or val-core/all/pass@1")
 
 
@@ -209,7 +209,7 @@ def keep_best(best: dict, name: str, metrics: dict, step: int, model, hf_source_
     if not name:
         return best
     if name not in metrics:
-        raise SystemExit(f"--best-metric {name}: this evaluation has no such metric (test pass rates exist only where "
+        raise ValueError(f"--best-metric {name}: this evaluation has no such metric (test pass rates exist only where "
                          "rewards count tests; pass e.g. --best-metric val-core/all/pass@1, or '' to keep none); it "
                          "has " + ", ".join(sorted(k for k in metrics if not k.startswith("val-aux/error/"))))
     if best and metrics[name] <= best["value"]:

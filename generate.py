@@ -80,12 +80,12 @@ class GenerateArgs:
 def check_generate_args(args: GenerateArgs) -> None:
     """Refuse what would waste a run, before any model is loaded."""
     if args.n_samples < 1 or args.batch_size < 1:
-        raise SystemExit(f"--n-samples ({args.n_samples}) and --batch-size ({args.batch_size}) must be at least 1")
+        raise ValueError(f"--n-samples ({args.n_samples}) and --batch-size ({args.batch_size}) must be at least 1")
     if args.n_samples > 1 and args.temperature <= 0:
-        raise SystemExit(f"--n-samples {args.n_samples} with --temperature {args.temperature}: greedy samples of a "
+        raise ValueError(f"--n-samples {args.n_samples} with --temperature {args.temperature}: greedy samples of a "
                          "row are all the same; sample with a temperature > 0 (e.g. 0.8) for pass@k")
     if not Path(args.out).resolve().parent.is_dir():
-        raise SystemExit(f"--out {args.out}: its folder does not exist")
+        raise ValueError(f"--out {args.out}: its folder does not exist")
 
 
 def is_checkpoint(path) -> bool:

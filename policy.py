@@ -111,7 +111,7 @@ def check_attention(path, attn_implementation: str) -> None:
     for Qwen2.5-VL's language model."""
     if attn_implementation == "flex_attention" and vision.is_vision_model(
             AutoConfig.from_pretrained(path, local_files_only=True)):
-        raise SystemExit(f"{path}: a vision-language model cannot train with flex_attention; use "
+        raise ValueError(f"{path}: a vision-language model cannot train with flex_attention; use "
                          "--attn-implementation packed_sdpa or flash_attention_2")
 
 
@@ -127,9 +127,9 @@ def check_model_path(path: str, flag: str = "--model") -> None:
     if isinstance(cached, str):
         return
     if path.count("/") == 1 and not path.startswith((".", "~")):  # a hub name or a relative folder: say both
-        raise SystemExit(f"{flag} {path}: no such model folder, nor a Hugging Face model in the local cache (kiln "
+        raise ValueError(f"{flag} {path}: no such model folder, nor a Hugging Face model in the local cache (kiln "
                          f"never downloads: fetch it first, e.g. `hf download {path}`)")
-    raise SystemExit(f"{flag} {path}: model folder does not exist")
+    raise ValueError(f"{flag} {path}: model folder does not exist")
 
 
 def load_tokenizer(path):

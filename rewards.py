@@ -171,7 +171,7 @@ def check_judge_configured(rows: list[dict], judge_url: str | None, where: str) 
     """Stop before any work when `rows` need an LLM judge and none is configured."""
     judged = Counter(r["data_source"] for r in rows if needs_judge(r))
     if judged and not judge_url:
-        raise SystemExit(f"{where}: {sum(judged.values())} rows ({dict(judged)}) are scored with an LLM judge: pass "
+        raise ValueError(f"{where}: {sum(judged.values())} rows ({dict(judged)}) are scored with an LLM judge: pass "
                          "--judge-url (an OpenAI-compatible server, e.g. `vllm serve`)")
 
 
@@ -377,10 +377,7 @@ def make_judge(url: str | None, model: str | None, rows: list[dict], where: str,
     check_judge_configured(rows, url, where)
     if url is None:
         return None
-    try:
-        return judge_lib.Judge(url, model=model, **options)
-    except judge_lib.JudgeUnreachable as e:
-        raise SystemExit(str(e)) from e
+    return judge_lib.Judge(url, model=model, **options)  # JudgeUnreachable: it does not answer
 
 
 def for_report(reward: Reward) -> Reward:
@@ -413,7 +410,7 @@ def refuse_nonfinite(offenders: list[tuple[str, float]], step: int) -> None:
     the advantages turns every parameter into NaN. `offenders`: (task id, reward) of every rank, gathered."""
     if offenders:
         task, value = offenders[0]
-        raise SystemExit(f"step {step}: non-finite reward {value} for task {task} ({len(offenders)} sample(s) in "
+        raise RuntimeError(f"step {step}: non-finite reward {value} for task {task} ({len(offenders)} sample(s) in "
                          f"all); the reward function must return a finite number")
 
 
@@ -421,7 +418,7 @@ def check_sources(rows: list[dict], where: str) -> None:
     """Refuse rows whose data_source has no reward function, naming the source and `where`, before any work."""
     unknown = sorted({row["data_source"] for row in rows if not is_vl_agent(row)} - REWARDS.keys() - {"swebench"})
     if unknown:
-        raise SystemExit(f"{where}: no reward function for data_source {', '.join(map(repr, unknown))}; known: "
+        raise ValueError(f"{where}: no reward function for data_source {', '.join(map(repr, unknown))}; known: "
                          f"{', '.join(sorted(REWARDS))} (rewards.REWARDS)")
 
 
@@ -442,22 +439,22 @@ def read_samples(path: str, rows_by_id: dict[str, dict]) -> tuple[list[str], lis
                 else:
                     task_id, completion = sample["task_id"], sample["completion"]
             except (ValueError, KeyError, TypeError) as e:
-                raise SystemExit(f"{path} line {number}: a sample must be a JSON object with \"task_id\" and "
+                raise ValueError(f"{path} line {number}: a sample must be a JSON object with \"task_id\" and "
                                  f"\"completion\", or a SWE-bench prediction with \"instance_id\" and \"model_patch\" "
                                  f"({type(e).__name__}: {e})")
             if not isinstance(completion, str):
-                raise SystemExit(f"{path} line {number}: \"{'model_patch' if prediction else 'completion'}\" must "
+                raise ValueError(f"{path} line {number}: \"{'model_patch' if prediction else 'completion'}\" must "
                                  "be a string")
             if task_id not in rows_by_id:
                 if prediction:
                     swe = sum(row["data_source"] == "swebench" for row in rows_by_id.values())
-                    raise SystemExit(f"{path} line {number}: instance {sample['instance_id']!r} is not among the "
+                    raise ValueError(f"{path} line {number}: instance {sample['instance_id']!r} is not among the "
                                      f"{swe} swebench rows of --data")
-                raise SystemExit(f"{path} line {number}: unknown task id {task_id!r} (not in the --data rows)")
+                raise ValueError(f"{path} line {number}: unknown task id {task_id!r} (not in the --data rows)")
             task_ids.append(task_id)
             completions.append(completion)
     if not task_ids:
-        raise SystemExit(f"{path}: no samples")
+        raise ValueError(f"{path}: no samples")
     return task_ids, completions
 
 
@@ -489,16 +486,16 @@ class ScoreArgs:
 
 def main(args: ScoreArgs) -> dict:
     if (args.workers is not None and args.workers < 1) or args.timeout <= 0:
-        raise SystemExit(f"--workers and --timeout must be > 0, got {args.workers} and {args.timeout}")
+        raise ValueError(f"--workers and --timeout must be > 0, got {args.workers} and {args.timeout}")
     for path in (args.out, args.json, args.markdown, args.plot):
         if path and not Path(path).parent.is_dir():
-            raise SystemExit(f"{path}: its folder does not exist (checked before grading)")
+            raise ValueError(f"{path}: its folder does not exist (checked before grading)")
     if args.out:  # checked before any grading: a result file that cannot be written would lose all of it
         out = Path(args.out)
         if out.is_dir():
-            raise SystemExit(f"--out {args.out}: is a directory")
+            raise ValueError(f"--out {args.out}: is a directory")
         if not os.access(out.parent, os.W_OK):
-            raise SystemExit(f"--out {args.out}: the directory {out.parent} is not writable")
+            raise ValueError(f"--out {args.out}: the directory {out.parent} is not writable")
     rows = data_prep.load_rows(args.data)
     check_sources(rows, args.data)
     rows_by_id = {data_prep.row_id(r): r for r in rows}
@@ -506,7 +503,7 @@ def main(args: ScoreArgs) -> dict:
     swe_truths = [json.loads(rows_by_id[t]["reward_model"]["ground_truth"]) for t in sorted(set(task_ids))
                   if rows_by_id[t]["data_source"] == "swebench"]
     if args.official and not swe_truths:
-        raise SystemExit(f"--official grades swebench rows; no sample of {args.samples} answers one")
+        raise ValueError(f"--official grades swebench rows; no sample of {args.samples} answers one")
     swe_grading.check_images(swe_truths, args.samples)
     swe = swe_grading.SweConfig(official=args.official)
     judge = make_judge(args.judge_url, args.judge_model, [rows_by_id[t] for t in set(task_ids)], where=args.samples)
@@ -527,7 +524,7 @@ def main(args: ScoreArgs) -> dict:
         judge.close()
     graded = [(t, r) for t, r in zip(task_ids, results) if not judge_failed(r.info)]
     if not graded:
-        raise SystemExit("no sample could be graded")
+        raise RuntimeError("no sample could be graded")
     task_ids, results = [t for t, _ in graded], [r for _, r in graded]
     summary = eval_report.report(rows_by_id, task_ids, results) | {"seconds": seconds, "samples_per_s": len(results) / seconds}
     if swe_truths:
@@ -565,10 +562,10 @@ def swe_check_main(args: SweCheckArgs) -> list[dict]:
     rows = data_prep.load_rows(args.data)
     others = Counter(row["data_source"] for row in rows if row["data_source"] != "swebench")
     if others:
-        raise SystemExit(f"{args.data}: swe-check checks swebench rows; {sum(others.values())} rows are not "
+        raise ValueError(f"{args.data}: swe-check checks swebench rows; {sum(others.values())} rows are not "
                          f"({dict(others)})")
     if args.workers < 1 or args.eval_timeout <= 0:
-        raise SystemExit(f"--workers and --eval-timeout must be > 0, got {args.workers} and {args.eval_timeout}")
+        raise ValueError(f"--workers and --eval-timeout must be > 0, got {args.workers} and {args.eval_timeout}")
     truths = [json.loads(row["reward_model"]["ground_truth"]) for row in rows]
     swe_grading.check_images(truths, args.data)
     config = swe_grading.SweConfig(eval_timeout=args.eval_timeout, official=args.official)
@@ -588,7 +585,7 @@ def swe_check_main(args: SweCheckArgs) -> list[dict]:
               + ("ok" if c["ok"] else f"FAIL: {c['problem']}"))
     failed = [c["instance_id"] for c in checks if not c["ok"]]
     if failed:
-        raise SystemExit(f"{len(failed)} of {len(checks)} rows fail the check: {', '.join(failed)}")
+        raise RuntimeError(f"{len(failed)} of {len(checks)} rows fail the check: {', '.join(failed)}")
     print(f"all {len(checks)} rows ok")
     return checks
 

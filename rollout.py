@@ -83,7 +83,7 @@ def load_rows_within(source: str, tokenizer, max_prompt_tokens: int, verbose: bo
 
     kept = [r for r in rows if length(r) <= max_prompt_tokens]
     if not kept:
-        raise SystemExit(f"{source}: no row has a prompt within --max-prompt-tokens {max_prompt_tokens}")
+        raise ValueError(f"{source}: no row has a prompt within --max-prompt-tokens {max_prompt_tokens}")
     if len(kept) < len(rows) and verbose:
         print(f"{source}: skipped {len(rows) - len(kept)} of {len(rows)} rows longer than {max_prompt_tokens} tokens")
     return kept
@@ -411,7 +411,7 @@ def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict],
         tqdm.write(f"rank {collectives.rank()}: {sum(agent.status != 'ok' for agent in agents)} of {len(agents)} agents failed or "
                    f"timed out ({'kept' if keep_failed else 'dropped'}); the end of their output:\n{failures}")
     if not collectives.any_rank(samples):  # nothing to train on or grade on any rank: the command is broken
-        raise SystemExit(f"--agent-cmd: no agent of this round left a session to learn from ({len(agents)} agents on "
+        raise RuntimeError(f"--agent-cmd: no agent of this round left a session to learn from ({len(agents)} agents on "
                          f"this rank: {metrics['agents/failed_frac']:.0%} exited non-zero, "
                          f"{metrics['agents/timeout_frac']:.0%} were killed at the wall limit); the end of their "
                          f"output:\n{failures}")

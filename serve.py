@@ -53,7 +53,7 @@ class ServeArgs:
 def serve(args: ServeArgs) -> None:
     """agent_server's endpoint over args.model until interrupted; every rank ticks its engine together."""
     if args.vllm_tensor_parallel_size > 1 and args.temperature is None:
-        raise SystemExit("--vllm-tensor-parallel-size > 1 needs --temperature: the ranks of an engine sample together")
+        raise ValueError("--vllm-tensor-parallel-size > 1 needs --temperature: the ranks of an engine sample together")
     rank, world, device = policy.init_distributed()
     torch.manual_seed(args.seed + rank)
     hf_dir = hf_folder(args.model)

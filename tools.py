@@ -283,7 +283,7 @@ def check_swe_rows(rows: list[dict], tools: str, source: str) -> None:
     load, before any model is."""
     swe = [r for r in rows if r["data_source"] == "swebench"]
     if swe and tools != "swe" or tools == "swe" and len(swe) < len(rows):
-        raise SystemExit(f"{source}: swebench rows run with --tools swe and --tools swe runs only swebench rows "
+        raise ValueError(f"{source}: swebench rows run with --tools swe and --tools swe runs only swebench rows "
                          f"({len(swe)} of {len(rows)} rows are swebench, --tools {tools})")
     if tools == "swe":
         swe_grading.check_images([json.loads(r["reward_model"]["ground_truth"]) for r in swe], source)

@@ -263,17 +263,17 @@ def main(args: Args, score_fn: rewards.ScoreFn = rewards.score_batch) -> Run | N
 
 
 def check_variants(args: Args) -> None:
-    """SystemExit for a combination the GRPO variants do not define."""
+    """ValueError for a combination the GRPO variants do not define."""
     if args.policy_loss == "gspo" and args.dual_clip is not None:
-        raise SystemExit("--dual-clip bounds a token-level ratio; GSPO clips the sequence-level one (drop --dual-clip)")
+        raise ValueError("--dual-clip bounds a token-level ratio; GSPO clips the sequence-level one (drop --dual-clip)")
     if args.dynamic_sampling and args.advantage == "reinforce++":
-        raise SystemExit("--dynamic-sampling drops groups whose rewards are equal, which carry no signal only for "
+        raise ValueError("--dynamic-sampling drops groups whose rewards are equal, which carry no signal only for "
                          "group-relative advantages; REINFORCE++ whitens over the batch, where they do (use "
                          "--advantage reinforce++-baseline)")
     if args.max_sampling_tries < 1:
-        raise SystemExit(f"--max-sampling-tries must be >= 1, got {args.max_sampling_tries}")
+        raise ValueError(f"--max-sampling-tries must be >= 1, got {args.max_sampling_tries}")
     if args.overlong_buffer and (args.tools != "none" or not 0 < args.overlong_buffer <= args.max_new_tokens):
-        raise SystemExit(f"--overlong-buffer {args.overlong_buffer} must be in (0, --max-new-tokens "
+        raise ValueError(f"--overlong-buffer {args.overlong_buffer} must be in (0, --max-new-tokens "
                          f"{args.max_new_tokens}] and measures single-turn answers (--tools none)")
 
 
@@ -288,18 +288,18 @@ def check_args(args: Args, world: int) -> None:
     minutes on GPUs)."""
     for name in ("prompts_per_step", "group_size", "max_new_tokens", "minibatches", "epochs_per_step"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.total_steps < 0:
-        raise SystemExit(f"--total-steps must be >= 0, got {args.total_steps}")
+        raise ValueError(f"--total-steps must be >= 0, got {args.total_steps}")
     if args.temperature <= 0:
-        raise SystemExit(f"--temperature must be > 0 (the trainer scores tokens under it), got {args.temperature}")
+        raise ValueError(f"--temperature must be > 0 (the trainer scores tokens under it), got {args.temperature}")
     if args.group_size < 2 and args.advantage != "reinforce++":  # a group of one is its own baseline: advantage 0
-        raise SystemExit(f"--advantage {args.advantage} compares samples of a group: --group-size must be >= 2, got "
+        raise ValueError(f"--advantage {args.advantage} compares samples of a group: --group-size must be >= 2, got "
                          f"{args.group_size} (or use --advantage reinforce++)")
     if args.prompts_per_step % world:
-        raise SystemExit(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world}")
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world}")
     if args.prompts_per_step // world < args.minibatches:  # a minibatch takes whole groups
-        raise SystemExit(f"--minibatches {args.minibatches} needs as many prompts per rank; --prompts-per-step "
+        raise ValueError(f"--minibatches {args.minibatches} needs as many prompts per rank; --prompts-per-step "
                          f"{args.prompts_per_step} over {world} ranks gives {args.prompts_per_step // world}")
     check_best_metric(args.best_metric)
     if args.agent_cmd is not None:
@@ -323,7 +323,7 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     eval_rows = (rollout.load_rows_within(args.eval_data, tokenizer, prompt_limit(args), verbose=rank == 0,
                                           tools=args.tools, **counting) if args.eval_data else [])
     if 0 < len(eval_rows) < world:  # a rank without eval rows would leave the others' collectives hanging
-        raise SystemExit(f"{args.eval_data}: {len(eval_rows)} eval rows for {world} ranks; need at least one each")
+        raise ValueError(f"{args.eval_data}: {len(eval_rows)} eval rows for {world} ranks; need at least one each")
     if score_fn is rewards.score_batch:  # a caller's own score function decides which sources it knows
         rewards.check_sources(rows, args.data)
         rewards.check_sources(eval_rows, args.eval_data)
@@ -505,7 +505,7 @@ def judge_metrics(run: Run, samples: list[rollout.Sample]) -> dict:
     metrics |= {"judge/excluded_samples": float(len(failed)), "judge/excluded_frac": len(failed) / len(graded)}
     if metrics["judge/failure_rate"] > run.args.judge_max_failure_rate:
         kinds = sum((Counter(s["error_kinds"]) for s in stats), Counter())
-        raise SystemExit(
+        raise RuntimeError(
             f"judge {run.judge.base_url}: {metrics['judge/failure_rate']:.0%} of this step's "
             f"{metrics['judge/calls']:.0f} judge questions failed (> --judge-max-failure-rate "
             f"{run.args.judge_max_failure_rate:.0%}): {metrics['judge/errors']:.0f} errors {dict(kinds)}, "

@@ -249,18 +249,18 @@ def check_args(args: Args, world: int) -> None:
     minutes on GPUs)."""
     for name in ("prompts_per_step", "group_size", "max_new_tokens", "minibatches", "epochs_per_step", "eval_samples"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.total_steps is not None and args.total_steps < 0:
-        raise SystemExit(f"--total-steps must be >= 0, got {args.total_steps}")
+        raise ValueError(f"--total-steps must be >= 0, got {args.total_steps}")
     if args.temperature <= 0:
-        raise SystemExit(f"--temperature must be > 0 (the trainer scores tokens under it), got {args.temperature}")
+        raise ValueError(f"--temperature must be > 0 (the trainer scores tokens under it), got {args.temperature}")
     if args.prompts_per_step % world:
-        raise SystemExit(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world}")
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world}")
     if args.prompts_per_step // world < args.minibatches:  # a minibatch takes whole groups
-        raise SystemExit(f"--minibatches {args.minibatches} needs as many prompts per rank; --prompts-per-step "
+        raise ValueError(f"--minibatches {args.minibatches} needs as many prompts per rank; --prompts-per-step "
                          f"{args.prompts_per_step} over {world} ranks gives {args.prompts_per_step // world}")
     if args.kl_target is not None and args.kl_coef <= 0:
-        raise SystemExit("--kl-target needs a starting --kl-coef > 0")
+        raise ValueError("--kl-target needs a starting --kl-coef > 0")
     check_best_metric(args.best_metric)
     runlog.check_output_dir(args.output_dir, args.resume, args.overwrite)
     policy.check_model_path(args.model)
@@ -280,7 +280,7 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     eval_rows = (rollout.load_rows_within(args.eval_data, tokenizer, args.max_prompt_tokens, verbose=rank == 0,
                                           tools=args.tools) if args.eval_data else [])
     if 0 < len(eval_rows) < world:  # a rank without eval rows would leave the others' collectives hanging
-        raise SystemExit(f"{args.eval_data}: {len(eval_rows)} eval rows for {world} ranks; need at least one each")
+        raise ValueError(f"{args.eval_data}: {len(eval_rows)} eval rows for {world} ranks; need at least one each")
     if score_fn is rewards.score_batch:  # a caller's own score function decides which sources it knows
         rewards.check_sources(rows, args.data)
         rewards.check_sources(eval_rows, args.eval_data)

@@ -286,7 +286,7 @@ def test_agents_see_no_answers_and_get_their_placeholders(tmp_path, monkeypatch)
     assert "KILN_JUDGE_API_KEY" not in env and "RANK" not in env and env["OPENAI_API_KEY"] == agent.key
     url, key, rest = agent.completion().split(" ", 2)
     assert url == "http://h:1/v1" and key == agent.key and json.loads(rest) == view
-    with pytest.raises(SystemExit, match="unknown placeholder"):  # refused before anything loads
+    with pytest.raises(ValueError, match="unknown placeholder"):  # refused before anything loads
         train_grpo.check_args(train_grpo.Args(agent_cmd="run --url {url}", output_dir=str(tmp_path / "run")), 1)
 
 

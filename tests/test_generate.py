@@ -79,9 +79,9 @@ def test_samples_in_row_order_that_score_accepts(toy, tmp_path, one_rank):
     tokenizer = policy.load_tokenizer(model)
     assert [line["completion"] for line in read_lines(greedy)] == greedy_texts(policy.load_model(model), tokenizer,
                                                                                rows)
-    with pytest.raises(SystemExit, match="greedy samples of a row are all the same"):
+    with pytest.raises(ValueError, match="greedy samples of a row are all the same"):
         generate.generate(args_for(root, model, tmp_path / "x.jsonl", n_samples=2))
-    with pytest.raises(SystemExit, match="its folder does not exist"):
+    with pytest.raises(ValueError, match="its folder does not exist"):
         generate.generate(args_for(root, model, tmp_path / "missing" / "x.jsonl"))
 
 

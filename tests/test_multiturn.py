@@ -307,7 +307,7 @@ def test_rows_are_measured_with_the_tool_signatures_they_will_be_shown(tokenizer
     shown = sorted(len(tokenizer(chat.render(tokenizer, r["prompt"], [tools.PYTHON_TOOL], True))["input_ids"])
                    for r in rows)
     assert len(rollout.load_rows_within(str(tmp_path / "rows.parquet"), tokenizer, max(plain))) == 20
-    with pytest.raises(SystemExit, match="no row has a prompt within --max-prompt-tokens"):
+    with pytest.raises(ValueError, match="no row has a prompt within --max-prompt-tokens"):
         rollout.load_rows_within(str(tmp_path / "rows.parquet"), tokenizer, max(plain), tools="python")
     limit = shown[9]
     kept = rollout.load_rows_within(str(tmp_path / "rows.parquet"), tokenizer, limit, tools="python")
