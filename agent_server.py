@@ -450,7 +450,7 @@ WITHHELD_ENV = re.compile(r"WANDB_.*|KILN_JUDGE_.*|RANK|LOCAL_RANK|WORLD_SIZE|LO
 
 
 def check_agent_cmd(command: str) -> None:
-    """SystemExit unless every placeholder of the command is one of PLACEHOLDERS (checked before anything loads)."""
+    """ValueError unless every placeholder of the command is one of PLACEHOLDERS (checked before anything loads)."""
     try:
         names = {name for _, name, _, _ in string.Formatter().parse(command) if name is not None}
     except ValueError as e:
