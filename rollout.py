@@ -199,10 +199,15 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
     start = time.perf_counter()
     eot = eot or chat.end_of_turn(tokenizer)
     trajectories: list[Trajectory] = []
+    start_failures = []  # trajectories whose container the daemon would not start, even after retries
     try:
         for i in range(len(rows) * group_size):
             row = rows[i // group_size]
-            box = new_toolbox(row)
+            try:
+                box = new_toolbox(row)
+            except containers.ContainerStartFailed as e:  # lost, but counted (swe/start_failures), never scored
+                start_failures.append(e)
+                continue
             images = data_prep.row_images(row)
             prompt_text = chat.render(tokenizer, row["prompt"], box.schemas, add_generation_prompt=True)
             traj = Trajectory(row, first_group + i // group_size, box, list(row["prompt"]),
@@ -244,6 +249,10 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
         "tools/truncated_responses": sum(traj.truncated_responses for traj in trajectories),
         "tools/agent_seconds_mean": sum(traj.seconds for traj in trajectories) / n,
     }
+    if start_failures:
+        tqdm.write(f"rank {collectives.rank()}: {len(start_failures)} of {len(rows) * group_size} trajectories had no "
+                   f"container (left out): {start_failures[0]}")
+        metrics["swe/start_failures"] = float(len(start_failures))
     if any("container_seconds" in traj.box.info for traj in trajectories):
         metrics["swe/container_seconds"] = sum(traj.box.info.get("container_seconds", 0.0) for traj in trajectories)
         metrics["swe/diff_errors"] = sum("diff_error" in traj.box.info for traj in trajectories)
