@@ -304,7 +304,10 @@ def check_args(args: Args, world: int) -> None:
         raise SystemExit(f"--best-metric {args.best_metric}: must be an evaluation metric (val-core/... or "
                          "val-aux/...), e.g. val-core/all/test_pass_rate or val-core/all/pass@1")
     if args.agent_cmd is not None:
-        agent_server.check_agent_cmd(args.agent_cmd)
+        try:
+            agent_server.check_agent_cmd(args.agent_cmd)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     runlog.check_output_dir(args.output_dir, args.resume, args.overwrite)
     policy.check_model_path(args.model)
     policy.check_attention(args.model, args.attn_implementation)

@@ -182,20 +182,29 @@ def test_sixteen_concurrent_sessions_share_one_engine_call(tokenizer):
             f"task-{k:02d}"]
 
 
-def test_a_stop_string_ends_the_reply_at_the_token_that_completes_it(tokenizer):
-    engine = ScriptedEngine(tokenizer, {"task-S": ["Done: two files.", "Again."]})
+def test_replies_cut_by_a_stop_string_or_max_tokens_are_continued_in_their_segment(tokenizer):
+    engine = ScriptedEngine(tokenizer, {"task-S": ["Done: two files.", "Again and again and again.", "Fine."]})
     with Served(engine, tokenizer) as served:
         client = served.client("session-s")
         messages = [{"role": "user", "content": "task-S"}]
-        reply = client.chat.completions.create(model="kiln", messages=messages, stop=["two"]).choices[0]
-        messages += [echo(reply.message), {"role": "user", "content": "and?"}]
-        client.chat.completions.create(model="kiln", messages=messages)
-        first, second = served.session("session-s")["segments"]  # no end-of-turn token to continue after: a new one
-    ids = reply.model_extra["token_ids"]
-    assert reply.message.content == "Done: " and reply.finish_reason == "stop"
-    assert ids == engine.emitted["task-S"][: len(ids)] == first["completion_ids"]
+        first = client.chat.completions.create(model="kiln", messages=messages, stop=["two"]).choices[0]
+        messages += [echo(first.message), {"role": "user", "content": "and?"}]
+        second = client.chat.completions.create(model="kiln", messages=messages, max_tokens=3).choices[0]
+        messages += [echo(second.message), {"role": "user", "content": "go on"}]
+        third = client.chat.completions.create(model="kiln", messages=messages).choices[0]
+        (segment,) = served.session("session-s")["segments"]  # one sample, not one per cut reply
+    ids = first.model_extra["token_ids"]
+    assert first.message.content == "Done: " and first.finish_reason == "stop"
     assert "two" in tokenizer.decode(ids) and "two" not in tokenizer.decode(ids[:-1])
-    assert first["tito"] == [] and second["tito"] == []
+    assert second.finish_reason == "length" and len(second.model_extra["token_ids"]) == 3
+    assert third.message.content == "Fine." and third.finish_reason == "stop"
+    sampled = ids + second.model_extra["token_ids"] + third.model_extra["token_ids"]
+    completion, mask = segment["completion_ids"], segment["loss_mask"]
+    assert [i for i, m in zip(completion, mask) if m] == sampled  # mask 1 exactly on what was sampled
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert completion[len(ids)] == eot and mask[len(ids)] == 0  # the template closes the cut reply, untrained
+    assert segment["open_turns"] == [1, 3] and segment["turns"] == 3
+    assert segment["tito"] == []
 
 
 def test_bad_requests_are_refused_with_a_reason(tokenizer):
@@ -286,6 +295,8 @@ def test_agents_see_no_answers_and_get_their_placeholders(tmp_path, monkeypatch)
     assert "KILN_JUDGE_API_KEY" not in env and "RANK" not in env and env["OPENAI_API_KEY"] == agent.key
     url, key, rest = agent.completion().split(" ", 2)
     assert url == "http://h:1/v1" and key == agent.key and json.loads(rest) == view
+    with pytest.raises(ValueError, match="unknown placeholder"):
+        agent_server.check_agent_cmd("run --url {url}")
     with pytest.raises(SystemExit, match="unknown placeholder"):  # refused before anything loads
         train_grpo.check_args(train_grpo.Args(agent_cmd="run --url {url}", output_dir=str(tmp_path / "run")), 1)
 
