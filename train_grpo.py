@@ -449,10 +449,14 @@ def train_step(run: Run) -> dict:
         kept_groups = set(list(dict.fromkeys(s.group for s in batch))[:per_rank])
         batch = [s for s in batch if s.group in kept_groups]
 
-    # 6. Advantages over the global batch (groups never straddle ranks; REINFORCE++ normalises globally).
-    everyone = policy.gather_objects([(r, s.group) for r, s in zip(shaped_rewards(args, batch), batch)])
-    advantage = losses.scalar_advantages(args.advantage, torch.tensor([r for r, _ in everyone]),
-                                         torch.tensor([g for _, g in everyone], dtype=torch.long))
+    # 6. Advantages over the global batch (groups never straddle ranks; REINFORCE++ normalises globally). The segments
+    # of an external agent's session share its one result: the session counts once, with its first segment's reward.
+    units = [s.info.get("session") or f"{run.rank}:{k}" for k, s in enumerate(batch)]
+    everyone = policy.gather_objects([(r, s.group, u) for r, s, u in zip(shaped_rewards(args, batch), batch, units)])
+    unit_ids = {u: k for k, u in enumerate(dict.fromkeys(u for _, _, u in everyone))}
+    advantage = losses.unit_advantages(args.advantage, torch.tensor([r for r, _, _ in everyone]),
+                                       torch.tensor([g for _, g, _ in everyone], dtype=torch.long),
+                                       torch.tensor([unit_ids[u] for _, _, u in everyone]))
     first = sum(policy.gather_objects([len(batch)])[: run.rank])  # ranks may hold different counts after refills
     for s, a in zip(batch, advantage[first:]):
         s.advantage = a.item()

@@ -17,6 +17,7 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -25,6 +26,7 @@ import agent_server  # noqa: E402
 import chat  # noqa: E402
 import data_prep  # noqa: E402
 import engines  # noqa: E402
+import losses  # noqa: E402
 import policy  # noqa: E402
 import rollout  # noqa: E402
 import tiny  # noqa: E402
@@ -384,6 +386,16 @@ def test_an_engine_failure_after_the_stream_opened_is_an_error_chunk(tokenizer, 
         for t in threads:
             t.join(timeout=30)
     assert len(errors) == 2 and all("generation failed" in str(e) for e in errors)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce++-baseline"])
+def test_a_session_counts_once_in_its_group_however_many_segments(name):
+    rewards, group = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.5, 0.5]), torch.tensor([0, 0, 0, 0, 1, 1])
+    unit = torch.tensor([7, 7, 7, 3, 4, 5])  # session 7 has three segments (a branch, a rewrite), the others one
+    advantage = losses.unit_advantages(name, rewards, group, unit)
+    once = losses.scalar_advantages(name, torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.tensor([0, 0, 1, 1]))
+    assert advantage.tolist() == pytest.approx([once[0].item()] * 3 + once[1:].tolist())
+    assert losses.scalar_advantages(name, rewards, group)[0].item() != pytest.approx(once[0].item())  # per segment: skewed
 
 
 def test_bad_requests_are_refused_with_a_reason(tokenizer):
