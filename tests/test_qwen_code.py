@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+import agent_server  # noqa: E402
 import chat  # noqa: E402
 import engines  # noqa: E402
 import policy  # noqa: E402
@@ -37,8 +38,17 @@ def call(command: str) -> str:
     return f"<tool_call>\n{json.dumps({'name': 'run_shell_command', 'arguments': {'command': command}})}\n</tool_call>"
 
 
+def requests_seen(monkeypatch) -> list:
+    """Every request the endpoint is sent, as parsed."""
+    seen, submit = [], agent_server.AgentServer.submit
+    monkeypatch.setattr(agent_server.AgentServer, "submit", lambda self, request: seen.append(request) or submit(
+        self, request))
+    return seen
+
+
 def test_scripted_gold_fix_through_qwen_code_is_rewarded_and_only_sampled_ids_are_trained(docker_client, swe_rows,
-                                                                                            tmp_path):
+                                                                                            tmp_path, monkeypatch):
+    seen = requests_seen(monkeypatch)
     row = tagged(swe_rows[M1359], "task-gold")
     gold = json.loads(row["reward_model"]["ground_truth"])["patch"]
     engine = RuleEngine(policy.load_tokenizer(tiny.make_tiny_model(tmp_path / "tiny", CORPUS)), [
@@ -53,6 +63,7 @@ def test_scripted_gold_fix_through_qwen_code_is_rewarded_and_only_sampled_ids_ar
     (sample,) = samples  # both streamed turns extend one segment
     assert sample.info["agent_status"] == "ok", sample.info
     assert metrics["agents/requests"] == 2 and metrics["tools/tito_drift_frac"] == 0.0
+    assert [(r.stream, r.include_usage) for r in seen] == [(True, True)] * 2  # qwen-code streamed both turns
     assert [i for i, m in zip(sample.completion_ids, sample.loss_mask) if m] == engine.emitted[0] + engine.emitted[1]
     assert "run_shell_command" in {t["function"]["name"] for t in sample.info["tools"]}  # qwen-code's, via the template
     assert "KILN-APPLIED" in sample.info["messages"][-2]["content"]  # the command ran in the container
