@@ -255,12 +255,15 @@ def anthropic_to_chat(body: dict) -> dict:
     if system:
         messages.append({"role": "system", "content": text_of(system)})
     for i, m in enumerate(body.get("messages") or []):
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise BadRequest(f"messages[{i}]: role must be user or assistant")
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise BadRequest(f"messages[{i}]: role must be user, assistant or system")
         blocks = [{"type": "text", "text": m["content"]}] if isinstance(m.get("content"), str) else m.get("content")
         if not isinstance(blocks, list) or not all(isinstance(b, dict) for b in blocks):
             raise BadRequest(f"messages[{i}].content must be a string or a list of content blocks")
         texts = [b.get("text", "") for b in blocks if b.get("type") == "text"]
+        if m["role"] == "system":  # a system message between turns (claude-code sends them)
+            messages.append({"role": "system", "content": "".join(texts)})
+            continue
         if m["role"] == "assistant":
             calls = [{"id": b.get("id"), "type": "function",
                       "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input", {}))}}
