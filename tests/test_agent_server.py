@@ -49,9 +49,9 @@ def tokenizer(tmp_path_factory):
 class Served:
     """An AgentServer whose engine loop runs on a thread (what a rank's main thread does), plus OpenAI clients."""
 
-    def __init__(self, engine, tokenizer, max_new_tokens=200):
+    def __init__(self, engine, tokenizer, max_new_tokens=200, max_total_tokens=4096):
         self.server = agent_server.AgentServer(engine, tokenizer, engines.Sampling(max_new_tokens=max_new_tokens),
-                                               max_total_tokens=4096)
+                                               max_total_tokens=max_total_tokens)
         self.running = True
         self.loop = threading.Thread(target=self._loop, daemon=True)
 
