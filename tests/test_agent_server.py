@@ -239,11 +239,11 @@ def test_streaming_records_the_same_ids_as_not_streaming(tokenizer):
     tools = [BASH]
     with Served(engine, tokenizer) as served:
         results = {}
-        for key, stream in (("plain", False), ("streamed", True)):
+        for key, streams in (("plain", (False, False)), ("streamed", (True, True)), ("mixed", (True, False))):
             client = served.client(key)
             messages = [{"role": "user", "content": "task-T"}]
             replies = []
-            for _ in range(2):
+            for stream in streams:
                 if stream:
                     chunks = list(client.chat.completions.create(model="kiln", messages=messages, tools=tools,
                                                                  stream=True, stream_options={"include_usage": True}))
@@ -257,8 +257,9 @@ def test_streaming_records_the_same_ids_as_not_streaming(tokenizer):
                                                    for c in message.get("tool_calls", [])]
             results[key] = replies, served.session(key)["segments"]
     (plain, (plain_segment,)), (streamed, (streamed_segment,)) = results["plain"], results["streamed"]
+    (_, (mixed_segment,)) = results["mixed"]  # one session, a streamed turn then a plain one
     for field in ("prompt_ids", "completion_ids", "loss_mask", "messages"):  # logprobs name the engine call
-        assert plain_segment[field] == streamed_segment[field], field
+        assert plain_segment[field] == streamed_segment[field] == mixed_segment[field], field
     for (a, a_finish, a_usage), (b, b_finish, b_usage) in zip(plain, streamed):
         assert a_finish == b_finish and a_usage == b_usage
         assert a["content"] == b["content"]
