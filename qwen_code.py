@@ -29,7 +29,7 @@ import containers
 
 ROOT = Path(__file__).resolve().parent
 QWEN_VERSION = "0.15.10"  # the newest release that runs on Node 20 (later ones need Node 22)
-INSTALLED = ROOT / ".npm-tools" / "node_modules" / ".bin" / "qwen"  # npm install --prefix .npm-tools (see docs/agents.md)
+INSTALLED = ROOT / ".npm-tools" / "node_modules" / ".bin" / "qwen"  # npm install --prefix .npm-tools (docs/agents.md)
 TASK = ("Fix this issue in the repository at /testbed. Your shell commands run in /testbed (a sandbox with no "
         "network); edit files with shell commands (sed, python, cat, git apply). Stop when it is fixed.\n\n{problem}")
 # For small models that cannot read qwen-code's long system prompt: the same protocol in a few lines.
@@ -79,8 +79,8 @@ def check_qwen(qwen: str) -> str:
     """The path of the qwen executable; FileNotFoundError naming how to install it."""
     found = shutil.which(qwen)
     if found is None:
-        raise FileNotFoundError(f"qwen-code is not installed at {qwen}: run `npm install --prefix {ROOT / '.npm-tools'} "
-                                f"@qwen-code/qwen-code@{QWEN_VERSION}` (Node >= 20)")
+        raise FileNotFoundError(f"qwen-code is not installed at {qwen}: run `npm install --prefix "
+                                f"{ROOT / '.npm-tools'} @qwen-code/qwen-code@{QWEN_VERSION}` (Node >= 20)")
     return found
 
 

@@ -434,8 +434,8 @@ def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict],
                          f"{metrics['agents/timeout_frac']:.0%} were killed at the wall limit); the end of their "
                          f"output:\n{failures}")
     if check and samples:
-        drifts = [chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"], eot, s.info.get("open_turns", ()))
-                  for s in samples]
+        drifts = [chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"], eot,
+                                  s.info.get("open_turns", ())) for s in samples]
         metrics["tools/tito_drift_frac"] = sum(bool(d) for d in drifts) / len(drifts)
     return samples, metrics
 
