@@ -16,11 +16,13 @@ $(STAMP): requirements-cpu.txt constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -r requirements-cpu.txt
 	touch $(STAMP)
 
+# Two workers, a test file each at a time: most tests wait on subprocesses, containers or one core's Python, so the
+# second core is otherwise idle (the two timings are in bench/RESULTS.md).
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 
 demo: venv
 	$(PY) demo.py

@@ -46,10 +46,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 import chat
+import collectives
 from engines import Engine, Sampling
 
 TICK_SECONDS = 0.02  # how long a tick waits for a first request: the batching window when requests trickle in
@@ -370,12 +368,11 @@ class AgentServer:
                 sessions.add(request.key)
         self.waiting = [r for r in self.waiting if r not in batch]
         prepared = [p for p in (self._prepare(r) for r in batch) if p is not None]
-        flags = torch.tensor([float(busy or bool(self.waiting) or bool(prepared)), float(bool(prepared))])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags[1] > 0:
+        busy_anywhere, generating_anywhere = collectives.any_ranks(busy or bool(self.waiting) or bool(prepared),
+                                                                   bool(prepared))
+        if generating_anywhere:
             self._generate(prepared)
-        return bool(flags[0] > 0)
+        return busy_anywhere
 
     def _prepare(self, request: Request):
         """The request's segment (continued, or a new one) and the ids to generate from; answers refusals at once."""

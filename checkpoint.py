@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-import policy
+import collectives
 
 
 _CHECKPOINT = re.compile(r"step_(\d+)")
@@ -70,7 +70,7 @@ def save_checkpoint(output_dir, step: int, model, optimizer, trainer_state: dict
     that are deleted). Collective: call on every rank."""
     root = Path(output_dir) / "checkpoints"
     final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
-    rank = policy.rank()
+    rank = collectives.rank()
     payload = json.dumps(trainer_state, indent=1)  # fail before writing anything if it is not JSON
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
@@ -130,7 +130,7 @@ def load_newest_checkpoint(output_dir, load: Callable[[Path], dict]) -> tuple[Pa
             return path, load(path)
         except (OSError, EOFError, ValueError, RuntimeError, AssertionError, KeyError, pickle.UnpicklingError,
                 CheckpointException) as e:
-            if policy.rank() == 0:
+            if collectives.rank() == 0:
                 reason = (str(e).strip().splitlines() or [""])[0]
                 print(f"warning: checkpoint {path} is unreadable ({type(e).__name__}: {reason}); trying the one "
                       f"before it", flush=True)
@@ -154,11 +154,11 @@ def load_checkpoint(path, model, optimizer=None) -> dict:
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    rng_file = path / "rng" / f"rank{policy.rank()}.pt"
+    rng_file = path / "rng" / f"rank{collectives.rank()}.pt"
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
     else:
-        print(f"warning: {rng_file} missing (saved by fewer ranks, or removed): rank {policy.rank()} keeps its own "
+        print(f"warning: {rng_file} missing (saved by fewer ranks, or removed): rank {collectives.rank()} keeps its own "
               f"RNG streams, so sampling from here on differs from the run that was interrupted")
     return trainer_state
 
@@ -168,7 +168,7 @@ def save_hf(model, hf_source_dir, out_dir) -> Path:
     files), in the training dtype. Collective: call on every rank; rank 0 writes."""
     out = Path(out_dir)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if policy.rank() == 0:
+    if collectives.rank() == 0:
         if getattr(model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)  # tied to the embeddings; HF checkpoints omit it
         _copy_hf_files(hf_source_dir, out)
@@ -183,13 +183,36 @@ def save_best(model, hf_source_dir, out_dir, record: dict) -> Path:
     beside it and swapped in whole: a crash mid-save leaves the previous best. Collective: call on every rank."""
     out = Path(out_dir)
     tmp = out.with_name(f".{out.name}_tmp")
-    if policy.rank() == 0:
+    if collectives.rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
     _barrier()
     save_hf(model, hf_source_dir, tmp)
-    if policy.rank() == 0:
+    if collectives.rank() == 0:
         (tmp / "best.json").write_text(json.dumps(record, indent=1))
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     _barrier()
     return out
+
+
+def check_best_metric(name: str) -> None:
+    """--best-metric must name an evaluation metric ("" keeps no best policy)."""
+    if name and not name.startswith(("val-core/", "val-aux/")):
+        raise ValueError(f"--best-metric {name}: must be an evaluation metric (val-core/... or val-aux/...), e.g. "
+                         "val-core/all/test_pass_rate or val-core/all/pass@1")
+
+
+def keep_best(best: dict, name: str, metrics: dict, step: int, model, hf_source_dir: str, output_dir: str) -> dict:
+    """The best-policy rule of every trainer: the policy goes to <output_dir>/best (best.json: step and metrics) when
+    the evaluation metric `name` beats every earlier evaluation's (ties keep the earlier). Returns the record
+    {"step", "metric", "value"} of the policy kept now ({} and nothing kept for name ""). Collective."""
+    if not name:
+        return best
+    if name not in metrics:
+        raise ValueError(f"--best-metric {name}: this evaluation has no such metric (test pass rates exist only where "
+                         "rewards count tests; pass e.g. --best-metric val-core/all/pass@1, or '' to keep none); it "
+                         "has " + ", ".join(sorted(k for k in metrics if not k.startswith("val-aux/error/"))))
+    if best and metrics[name] <= best["value"]:
+        return best
+    save_best(model, hf_source_dir, Path(output_dir) / "best", {"step": step, "metrics": metrics})
+    return {"step": step, "metric": name, "value": metrics[name]}

@@ -7,6 +7,13 @@ processes that died, so nothing outlives a killed trainer. Every command runs un
 capped (head and tail kept); files go in and out as tar archives; containers end with `remove(force=True)` (SIGKILL),
 never `stop` (15 s when PID 1 ignores SIGTERM).
 
+Agents never see a repository's future: an agent container runs from a history-free copy of the instance image
+(`history_free_image`, made once per image), whose /testbed/.git holds only what HEAD reaches. Under load the daemon
+answers with timeouts, 5xx and conflicts: idempotent calls (inspect, list, archives, removal) are retried by urllib3
+inside the SDK's HTTP adapter, and starting a container and creating an exec by an explicit loop with urllib3's
+backoff; every retry is counted (`docker_retries`), and a container that cannot start after them raises
+ContainerStartFailed.
+
 This is its own module, not part of sandbox.py: sandbox's zygote runs `python -I -S` without site-packages, and the
 docker SDK lives there.
 """
@@ -20,17 +27,50 @@ import signal
 import socket
 import sys
 import tarfile
+import threading
 import time
+import uuid
+from collections import defaultdict
 from dataclasses import dataclass
 
 import docker
 import docker.errors
 import requests.exceptions
+from urllib3.exceptions import MaxRetryError
+from urllib3.util.retry import Retry
 
 OWNER = "kiln.owner"  # on every kiln container: "<hostname>:<pid>" of the process that started it
 RUN = "kiln.run"
 ROLE = "kiln.role"  # "agent" or "grade"
 EXPIRES = "kiln.expires"  # unix time after which any sweep removes the container
+START = "kiln.start"  # unique per Container: what a failed start attempt left behind is found and removed by it
+HISTORY_FREE_OF = "kiln.history_free_of"  # on a history-free image: the image it was made from
+HISTORY_FREE_REPO = "kiln-history-free"
+# What dockerd answers under load (SkyRL#9, rllm#269): a timeout, a dropped connection, a 5xx, a conflict (409) or an
+# unprocessable request (422) that the same call, a little later, does not meet again.
+TRANSIENT_STATUS = (409, 422, 500, 502, 503, 504)
+# Idempotent calls, inside the SDK's HTTP adapter (urllib3 retries neither POST nor the 409 a second removal answers).
+ADAPTER_RETRY = dict(total=6, connect=6, read=2, status=6, backoff_factor=0.25, backoff_max=8.0, backoff_jitter=0.25,
+                     status_forcelist=(500, 502, 503, 504), raise_on_status=False)
+# Starts and exec creation, by retry_transient: 8 tries over about 30 s before ContainerStartFailed.
+CALL_RETRY = Retry(total=7, other=7, connect=7, read=7, backoff_factor=0.5, backoff_max=10.0, backoff_jitter=0.5)
+# Everything but HEAD's history goes: other refs, remotes, tags, stashes, reflogs, ORIG_HEAD/FETCH_HEAD and the other
+# files git keeps beside them, alternates, grafts, commit graphs, and then every object HEAD does not reach. fsck then
+# must find nothing unreachable. A container without /testbed/.git has nothing to scrub.
+SCRUB_HISTORY = r"""set -eu
+cd /testbed 2>/dev/null && [ -d .git ] || exit 0
+branch=$(git symbolic-ref -q HEAD || true)
+git rev-parse -q --verify 'HEAD^{commit}' >/dev/null
+for remote in $(git remote); do git remote remove "$remote"; done
+git for-each-ref --format='%(refname)' | while read -r ref; do
+  [ "$ref" = "$branch" ] || git update-ref --no-deref -d "$ref"
+done
+if [ -s .git/objects/info/alternates ]; then git repack -a -d -q && rm -f .git/objects/info/alternates; fi
+rm -rf .git/objects/pack/*.keep .git/objects/pack/multi-pack-index .git/objects/info/commit-graph   .git/objects/info/commit-graphs .git/info/grafts .git/info/refs
+find .git -mindepth 1 -maxdepth 1 ! -name HEAD ! -name config ! -name description ! -name hooks ! -name index   ! -name info ! -name objects ! -name packed-refs ! -name refs ! -name shallow -exec rm -rf {} +
+git -c gc.reflogExpire=now -c gc.reflogExpireUnreachable=now -c gc.rerereResolved=now -c gc.rerereUnresolved=now   gc -q --prune=now
+left=$(git fsck --connectivity-only --unreachable --no-reflogs --no-progress 2>&1)
+[ -z "$left" ] || { echo "after the scrub: $left" | head -5; exit 1; }"""
 # The SDK's HTTP read timeout bounds every API call, exec included: it must exceed the longest command timeout.
 API_TIMEOUT = 3900
 # The wrapper every command runs in: $1 = seconds, $2 = output cap in bytes, $3 = the command. `timeout` leads its own
@@ -62,6 +102,10 @@ class DockerUnavailable(RuntimeError):
 
 class ImageMissing(RuntimeError):
     """The instance image is not on this Docker host."""
+
+
+class ContainerStartFailed(RuntimeError):
+    """The daemon would not start a container, even after retries: an infrastructure failure, never the agent's."""
 
 
 class DiffError(RuntimeError):
@@ -99,6 +143,8 @@ def connect() -> docker.DockerClient:
     """A client for the daemon that DOCKER_HOST (or the default socket) names; DockerUnavailable if none answers."""
     try:
         client = docker.from_env(timeout=API_TIMEOUT, max_pool_size=64)  # a rank's tool calls run at once
+        for adapter in client.api.adapters.values():
+            adapter.max_retries = CountedRetry(**ADAPTER_RETRY)
         client.ping()
     except (docker.errors.DockerException, requests.exceptions.RequestException) as e:
         raise DockerUnavailable(f"cannot reach the Docker daemon ({type(e).__name__}: {e}); start dockerd, or set "
@@ -110,6 +156,59 @@ def connect() -> docker.DockerClient:
 def shared_client() -> docker.DockerClient:
     """One client per process for the agents' containers (connect()'s checks, once)."""
     return connect()
+
+
+class CountedRetry(Retry):
+    """urllib3's Retry, each retry it grants counted in docker_retries."""
+
+    def increment(self, *args, **kwargs) -> Retry:
+        retry = super().increment(*args, **kwargs)  # raises when the retries are used up
+        _count("retries")
+        return retry
+
+
+_STATS, _STATS_LOCK = {"retries": 0, "start_failures": 0}, threading.Lock()
+
+
+def _count(what: str) -> None:
+    with _STATS_LOCK:
+        _STATS[what] += 1
+
+
+def docker_retries() -> dict:
+    """This process's Docker calls retried so far ("retries") and containers that never started ("start_failures")."""
+    with _STATS_LOCK:
+        return dict(_STATS)
+
+
+def transient(error: BaseException) -> bool:
+    """Whether a Docker error is one a later try may not meet: a timeout, a lost connection, TRANSIENT_STATUS."""
+    if isinstance(error, docker.errors.APIError) and not isinstance(error, docker.errors.NotFound):
+        return error.status_code in TRANSIENT_STATUS
+    return isinstance(error, (requests.exceptions.ConnectionError, requests.exceptions.Timeout))
+
+
+def retry_transient(call, what: str, undo=None, on_retry=None):
+    """call(), tried again after transient errors with urllib3's backoff (CALL_RETRY), each retry counted (and
+    on_retry() called); `undo()` cleans up after every failed try. The last error is raised once the tries are used
+    up."""
+    retry = CALL_RETRY
+    while True:
+        try:
+            return call()
+        except (docker.errors.APIError, requests.exceptions.RequestException) as e:
+            if not transient(e):
+                raise
+            if undo is not None:
+                undo()
+            try:
+                retry = retry.increment(method="POST", url=what, error=e)
+            except MaxRetryError:
+                raise e from None
+            _count("retries")
+            if on_retry is not None:
+                on_retry()
+            retry.sleep()
 
 
 def owner_label() -> str:
@@ -174,22 +273,71 @@ def _alive(pid: int) -> bool:
     return True
 
 
+_HISTORY_FREE: dict[str, str] = {}
+_HISTORY_FREE_LOCKS: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
+
+
+def history_free_image(client: docker.DockerClient, image: str) -> str:
+    """The tag of a copy of `image` whose /testbed repository holds nothing beyond what HEAD reaches (SCRUB_HISTORY):
+    made once per image id on this host (a few seconds; `docker rmi` the kiln-history-free images to redo them), then
+    reused. Later commits, a fix on another branch, a dangling object: none of them survive. ImageMissing when
+    `image` is not here; RuntimeError naming it when the scrub fails."""
+    try:
+        image_id = client.images.get(image).id.split(":")[-1]
+    except docker.errors.ImageNotFound:
+        raise ImageMissing(f"image {image!r} is not on this Docker host; `docker load` it (or build the offline "
+                           "test instances with tests/swe_instances.py)") from None
+    tag = f"{HISTORY_FREE_REPO}:{image_id[:32]}"
+    with _HISTORY_FREE_LOCKS[image_id]:
+        if image_id in _HISTORY_FREE:
+            return _HISTORY_FREE[image_id]
+        try:
+            client.images.get(tag)
+        except docker.errors.ImageNotFound:
+            with Container(client, image, role="scrub", limits=ContainerLimits(ttl=1800), history_free=False) as box:
+                scrub = box.exec(SCRUB_HISTORY, timeout=1200, cap=4000)
+                if scrub.exit_code != 0:
+                    raise RuntimeError(f"{image}: removing the repository's history beyond HEAD failed "
+                                       f"({scrub.exit_code}): {scrub.output[-1500:]}")
+                box._container.commit(HISTORY_FREE_REPO, image_id[:32], changes=[f"LABEL {HISTORY_FREE_OF}={image}"])
+        _HISTORY_FREE[image_id] = tag
+        return tag
+
+
 class Container:
-    """One running container from `image`; use as a context manager so it is removed even on exceptions."""
+    """One running container from `image`; use as a context manager so it is removed even on exceptions. An agent's
+    (role "agent") runs from history_free_image(image) unless history_free is False."""
 
     def __init__(self, client: docker.DockerClient, image: str, role: str, run: str = "",
-                 limits: ContainerLimits = ContainerLimits(), workdir: str = "/testbed"):
+                 limits: ContainerLimits = ContainerLimits(), workdir: str = "/testbed",
+                 history_free: bool | None = None):
+        if role == "agent" if history_free is None else history_free:
+            image = history_free_image(client, image)
         try:
             client.images.get(image)
         except docker.errors.ImageNotFound:
             raise ImageMissing(f"image {image!r} is not on this Docker host; `docker load` it (or build the offline "
                                "test instances with tests/swe_instances.py)") from None
-        self.limits, self.workdir = limits, workdir
-        labels = {OWNER: owner_label(), RUN: run, ROLE: role, EXPIRES: str(int(time.time() + limits.ttl))}
-        self._container = client.containers.run(
-            image, ["sleep", str(limits.ttl)], detach=True, auto_remove=True, init=True, network_mode="none",
-            nano_cpus=int(limits.cpus * 1e9), mem_limit=limits.memory, memswap_limit=limits.memory,
-            pids_limit=limits.pids, tmpfs={"/tmp": f"size={limits.tmpfs}"}, working_dir=workdir, labels=labels)
+        self.limits, self.workdir, self.image, self.retries = limits, workdir, image, 0
+        start = uuid.uuid4().hex
+        labels = {OWNER: owner_label(), RUN: run, ROLE: role, EXPIRES: str(int(time.time() + limits.ttl)),
+                  START: start}
+
+        def undo() -> None:  # a create that failed half-way may have left a container
+            for container in client.containers.list(all=True, filters={"label": f"{START}={start}"}):
+                force_remove(container)
+        try:
+            self._container = retry_transient(lambda: client.containers.run(
+                image, ["sleep", str(limits.ttl)], detach=True, auto_remove=True, init=True, network_mode="none",
+                nano_cpus=int(limits.cpus * 1e9), mem_limit=limits.memory, memswap_limit=limits.memory,
+                pids_limit=limits.pids, tmpfs={"/tmp": f"size={limits.tmpfs}"}, working_dir=workdir,
+                labels=labels), f"start {image}", undo, self._count_retry)
+        except (docker.errors.APIError, requests.exceptions.RequestException) as e:
+            if not transient(e):
+                raise
+            _count("start_failures")
+            raise ContainerStartFailed(f"could not start a container from {image} after {self.retries} retries: "
+                                       f"{type(e).__name__}: {e}") from e
 
     @property
     def name(self) -> str:
@@ -203,14 +351,20 @@ class Container:
         cap = self.limits.output_cap if cap is None else cap
         if not 0 < timeout < API_TIMEOUT - 60:
             raise ValueError(f"command timeout {timeout}s must be in (0, {API_TIMEOUT - 60})")
+        api = self._container.client.api
+        exec_id = retry_transient(lambda: api.exec_create(
+            self._container.id, ["bash", "-c", GUARD, "guard", str(timeout), str(cap), command],
+            workdir=workdir or self.workdir)["Id"], f"exec in {self.name}", on_retry=self._count_retry)
         start = time.monotonic()
-        exit_code, (out, err) = self._container.exec_run(
-            ["bash", "-c", GUARD, "guard", str(timeout), str(cap), command], demux=True,
-            workdir=workdir or self.workdir)
+        out, err = api.exec_start(exec_id, demux=True)  # never retried: the command may have run
+        exit_code = api.exec_inspect(exec_id)["ExitCode"]
         # 137 is SIGKILL: the timeout's when the full time has passed, otherwise the kernel's (out of memory)
         timed_out = exit_code == 137 and time.monotonic() - start >= timeout
         return ExecResult(exit_code, (out or b"").decode(errors="replace"), timed_out=timed_out,
                           truncated=b"truncated" in (err or b""))
+
+    def _count_retry(self) -> None:
+        self.retries += 1
 
     def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         """Write `data` to the absolute `path` in the container (its directory must exist, and not be the tmpfs /tmp:

@@ -23,6 +23,7 @@ import tyro
 from matplotlib.figure import Figure
 
 import data_prep
+import runlog
 import tiny
 
 
@@ -65,7 +66,7 @@ def run(cmd: list[str], what: str) -> None:
     print(f"\n== {what}\n$ {' '.join(cmd)}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     if subprocess.run(cmd, env=env).returncode != 0:
-        raise SystemExit(f"demo: {what} failed (command above)")
+        raise RuntimeError(f"demo: {what} failed (command above)")
 
 
 def torchrun(nproc: int, script: str, *args: str) -> list[str]:
@@ -144,4 +145,5 @@ def plot(metrics_path: Path, png: Path, seed: int) -> Path:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    with runlog.one_line_errors():
+        main(tyro.cli(Args))

@@ -438,7 +438,7 @@ def completion_from_vllm(output) -> Completion:
 def check_engine(name: str) -> None:
     """Refuse, before anything loads, an engine that cannot start here."""
     if name == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise SystemExit("--engine vllm: vllm is not installed (GPU machines: pip install -r requirements-vllm.txt); "
+        raise RuntimeError("--engine vllm: vllm is not installed (GPU machines: pip install -r requirements-vllm.txt); "
                          "on CPU pass --engine hf")
 
 

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
                           GenerationConfig)
 
+import runlog
 import vision
 
 # Written by save_pretrained itself; every other file in hf/ (tokenizer, chat template, ...) is copied as is.
@@ -66,14 +67,14 @@ def clean_name(name: str) -> str:
 def read_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The checkpoint's "model" entries as full fp32 CPU tensors, whatever world size wrote them."""
     if not (checkpoint / ".metadata").is_file():
-        raise SystemExit(f"{checkpoint}: no DCP checkpoint here (.metadata missing); pass a checkpoints/step_* folder")
+        raise ValueError(f"{checkpoint}: no DCP checkpoint here (.metadata missing); pass a checkpoints/step_* folder")
     reader = dcp.FileSystemReader(str(checkpoint))
     entries = reader.read_metadata().state_dict_metadata
     # DCP flattens {"model": {fqn: tensor}} to "model.<fqn>"; asking only for those skips the optimizer entirely.
     state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in entries.items() if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     if not state:
-        raise SystemExit(f"{checkpoint}: the checkpoint has no 'model' tensors (keys: {sorted(entries)[:5]} ...)")
+        raise ValueError(f"{checkpoint}: the checkpoint has no 'model' tensors (keys: {sorted(entries)[:5]} ...)")
     with warnings.catch_warnings():  # one process reading on purpose: DCP warns about that whenever no_dist
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({"model": state}, storage_reader=reader, no_dist=True)
@@ -90,7 +91,7 @@ def restore_model(checkpoint: Path, state: dict[str, torch.Tensor]):
     """A model built from hf/config.json holding exactly the checkpoint's weights (fp32); tied weights stay tied."""
     hf_dir = checkpoint / "hf"
     if not (hf_dir / "config.json").is_file():
-        raise SystemExit(f"{hf_dir}: config.json missing; the checkpoint must carry its hf/ folder")
+        raise ValueError(f"{hf_dir}: config.json missing; the checkpoint must carry its hf/ folder")
     config = AutoConfig.from_pretrained(hf_dir)
     model = model_class(config).from_config(config, dtype=torch.float32)
     first_name: dict[int, str] = {}
@@ -101,11 +102,11 @@ def restore_model(checkpoint: Path, state: dict[str, torch.Tensor]):
                if first_name[id(param)] != name}
     for alias, tied_to in aliases.items():  # a tied copy in the checkpoint must equal what it is tied to
         if alias in state and tied_to in state and not torch.equal(state[alias], state[tied_to]):
-            raise SystemExit(f"{checkpoint}: {alias} is tied to {tied_to} in the config but differs in the checkpoint")
+            raise ValueError(f"{checkpoint}: {alias} is tied to {tied_to} in the config but differs in the checkpoint")
     result = model.load_state_dict(state, strict=False)
     missing, unexpected = set(result.missing_keys) - set(aliases), set(result.unexpected_keys)
     if missing or unexpected:
-        raise SystemExit(f"{checkpoint}: checkpoint and {type(model).__name__} disagree: missing "
+        raise ValueError(f"{checkpoint}: checkpoint and {type(model).__name__} disagree: missing "
                          f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     if (hf_dir / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(hf_dir)
@@ -141,7 +142,7 @@ def prompt_logits(model, tokenizer, device: str) -> list[torch.Tensor]:
 
 
 def merge(args: Args) -> float:
-    """Writes args.out and returns the max abs logit difference to the checkpoint (SystemExit past tolerance)."""
+    """Writes args.out and returns the max abs logit difference to the checkpoint (RuntimeError past tolerance)."""
     state = read_model_state(args.checkpoint)
     model = restore_model(args.checkpoint, state)
     del state
@@ -166,10 +167,11 @@ def merge(args: Args) -> float:
     print(f"max abs logit difference vs the checkpoint: {diff:.3g} (tolerance {tolerance:.3g} for {args.dtype}); "
           f"greedy next token agrees at {agree}/{total} positions")
     if diff > tolerance:
-        raise SystemExit(f"{args.out}: logits differ from the checkpoint by {diff:.3g} > {tolerance:.3g}")
+        raise RuntimeError(f"{args.out}: logits differ from the checkpoint by {diff:.3g} > {tolerance:.3g}")
     print(f"wrote {args.out}")
     return diff
 
 
 if __name__ == "__main__":
-    merge(tyro.cli(Args))
+    with runlog.one_line_errors():
+        merge(tyro.cli(Args))

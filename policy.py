@@ -33,6 +33,7 @@ from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, 
                           AutoModelForTokenClassification, AutoTokenizer, GenerationConfig)
 from transformers.masking_utils import AttentionMaskInterface
 
+import collectives
 import vision
 
 
@@ -110,7 +111,7 @@ def check_attention(path, attn_implementation: str) -> None:
     for Qwen2.5-VL's language model."""
     if attn_implementation == "flex_attention" and vision.is_vision_model(
             AutoConfig.from_pretrained(path, local_files_only=True)):
-        raise SystemExit(f"{path}: a vision-language model cannot train with flex_attention; use "
+        raise ValueError(f"{path}: a vision-language model cannot train with flex_attention; use "
                          "--attn-implementation packed_sdpa or flash_attention_2")
 
 
@@ -126,9 +127,9 @@ def check_model_path(path: str, flag: str = "--model") -> None:
     if isinstance(cached, str):
         return
     if path.count("/") == 1 and not path.startswith((".", "~")):  # a hub name or a relative folder: say both
-        raise SystemExit(f"{flag} {path}: no such model folder, nor a Hugging Face model in the local cache (kiln "
+        raise ValueError(f"{flag} {path}: no such model folder, nor a Hugging Face model in the local cache (kiln "
                          f"never downloads: fetch it first, e.g. `hf download {path}`)")
-    raise SystemExit(f"{flag} {path}: model folder does not exist")
+    raise ValueError(f"{flag} {path}: model folder does not exist")
 
 
 def load_tokenizer(path):
@@ -204,58 +205,6 @@ def exit_distributed(code: int = 0) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def rank() -> int:
-    """This process's rank; 0 without a process group (a plain model, no `init_distributed`)."""
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def sum_over_ranks(value: float) -> float:
-    """`value` summed over every rank (in float64)."""
-    if dist.get_world_size() == 1:
-        return float(value)
-    x = torch.tensor(float(value), dtype=torch.float64)
-    dist.all_reduce(x)
-    return x.item()
-
-
-def mean_over_ranks(value: float) -> float:
-    return sum_over_ranks(value) / dist.get_world_size()
-
-
-def mean_dicts_over_ranks(stats: dict) -> dict:
-    """Key-wise mean over ranks (every rank holds the same keys); one collective."""
-    return {k: v / dist.get_world_size() for k, v in sum_dicts_over_ranks(stats).items()}
-
-
-def sum_dicts_over_ranks(stats: dict) -> dict:
-    """Key-wise sum over ranks; one collective whatever keys each rank has."""
-    if dist.get_world_size() == 1:
-        return dict(stats)
-    total = {}
-    for part in gather_objects([dict(stats)]):
-        for k, v in part.items():
-            total[k] = total.get(k, 0.0) + v
-    return total
-
-
-def gather(x: torch.Tensor) -> torch.Tensor:
-    """Every rank's `x` (same shape on each), concatenated in rank order along dim 0."""
-    if dist.get_world_size() == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x)
-    return torch.cat(parts)
-
-
-def gather_objects(items: list) -> list:
-    """Every rank's list of picklable items, concatenated in rank order."""
-    if dist.get_world_size() == 1:
-        return list(items)
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, items)
-    return [item for part in parts for item in part]
 
 
 # Outputs that selective activation checkpointing keeps: every matmul's and attention's. With them saved, the
@@ -733,7 +682,7 @@ def step_if_finite(optimizer, grad_norm: float, family: str) -> dict:
     finite = math.isfinite(grad_norm)
     if finite:
         optimizer.step()
-    elif rank() == 0:
+    elif collectives.rank() == 0:
         print(f"warning: {family} gradient norm is {grad_norm}: optimizer step skipped", flush=True)
     return {f"{family}/grad_norm": grad_norm, f"{family}/skipped_step": float(not finite)}
 

@@ -1,6 +1,6 @@
 """Producing samples: single- and multi-turn rollouts (token-in-token-out, loss masks; chat.py holds the template
-side, tools.py the toolboxes), rollouts of external agents through agent_server's endpoint, `python rollout.py
-generate`, a model's samples for a data set, and `python rollout.py serve`, the endpoint alone.
+side, tools.py the toolboxes), and rollouts of external agents through agent_server's endpoint. Their command lines
+are generate.py (a model's samples for a data set) and serve.py (the endpoint alone).
 
 Images: a trajectory holds one unexpanded image placeholder per image (as the chat template renders it) and its images
 in placeholder order (the row's, then the tools'); the engine gets them with the ids from the first turn on. Length
@@ -16,21 +16,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable
 
-import torch
-import torch.distributed as dist
-import tyro
 from tqdm import tqdm
 
 import agent_server
 import chat
+import collectives
 import containers
 import data_prep
-import merge
-import policy
-import vision
-from engines import Engine, HFEngine, Sampling, VLLMEngine
+from engines import Engine, Sampling
 from tools import TOOL_SCHEMAS, TOOLBOXES, ToolBox, call_tool, check_swe_rows, tool_message
 
 
@@ -47,6 +42,7 @@ class Sample:
     text: str = ""  # decoded completion, for the reward
     finish_reason: str = ""
     reward: float = 0.0
+    shaped_reward: float = 0.0  # what advantages are computed from: the reward plus the trainer's shaping, if any
     advantage: float = 0.0  # the sample's share of the signal, set by the trainer from the rewards of its batch
     info: dict = field(default_factory=dict)
     images: list[bytes] = field(default_factory=list)  # encoded images, one per placeholder in `ids`, in that order
@@ -87,7 +83,7 @@ def load_rows_within(source: str, tokenizer, max_prompt_tokens: int, verbose: bo
 
     kept = [r for r in rows if length(r) <= max_prompt_tokens]
     if not kept:
-        raise SystemExit(f"{source}: no row has a prompt within --max-prompt-tokens {max_prompt_tokens}")
+        raise ValueError(f"{source}: no row has a prompt within --max-prompt-tokens {max_prompt_tokens}")
     if len(kept) < len(rows) and verbose:
         print(f"{source}: skipped {len(rows) - len(kept)} of {len(rows)} rows longer than {max_prompt_tokens} tokens")
     return kept
@@ -112,7 +108,7 @@ def collect(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampli
         metrics["tools/tito_drift_frac"] = sum(bool(d) for _, d in drifts) / len(drifts)
         first = next(((s, d) for s, d in drifts if d), None)
         if first is not None:
-            tqdm.write(f"rank {policy.rank()}, task {data_prep.row_id(first[0].row)}: {first[1][0]}")
+            tqdm.write(f"rank {collectives.rank()}, task {data_prep.row_id(first[0].row)}: {first[1][0]}")
     return samples, metrics
 
 
@@ -203,10 +199,15 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
     start = time.perf_counter()
     eot = eot or chat.end_of_turn(tokenizer)
     trajectories: list[Trajectory] = []
+    start_failures = []  # trajectories whose container the daemon would not start, even after retries
     try:
         for i in range(len(rows) * group_size):
             row = rows[i // group_size]
-            box = new_toolbox(row)
+            try:
+                box = new_toolbox(row)
+            except containers.ContainerStartFailed as e:  # lost, but counted (swe/start_failures), never scored
+                start_failures.append(e)
+                continue
             images = data_prep.row_images(row)
             prompt_text = chat.render(tokenizer, row["prompt"], box.schemas, add_generation_prompt=True)
             traj = Trajectory(row, first_group + i // group_size, box, list(row["prompt"]),
@@ -218,7 +219,7 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
                 raise ValueError(f"{task}: the prompt is {traj.length} tokens with the tool signatures and its "
                                  f"images, no room for an answer within max_total_tokens {limits.max_total_tokens}")
         with ThreadPoolExecutor(max_workers=16) as pool:
-            while _any_live_anywhere(live := [traj for traj in trajectories if not traj.finish_reason]):
+            while collectives.any_rank(live := [traj for traj in trajectories if not traj.finish_reason]):
                 _agent_turn(engine, tokenizer, live, sampling, limits, eot, pool, count_image)
     finally:
         close_all([traj.box for traj in trajectories])
@@ -248,6 +249,10 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
         "tools/truncated_responses": sum(traj.truncated_responses for traj in trajectories),
         "tools/agent_seconds_mean": sum(traj.seconds for traj in trajectories) / n,
     }
+    if start_failures:
+        tqdm.write(f"rank {collectives.rank()}: {len(start_failures)} of {len(rows) * group_size} trajectories had no "
+                   f"container (left out): {start_failures[0]}")
+        metrics["swe/start_failures"] = float(len(start_failures))
     if any("container_seconds" in traj.box.info for traj in trajectories):
         metrics["swe/container_seconds"] = sum(traj.box.info.get("container_seconds", 0.0) for traj in trajectories)
         metrics["swe/diff_errors"] = sum("diff_error" in traj.box.info for traj in trajectories)
@@ -267,16 +272,6 @@ def close_all(boxes: list[ToolBox]) -> None:
             failure = failure or e
     if failure is not None:
         raise failure
-
-
-def _any_live_anywhere(live: list) -> bool:
-    """Whether any rank still has a live trajectory. Under torchrun every rank must make the same number of engine
-    calls (HFEngine's load_weights streams FSDP parameters; a TP-sharded vLLM engine is a collective), so ranks turn
-    together."""
-    flag = torch.tensor(float(bool(live)))
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() > 0
 
 
 def _agent_turn(engine: Engine, tokenizer, live: list[Trajectory], sampling: Sampling, limits: AgentLimits,
@@ -426,10 +421,10 @@ def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict],
         "agents/seconds_mean": sum(agent.seconds for agent in agents) / n,
     }
     if any(agent.status != "ok" for agent in agents):
-        tqdm.write(f"rank {policy.rank()}: {sum(agent.status != 'ok' for agent in agents)} of {len(agents)} agents failed or "
+        tqdm.write(f"rank {collectives.rank()}: {sum(agent.status != 'ok' for agent in agents)} of {len(agents)} agents failed or "
                    f"timed out ({'kept' if keep_failed else 'dropped'}); the end of their output:\n{failures}")
-    if not _any_live_anywhere(samples):  # nothing to train on or grade on any rank: the command is broken
-        raise SystemExit(f"--agent-cmd: no agent of this round left a session to learn from ({len(agents)} agents on "
+    if not collectives.any_rank(samples):  # nothing to train on or grade on any rank: the command is broken
+        raise RuntimeError(f"--agent-cmd: no agent of this round left a session to learn from ({len(agents)} agents on "
                          f"this rank: {metrics['agents/failed_frac']:.0%} exited non-zero, "
                          f"{metrics['agents/timeout_frac']:.0%} were killed at the wall limit); the end of their "
                          f"output:\n{failures}")
@@ -438,230 +433,3 @@ def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict],
                                   s.info.get("open_turns", ())) for s in samples]
         metrics["tools/tito_drift_frac"] = sum(bool(d) for d in drifts) / len(drifts)
     return samples, metrics
-
-
-# `python rollout.py generate`: samples of a model (a Hugging Face folder or a kiln checkpoint) for every row of a data
-# set, data-parallel under torchrun, in the file `python rewards.py score` grades. Rollouts are `collect`'s, as in
-# training: multi-turn rows (--tools) go through the same agent loop.
-
-
-@dataclass
-class GenerateArgs:
-    model: str
-    """a Hugging Face folder or hub name, or a kiln checkpoint folder (<output_dir>/checkpoints/step_*)"""
-    data: str
-    """rows to answer (parquet / jsonl / HF dataset name) in kiln's row schema"""
-    out: str = "samples.jsonl"
-    """JSONL, one sample a line ({"task_id", "sample", "completion", ...}): what `python rewards.py score` reads"""
-    n_samples: int = 1
-    """samples per row, the n of pass@k (k <= n; needs a temperature > 0). Not `--n`: torchrun would take that for
-    an abbreviation of its own --nnodes / --nproc-per-node"""
-    engine: Literal["hf", "vllm"] = "hf"
-    """vLLM on GPUs, or the model's own Hugging Face decoding loop (CPU, debugging)"""
-    seed: int = 0
-    """sampling seed (each rank draws from seed + rank)"""
-    max_prompt_tokens: int = 1024
-    """rows whose prompt is longer are skipped (and counted on the console)"""
-    max_new_tokens: int = 1024
-    """generation budget per sample (per turn with tools)"""
-    temperature: float = 0.0
-    """sampling temperature; 0 = greedy"""
-    top_p: float = 1.0
-    """nucleus sampling"""
-    batch_size: int = 64
-    """rows per rank in one engine call (the progress bar moves by batch_size x ranks)"""
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """weights on GPUs (the HF engine on CPU always computes in float32)"""
-    end_of_turn: str | None = None
-    """token that closes an assistant turn (default: found in the chat template, e.g. <|im_end|>, <|eot_id|>)"""
-    tools: Literal["none", "python", "codev", "swe"] = "none"
-    """multi-turn agent rollouts with these tools, as in training (python: a sandboxed interpreter per trajectory,
-    called with <tool_call>; codev: the same, called with CodeV's <code> tags; swe: bash and an editor in a container
-    per trajectory, swebench rows, the completion is its diff)"""
-    max_turns: int = 4
-    """assistant turns per trajectory (tools on)"""
-    max_total_tokens: int = 4096
-    """prompt + all turns and tool outputs per trajectory (tools on)"""
-    max_tool_response_tokens: int = 512
-    """longer tool outputs are cut and marked (tools on)"""
-    max_agent_seconds: float = 1800.0
-    """wall clock per trajectory (tools on)"""
-    vllm_gpu_memory_utilization: float = 0.85
-    """fraction of GPU memory vLLM may take"""
-    vllm_max_model_len: int = 4096
-    """vLLM context length"""
-    vllm_tensor_parallel_size: int = 1
-    """ranks per vLLM engine (consecutive ranks form a group)"""
-
-
-def check_generate_args(args: GenerateArgs) -> None:
-    """Refuse what would waste a run, before any model is loaded."""
-    if args.n_samples < 1 or args.batch_size < 1:
-        raise SystemExit(f"--n-samples ({args.n_samples}) and --batch-size ({args.batch_size}) must be at least 1")
-    if args.n_samples > 1 and args.temperature <= 0:
-        raise SystemExit(f"--n-samples {args.n_samples} with --temperature {args.temperature}: greedy samples of a "
-                         "row are all the same; sample with a temperature > 0 (e.g. 0.8) for pass@k")
-    if not Path(args.out).resolve().parent.is_dir():
-        raise SystemExit(f"--out {args.out}: its folder does not exist")
-
-
-def is_checkpoint(path) -> bool:
-    """Whether `path` is a kiln (DCP) checkpoint folder rather than a Hugging Face model."""
-    return (Path(path) / ".metadata").is_file()
-
-
-def load_generator(args: GenerateArgs, tokenizer, device: torch.device) -> Engine:
-    """The engine that samples `args.model`. A kiln checkpoint is read as merge.py reads it (the model entries alone,
-    fp32, whatever world size wrote it; its hf/ folder gives config and tokenizer) on every rank: for big models,
-    `python merge.py` it once and generate from the Hugging Face folder."""
-    checkpoint = Path(args.model) if is_checkpoint(args.model) else None
-    dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
-    if args.engine == "vllm":
-        engine = VLLMEngine(str(checkpoint / "hf") if checkpoint else args.model, seed=args.seed, dtype=args.dtype,
-                            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                            max_model_len=args.vllm_max_model_len, tensor_parallel_size=args.vllm_tensor_parallel_size,
-                            **({"load_format": "dummy"} if checkpoint else {}))
-        if checkpoint:  # random weights until the checkpoint's arrive through the trainers' weight path
-            engine.load_weights(merge.read_model_state(checkpoint).items())
-        return engine
-    if checkpoint:
-        model = merge.restore_model(checkpoint, merge.read_model_state(checkpoint))
-    else:
-        model = policy.load_model(args.model)
-    model = model.to(device=device, dtype=dtype).eval()
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return HFEngine(model, pad_token_id=pad, tokenizer=tokenizer)
-
-
-def sample_line(sample: Sample, index: int) -> dict:
-    """One line of the samples file: task_id and completion (all `rewards.py score` reads), then which sample of the
-    row it is, why it ended, its generated tokens and, with tools, its turns and tool calls."""
-    line = {"task_id": data_prep.row_id(sample.row), "sample": index, "completion": sample.text,
-            "finish_reason": sample.finish_reason, "completion_tokens": sum(sample.loss_mask)}
-    return line | {k: sample.info[k] for k in ("turns", "tool_calls", "tool_errors") if k in sample.info}
-
-
-def generate_lines(engine: Engine, tokenizer, rows: list[dict], args: GenerateArgs, sampling: Sampling,
-                   count_image: Callable[[bytes], int] = placeholder_only) -> list[dict]:
-    """`args.n_samples` samples of every row, as sample lines in row order, on every rank, budgets counting each image
-    as `count_image` tokens. Each round takes the next batch_size x world rows, this rank answers every world-th of
-    them, and the lines are gathered. Every rank runs every round, with or without rows of its own: multi-turn rounds
-    and tensor-parallel engines are collectives."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    limits = AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens, args.max_agent_seconds)
-    per_round = args.batch_size * world
-    lines: list[tuple[int, dict]] = []
-    bar = tqdm(total=len(rows), desc="generate", unit="row", disable=rank != 0)
-    for start in range(0, len(rows), per_round):
-        positions = list(range(start + rank, min(start + per_round, len(rows)), world))
-        samples, _ = collect(engine, tokenizer, [rows[p] for p in positions], args.n_samples, sampling, args.tools,
-                             limits, first_group=start + rank, eot=args.end_of_turn, count_image=count_image)
-        lines += policy.gather_objects([(positions[i // args.n_samples], sample_line(s, i % args.n_samples))
-                                        for i, s in enumerate(samples)])
-        bar.update(min(per_round, len(rows) - start))
-    bar.close()
-    lines.sort(key=lambda pl: (pl[0], pl[1]["sample"]))
-    return [line for _, line in lines]
-
-
-def generate(args: GenerateArgs) -> Path:
-    """Samples of args.model for every row of args.data in args.out (rank 0 writes it, once everything is done)."""
-    check_generate_args(args)
-    rank, world, device = policy.init_distributed()
-    torch.manual_seed(args.seed + rank)
-    seconds = {}
-    start = time.perf_counter()
-    hf_dir = Path(args.model) / "hf" if is_checkpoint(args.model) else args.model
-    tokenizer = policy.load_tokenizer(hf_dir)
-    count_image = vision.image_counter(hf_dir) or placeholder_only  # as the model's own image processor expands them
-    rows = load_rows_within(args.data, tokenizer, args.max_prompt_tokens, verbose=rank == 0, tools=args.tools,
-                            count_image=count_image)
-    if args.tools == "swe":  # containers of dead kiln processes go; this one's go when it ends, however it ends
-        containers.sweep(containers.shared_client())
-        containers.remove_owned_at_exit(containers.shared_client())
-    engine = load_generator(args, tokenizer, device)
-    sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                        stop_token_ids=policy.stop_token_ids(tokenizer, hf_dir,
-                                                             chat.end_of_turn(tokenizer, args.end_of_turn)))
-    seconds["load"] = time.perf_counter() - start
-    lines = generate_lines(engine, tokenizer, rows, args, sampling, count_image)
-    seconds["generate"] = time.perf_counter() - start - seconds["load"]
-    if rank == 0:
-        data_prep.write_atomically(args.out, lines)
-        print(f"{len(lines)} samples ({args.n_samples} per row, {len(rows)} rows, {world} ranks) in {args.out}; load "
-              f"{seconds['load']:.1f}s, generate {seconds['generate']:.1f}s ({len(lines) / seconds['generate']:.1f} "
-              f"samples/s). Grade them: python rewards.py score {args.out} --data {args.data}")
-    return Path(args.out)
-
-
-# `python rollout.py serve`: agent_server's endpoint alone over a model, to run any OpenAI-speaking agent against a
-# checkpoint (one endpoint per rank under torchrun, on port + rank).
-
-
-@dataclass
-class ServeArgs:
-    model: str
-    """a Hugging Face folder or hub name, or a kiln checkpoint folder (<output_dir>/checkpoints/step_*)"""
-    engine: Literal["hf", "vllm"] = "hf"
-    """vLLM on GPUs, or the model's own Hugging Face decoding loop (CPU, debugging)"""
-    port: int = 8000
-    """port of rank 0's endpoint (rank r serves on port + r; 0 = any free port, printed)"""
-    host: str = "127.0.0.1"
-    """address to bind (0.0.0.0 exposes the endpoint to the network)"""
-    seed: int = 0
-    """sampling seed (each rank draws from seed + rank)"""
-    max_new_tokens: int = 1024
-    """reply budget when a request names no max_tokens"""
-    max_total_tokens: int = 32768
-    """prompt + reply per request; a longer conversation gets a context_length_exceeded error"""
-    temperature: float | None = None
-    """sample every request at this temperature (and --top-p); default: what each request asks (OpenAI's default 1)"""
-    top_p: float = 1.0
-    """nucleus sampling with --temperature"""
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """weights on GPUs (the HF engine on CPU always computes in float32)"""
-    end_of_turn: str | None = None
-    """token that closes an assistant turn (default: found in the chat template, e.g. <|im_end|>, <|eot_id|>)"""
-    vllm_gpu_memory_utilization: float = 0.85
-    """fraction of GPU memory vLLM may take"""
-    vllm_max_model_len: int = 32768
-    """vLLM context length"""
-    vllm_tensor_parallel_size: int = 1
-    """ranks per vLLM engine (consecutive ranks form a group; needs --temperature: peers sample alike)"""
-
-
-def serve(args: ServeArgs) -> None:
-    """agent_server's endpoint over args.model until interrupted; every rank ticks its engine together."""
-    if args.vllm_tensor_parallel_size > 1 and args.temperature is None:
-        raise SystemExit("--vllm-tensor-parallel-size > 1 needs --temperature: the ranks of an engine sample together")
-    rank, world, device = policy.init_distributed()
-    torch.manual_seed(args.seed + rank)
-    hf_dir = Path(args.model) / "hf" if is_checkpoint(args.model) else args.model
-    tokenizer = policy.load_tokenizer(hf_dir)
-    engine = load_generator(GenerateArgs(
-        model=args.model, data="", engine=args.engine, seed=args.seed, dtype=args.dtype,
-        vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization, vllm_max_model_len=args.vllm_max_model_len,
-        vllm_tensor_parallel_size=args.vllm_tensor_parallel_size), tokenizer, device)
-    sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature or 0.0, top_p=args.top_p,
-                        stop_token_ids=policy.stop_token_ids(tokenizer, hf_dir,
-                                                             chat.end_of_turn(tokenizer, args.end_of_turn)))
-    port = args.port + rank if args.port else 0
-    with agent_server.AgentServer(engine, tokenizer, sampling, args.end_of_turn, args.max_total_tokens,
-                                  fixed_sampling=args.temperature is not None, host=args.host, port=port,
-                                  model_name=args.model) as server:
-        print(f"rank {rank}: serving {args.model} at {server.base_url} (sessions: Authorization: Bearer <key>; "
-              f"recorded tokens: GET /kiln/sessions/<key>)", flush=True)
-        try:
-            while True:
-                server.step()
-        except KeyboardInterrupt:
-            pass
-
-
-if __name__ == "__main__":
-    cli = tyro.extras.subcommand_cli_from_dict({"generate": GenerateArgs, "serve": ServeArgs})
-    if isinstance(cli, ServeArgs):
-        serve(cli)
-    else:
-        generate(cli)
-    policy.exit_distributed()

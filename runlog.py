@@ -21,6 +21,7 @@ import tyro
 import wandb
 from tqdm import tqdm
 
+import containers
 import data_prep
 
 # What a trainer writes into its output dir: --overwrite removes these (and nothing else) before a fresh run.
@@ -62,12 +63,12 @@ def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
     neither resumes it (--resume) nor replaces it (--overwrite). Every rank checks; none writes."""
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
-        raise SystemExit(f"--output-dir {output_dir} is a file")
+        raise ValueError(f"--output-dir {output_dir} is a file")
     if resume and overwrite:
-        raise SystemExit("--resume and --overwrite exclude each other")
+        raise ValueError("--resume and --overwrite exclude each other")
     earlier = [name for name in RUN_FILES if (out / name).exists()]
     if earlier and not resume and not overwrite:
-        raise SystemExit(f"--output-dir {output_dir} holds an earlier run ({', '.join(earlier)}): pass --resume to "
+        raise ValueError(f"--output-dir {output_dir} holds an earlier run ({', '.join(earlier)}): pass --resume to "
                          f"continue it, --overwrite to replace it, or another --output-dir")
 
 
@@ -131,7 +132,7 @@ def announced_eval(evaluate: Callable, run) -> dict:
 
 
 def eval_line(step: int, metrics: dict) -> str:
-    """`eval step N: all pass@1 0.430 | toy pass@1 0.430 | reward 0.512` from rewards.report_metrics' metrics: every
+    """`eval step N: all pass@1 0.430 | toy pass@1 0.430 | reward 0.512` from eval_report.report_metrics' metrics: every
     data source's pass@1 (not its difficulties) and the mean reward."""
     groups = [k.split("/")[1] for k in metrics if k.startswith("val-core/") and k.endswith("/pass@1")
               and k.count("/") == 2]
@@ -159,17 +160,20 @@ def parse_args(args_class):
         return tyro.cli(args_class)
 
 
-# Errors a user acts on (a bad argument, row or path), reported as their message alone.
+# Errors a user acts on (a bad argument, row or path), reported with their type and message.
 KNOWN_ERRORS = (data_prep.RowError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
-                PermissionError)
+                PermissionError, containers.DockerUnavailable, containers.ImageMissing)
+KILN_DIR = Path(__file__).resolve().parent
 
 
 @contextmanager
 def one_line_errors():
-    """`with one_line_errors(): main(args)`: a known error (a SystemExit with a message, a bad row, a missing file)
-    is printed as one line and the process exits with status 1: under torchrun no rank prints a traceback above
-    torchrun's own report, and only rank 0 prints when every rank fails alike (another rank prints only an error of
-    its own). Anything else propagates with its traceback (a bug)."""
+    """`with one_line_errors(): main(args)`, what every command-line entry point does: library functions raise
+    ordinary exceptions, and here a known error (a bad row, a missing file or image) or a ValueError / RuntimeError
+    that kiln's own code raised with its message (a bad setting, a failed run) is printed as one `error:` line and
+    the process exits with status 1: under torchrun no rank prints a traceback above torchrun's own report, and only
+    rank 0 prints when every rank fails alike (another rank prints only an error of its own). Anything else, such as
+    a ValueError from inside torch, propagates with its traceback (a bug); so does everything with KILN_TRACEBACK=1."""
     try:
         yield
     except SystemExit as e:
@@ -177,7 +181,23 @@ def one_line_errors():
             raise
         _exit_with(e.code)
     except KNOWN_ERRORS as e:
+        if os.environ.get("KILN_TRACEBACK") == "1":
+            raise
         _exit_with(f"{type(e).__name__}: {e}")
+    except (ValueError, RuntimeError) as e:
+        if os.environ.get("KILN_TRACEBACK") == "1" or not _raised_by_kiln(e):
+            raise
+        _exit_with(str(e))
+
+
+def _raised_by_kiln(error: BaseException) -> bool:
+    """Whether the innermost frame of `error`'s traceback is kiln's own code (a `raise` with a message for the user)
+    rather than a library's."""
+    tb = error.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    path = Path(tb.tb_frame.f_code.co_filename).resolve()
+    return path.parent == KILN_DIR
 
 
 def _exit_with(message: str) -> None:

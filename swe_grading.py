@@ -13,7 +13,9 @@ from __future__ import annotations
 import atexit
 import codecs
 import functools
+import random
 import re
+import secrets
 import shutil
 import tempfile
 import threading
@@ -26,9 +28,10 @@ from typing import Sequence
 
 import docker.errors
 from swebench.harness import run_evaluation
-from swebench.harness.constants import (APPLY_PATCH_FAIL, FAIL_TO_PASS, LOG_INSTANCE, PASS_TO_PASS, EvalType,
-                                        ResolvedStatus)
-from swebench.harness.grading import get_eval_tests_report, get_logs_eval, get_resolution_status
+from swebench.harness.constants import (APPLY_PATCH_FAIL, END_TEST_OUTPUT, FAIL_TO_PASS, LOG_INSTANCE,
+                                        LOG_TEST_OUTPUT, PASS_TO_PASS, START_TEST_OUTPUT, EvalType, ResolvedStatus,
+                                        TestStatus)
+from swebench.harness.grading import get_eval_tests_report, get_logs_eval, get_resolution_status, test_passed
 from swebench.harness.log_parsers import PARSER_REGISTRY
 from swebench.harness.utils import make_test_spec
 from swebench.types import TestSpec
@@ -49,6 +52,11 @@ HEADER_PATHS = re.compile(rb'(?:"a/((?:[^"\\]|\\.)*)"|a/(.*?)) (?:"b/((?:[^"\\]|
 # Every line that can name a file to git apply or GNU patch (the last fallback, which also reads Index: lines and
 # context diffs). A hunk line never starts like these, so no file can hide behind another's header.
 NAME_LINE = re.compile(rb"^(--- |\+\+\+ |\*\*\* |Index: |rename from |rename to |copy from |copy to )(.*)$", re.M)
+PYTEST_ID = re.compile(r"^([^:\s]+\.py)::")
+UNITTEST_ID = re.compile(r"^\w+ \(([\w.]+)\)")  # Django's runner: "test_x (module.Class)" or "(module.Class.test_x)"
+PASSING = {TestStatus.PASSED.value, TestStatus.XFAIL.value}
+FAILING = {TestStatus.FAILED.value, TestStatus.ERROR.value}
+CANARY_UNPLANTED = "kiln: no file for canaries among"
 HARNESS_MODEL = "kiln"  # the model_name_or_path of run_instance's predictions (a folder of its log tree)
 # run_instance logs through a logger named after the instance, shared by concurrent runs of it (and closed by the first
 # to end): one run per instance at a time keeps each log whole, and its verdict on a patch that does not apply right.
@@ -59,7 +67,8 @@ HARNESS_LOCKS: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
 class Grade:
     """A graded patch: +1.0 resolved, -1.0 otherwise; info holds instance_id, dropped (protected paths left out), f2p
     and p2p ([passed, total]), status (swebench's ResolvedStatus value), error (None when the tests ran and were
-    graded, else empty_patch, patch_apply, eval_timeout, tests_not_run or diff) and its reason, seconds."""
+    graded, else empty_patch, patch_apply, eval_timeout, tests_not_run, diff or tampered) and its reason, canaries
+    (pairs planted beside the FAIL_TO_PASS tests), seconds."""
     score: float
     info: dict = field(default_factory=dict)
 
@@ -133,24 +142,120 @@ def spec_of(truth: dict) -> TestSpec:
     return make_test_spec(truth)
 
 
+@dataclass(frozen=True)
+class Canary:
+    """Two tests the grader plants beside FAIL_TO_PASS tests, in their file: one must pass, one must fail. Their names
+    carry random tokens and their bodies have the same shape, so code under test that forges reports cannot tell the
+    one that must fail from an unfixed FAIL_TO_PASS test without reading the grader's mind."""
+    candidates: tuple[str, ...]
+    """files that may hold the FAIL_TO_PASS tests, in order; the first that exists gets the canaries"""
+    beside: tuple[str, ...]
+    """the FAIL_TO_PASS tests of that file"""
+    passing: str
+    """the random token in the must-pass canary's name"""
+    failing: str
+    """the random token in the must-fail canary's name"""
+    unittest: bool
+    """a unittest.TestCase (Django's runner) instead of pytest functions"""
+
+
+def plan_canaries(spec: TestSpec) -> list[Canary]:
+    """One pair of canaries per file of FAIL_TO_PASS tests, for pytest ids ("path.py::...") and Django's runner ids
+    ("test_x (module.Class)", also "(module.Class.test_x)"); ids of other forms get none."""
+    files: dict[tuple[str, ...], list[str]] = defaultdict(list)
+    for test in spec.FAIL_TO_PASS:
+        if pytest_id := PYTEST_ID.match(test):
+            files[(pytest_id[1],)].append(test)
+        elif (unittest_id := UNITTEST_ID.match(test)) and spec.log_parser == "parse_log_django":
+            parts = unittest_id[1].split(".")  # runtests.py's labels are relative to tests/
+            files[tuple(f"tests/{'/'.join(parts[:-drop])}.py" for drop in (1, 2) if len(parts) > drop)].append(test)
+    return [Canary(candidates, tuple(beside), f"test_{secrets.token_hex(6)}", f"test_{secrets.token_hex(6)}",
+                   unittest=not PYTEST_ID.match(beside[0])) for candidates, beside in files.items()]
+
+
+def _canary_code(canary: Canary) -> str:
+    """The canaries' source, in random order: `assert sorted(...) == ...`, right for one and wrong for the other."""
+    tests = []
+    for name, right in random.sample([(canary.passing, True), (canary.failing, False)], 2):
+        values = random.sample(range(100, 1000), 4)
+        expected = sorted(values) if right else sorted(values)[:2] + sorted(values)[2:][::-1]
+        if canary.unittest:
+            tests.append(f"    def {name}(self):\n        self.assertEqual(sorted({values}), {expected})\n")
+        else:
+            tests.append(f"def {name}():\n    assert sorted({values}) == {expected}\n")
+    if not canary.unittest:
+        return "\n\n" + "\n\n".join(tests)
+    case = f"Test{secrets.token_hex(6)}"
+    return (f"\n\nimport unittest as unittest_{case}\n\n\nclass {case}(unittest_{case}.TestCase):\n"
+            + "\n".join(tests))
+
+
+def plant_canaries(eval_script: str, canaries: Sequence[Canary]) -> str:
+    """The eval script with the canaries appended to their files just before the tests run (its closing `git checkout`
+    of the test files removes them again), and the script deleting itself first (bash keeps reading it), so the code
+    under test cannot read the canaries' names from it. A canary with no file to go to is named in the log."""
+    lines = eval_script.split("\n")
+    start = next((i for i, line in enumerate(lines) if START_TEST_OUTPUT in line), None)
+    if start is None:
+        raise ValueError(f"the eval script has no {START_TEST_OUTPUT!r} marker")
+    planted = ['rm -f "$0"']
+    for canary in canaries:
+        end = f"EOF_KILN_{secrets.token_hex(8)}"
+        planted += [f"for f in {' '.join(canary.candidates)}; do if [ -f \"$f\" ]; then cat >> \"$f\" <<'{end}'",
+                    _canary_code(canary), end, "break; fi; false; done || echo "
+                    f"\"{CANARY_UNPLANTED} {' '.join(canary.candidates)}\""]
+    return "\n".join(lines[:start] + planted + lines[start:])
+
+
+def check_canaries(canaries: Sequence[Canary], spec: TestSpec, status_map: dict[str, str], log: str) -> str | None:
+    """Why the test report is not to be trusted, or None: a must-fail canary reported passing; an expected test
+    (FAIL_TO_PASS, PASS_TO_PASS) reported with two statuses, or more often than the canaries are (each log line is
+    parsed on its own to count); a canary missing or wrong beside a FAIL_TO_PASS test that passed. A run where the
+    canaries and the tests beside them all fail (a patch that breaks the test module) is no forgery: None."""
+    if CANARY_UNPLANTED in log.split(START_TEST_OUTPUT)[0]:
+        raise RuntimeError(f"{spec.instance_id}: no file for the canaries beside the FAIL_TO_PASS tests: "
+                           + log.split(CANARY_UNPLANTED)[1].split("\n")[0].strip())
+    parser, reported = PARSER_REGISTRY[spec.log_parser], defaultdict(list)
+    for line in log.split(START_TEST_OUTPUT, 1)[-1].split(END_TEST_OUTPUT)[0].split("\n"):
+        for test, status in parser(line, spec).items():
+            reported[test].append(status)
+    tokens = [token for canary in canaries for token in (canary.passing, canary.failing)]
+    allowed = max([len(statuses) for test, statuses in reported.items() if any(t in test for t in tokens)] + [1])
+    for test in [*spec.FAIL_TO_PASS, *spec.PASS_TO_PASS]:
+        if len(set(reported.get(test, ()))) > 1:
+            return f"{test} is reported as {' and '.join(sorted(set(reported[test])))}"
+        if len(reported.get(test, ())) > allowed:
+            return f"{test} is reported {len(reported[test])} times (a canary {allowed})"
+    for canary in canaries:
+        passing = {status for test, status in status_map.items() if canary.passing in test}
+        failing = {status for test, status in status_map.items() if canary.failing in test}
+        if failing & PASSING:
+            return f"the canary {canary.failing} beside {canary.beside[0]} must fail; it is reported {sorted(failing)}"
+        passed = [test for test in canary.beside if test_passed(test, status_map)]
+        if passed and not (passing == {TestStatus.PASSED.value} and failing and failing <= FAILING):
+            return (f"the canaries beside {passed[0]} are reported {sorted(passing) or 'missing'} (must pass) and "
+                    f"{sorted(failing) or 'missing'} (must fail)")
+    return None
+
+
 def _ungraded(spec: TestSpec, dropped: list[str] = ()) -> dict:
     return {"instance_id": spec.instance_id, "dropped": list(dropped), "f2p": [0, len(spec.FAIL_TO_PASS)],
             "p2p": [0, len(spec.PASS_TO_PASS)], "status": ResolvedStatus.NO.value, "error": None}
 
 
 def check_images(truths: Sequence[dict], where: str) -> None:
-    """SystemExit before any grading when instances need Docker and the daemon does not answer, or an instance image
-    is missing (naming one and `where`)."""
+    """Checked before any grading: DockerUnavailable when instances need Docker and the daemon does not answer,
+    ImageMissing when an instance image is not on the host (naming one and `where`)."""
     if not truths:
         return
     try:
         client = containers.connect()
     except containers.DockerUnavailable as e:
-        raise SystemExit(f"{where}: swebench instances are graded in Docker: {e}") from None
+        raise containers.DockerUnavailable(f"{where}: swebench instances are graded in Docker: {e}") from None
     missing = containers.missing_images(client, {truth["image"] for truth in truths})
     if missing:
-        raise SystemExit(f"{where}: {len(missing)} instance images are not on this Docker host, e.g. {missing[0]}; "
-                         "pull or `docker load` them first (README, SWE-bench)")
+        raise containers.ImageMissing(f"{where}: {len(missing)} instance images are not on this Docker host, e.g. "
+                                      f"{missing[0]}; pull or `docker load` them first (docs/swebench.md)")
 
 
 def swebench_container_reward(truth: dict, container: containers.Container, client=None,
@@ -185,13 +290,15 @@ def run_tests(truth: dict, patch: bytes | None, client=None, config: SweConfig =
     row's eval script and grade its log, with kiln's grader or (config.official) swebench's run_instance."""
     spec = spec_of(truth)
     client = client or containers.connect()
-    grade = _official(spec, patch, client, config) if config.official else _kiln(spec, patch, client, config)
+    canaries = plan_canaries(spec)
+    planted = spec_of(truth | {"eval_script": plant_canaries(truth["eval_script"], canaries)})
+    grade = (_official if config.official else _kiln)(planted, canaries, patch, client, config)
     grade.info["dropped"] = list(dropped)
     return grade
 
 
-def _kiln(spec: TestSpec, patch: bytes | None, client, config: SweConfig) -> Grade:
-    info, start = _ungraded(spec) | {"graded_by": "kiln"}, time.perf_counter()
+def _kiln(spec: TestSpec, canaries: Sequence[Canary], patch: bytes | None, client, config: SweConfig) -> Grade:
+    info, start = _ungraded(spec) | {"graded_by": "kiln", "canaries": len(canaries)}, time.perf_counter()
     with containers.Container(client, spec.image, role="grade", run=spec.instance_id,
                               limits=config.limits) as container:
         if patch is not None:
@@ -206,6 +313,7 @@ def _kiln(spec: TestSpec, patch: bytes | None, client, config: SweConfig) -> Gra
                 return Grade(-1.0, info | {"error": "patch_apply", "reason": applied.output[-2000:]})
         container.put_file("/kiln_eval.sh", spec.eval_script.encode())
         run = container.exec("bash /kiln_eval.sh", timeout=config.eval_timeout, cap=config.log_cap)
+        info["docker_retries"] = container.retries
     info["seconds"] = time.perf_counter() - start
     if run.timed_out:
         return Grade(-1.0, info | {"error": "eval_timeout"})
@@ -217,14 +325,17 @@ def _kiln(spec: TestSpec, patch: bytes | None, client, config: SweConfig) -> Gra
         return Grade(-1.0, info | {"error": "tests_not_run", "log_tail": run.output[-2000:]})
     report = get_eval_tests_report(status_map, {FAIL_TO_PASS: spec.FAIL_TO_PASS, PASS_TO_PASS: spec.PASS_TO_PASS},
                                    eval_type=EvalType(spec.eval_type))
-    return _verdict(spec, report, info, config)
+    return _verdict(spec, report, info, config, check_canaries(canaries, spec, status_map, run.output))
 
 
-def _verdict(spec: TestSpec, report: dict, info: dict, config: SweConfig) -> Grade:
-    """The grade from swebench's tests report ({FAIL_TO_PASS: {"success", "failure"}, PASS_TO_PASS: ...})."""
+def _verdict(spec: TestSpec, report: dict, info: dict, config: SweConfig, tampered: str | None) -> Grade:
+    """The grade from swebench's tests report ({FAIL_TO_PASS: {"success", "failure"}, PASS_TO_PASS: ...}); -1 with
+    error "tampered" and the reason when check_canaries distrusts the report."""
     info |= {"f2p": [len(report[FAIL_TO_PASS]["success"]), len(spec.FAIL_TO_PASS)],
              "p2p": [len(report[PASS_TO_PASS]["success"]), len(spec.PASS_TO_PASS)],
              "status": get_resolution_status(report)}
+    if tampered:
+        return Grade(-1.0, info | {"resolved": False, "error": "tampered", "reason": tampered})
     f2p_ok = not report[FAIL_TO_PASS]["failure"] and info["f2p"][0] == info["f2p"][1]
     p2p_ok = not report[PASS_TO_PASS]["failure"]
     resolved = f2p_ok and (p2p_ok or not config.require_p2p)
@@ -249,7 +360,7 @@ def _remove_harness_container(client, container, logger) -> None:
         containers.force_remove(container)
 
 
-def _official(spec: TestSpec, patch: bytes | None, client, config: SweConfig) -> Grade:
+def _official(spec: TestSpec, canaries: Sequence[Canary], patch: bytes | None, client, config: SweConfig) -> Grade:
     """swebench's run_instance on the local image (never pulled: a missing one raises ImageMissing), under a unique
     run id (a reused one returns its old report without running anything) whose logs are deleted once read, one run
     per instance at a time (HARNESS_LOCKS). Its None (no report) is -1 when its log says the patch did not apply or the
@@ -262,13 +373,16 @@ def _official(spec: TestSpec, patch: bytes | None, client, config: SweConfig) ->
     root, run_id = _harness_log_root(), f"kiln-{uuid.uuid4().hex[:16]}"
     prediction = {"instance_id": spec.instance_id, "model_name_or_path": HARNESS_MODEL,
                   "model_patch": (patch or b"").decode(errors="replace")}  # the harness writes the patch as text
-    info, start = _ungraded(spec) | {"graded_by": "run_instance"}, time.perf_counter()
+    info, start = _ungraded(spec) | {"graded_by": "run_instance", "canaries": len(canaries)}, time.perf_counter()
     try:
         with HARNESS_LOCKS[spec.instance_id]:
             result = run_evaluation.run_instance(spec, prediction, client, run_id, timeout=int(config.eval_timeout),
                                                  skip_patch=patch is None)
-        log = root / run_id / HARNESS_MODEL / spec.instance_id / LOG_INSTANCE
-        log_text = log.read_text(errors="replace") if log.exists() else ""
+        logs = root / run_id / HARNESS_MODEL / spec.instance_id
+        log_text = (logs / LOG_INSTANCE).read_text(errors="replace") if (logs / LOG_INSTANCE).exists() else ""
+        test_output = logs / LOG_TEST_OUTPUT
+        status_map = get_logs_eval(spec, str(test_output))[0] if test_output.exists() else {}
+        test_text = test_output.read_text(errors="replace") if test_output.exists() else ""
     finally:
         shutil.rmtree(root / run_id, ignore_errors=True)
     info["seconds"] = time.perf_counter() - start
@@ -282,7 +396,7 @@ def _official(spec: TestSpec, patch: bytes | None, client, config: SweConfig) ->
     report = result[1][spec.instance_id]
     if "tests_status" not in report:
         return Grade(-1.0, info | {"error": "tests_not_run", "log_tail": log_text[-2000:]})
-    return _verdict(spec, report["tests_status"], info, config)
+    return _verdict(spec, report["tests_status"], info, config, check_canaries(canaries, spec, status_map, test_text))
 
 
 def swe_check(truth: dict, client=None, config: SweConfig = SweConfig()) -> dict:
@@ -304,11 +418,13 @@ def swe_check(truth: dict, client=None, config: SweConfig = SweConfig()) -> dict
 def swe_metrics(infos: Sequence[dict]) -> dict:
     """SWE-bench batch metrics from swebench grades' infos: the resolve rate; the FAIL_TO_PASS and PASS_TO_PASS pass
     fractions (mean per sample, over the samples whose tests ran); patches that did not apply; protected files
-    dropped from the diffs."""
+    dropped from the diffs; gradings whose report was tampered with (check_canaries); Docker calls retried."""
     ran = [info for info in infos if info.get("error") is None]
     metrics = {"swe/resolve_rate": sum(bool(info.get("resolved")) for info in infos) / max(1, len(infos)),
                "swe/patch_apply_failures": sum(info.get("error") == "patch_apply" for info in infos),
-               "swe/dropped_files": sum(len(info.get("dropped", [])) for info in infos)}
+               "swe/dropped_files": sum(len(info.get("dropped", [])) for info in infos),
+               "swe/tampered": sum(info.get("error") == "tampered" for info in infos),
+               "swe/docker_retries": sum(info.get("docker_retries", 0) for info in infos)}
     for key in ("f2p", "p2p"):
         fractions = [info[key][0] / info[key][1] for info in ran if info[key][1]]
         if fractions:

@@ -21,8 +21,8 @@ import sandbox
 import swe_grading
 import vision
 
-SWE_CONTAINER = containers.ContainerLimits(timeout=60.0, output_cap=10_000)  # an agent's container; see README
-SWE_MAX_COMMAND_SECONDS = 600  # the most a `bash` call may ask for (README's budget table)
+SWE_CONTAINER = containers.ContainerLimits(timeout=60.0, output_cap=10_000)  # an agent's container; see docs/swebench.md
+SWE_MAX_COMMAND_SECONDS = 600  # the most a `bash` call may ask for (docs/swebench.md's budget table)
 
 
 @dataclass
@@ -283,7 +283,7 @@ def check_swe_rows(rows: list[dict], tools: str, source: str) -> None:
     load, before any model is."""
     swe = [r for r in rows if r["data_source"] == "swebench"]
     if swe and tools != "swe" or tools == "swe" and len(swe) < len(rows):
-        raise SystemExit(f"{source}: swebench rows run with --tools swe and --tools swe runs only swebench rows "
+        raise ValueError(f"{source}: swebench rows run with --tools swe and --tools swe runs only swebench rows "
                          f"({len(swe)} of {len(rows)} rows are swebench, --tools {tools})")
     if tools == "swe":
         swe_grading.check_images([json.loads(r["reward_model"]["ground_truth"]) for r in swe], source)

@@ -14,7 +14,6 @@ import math
 import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -22,9 +21,11 @@ from tqdm import tqdm
 
 import agent_server
 import chat
+import collectives
 import containers
 import data_prep
 import engines
+import eval_report
 import judge as judge_lib
 import losses
 import policy
@@ -34,7 +35,7 @@ import runlog
 import swe_grading
 import tools
 import vision
-from checkpoint import load_checkpoint, load_newest_checkpoint, save_best, save_checkpoint
+from checkpoint import check_best_metric, keep_best, load_checkpoint, load_newest_checkpoint, save_checkpoint
 
 
 # Defaults that depend on the policy loss: GSPO clips a sequence-level ratio (its paper's ranges) and averages each
@@ -174,7 +175,7 @@ class Args:
     max_tool_response_tokens: int = 512
     """longer tool outputs are cut and marked (tools on)"""
     max_agent_seconds: float = 1800.0
-    """wall clock per trajectory; checked before each turn's tools run (tools on; README's SWE budget table)"""
+    """wall clock per trajectory; checked before each turn's tools run (tools on; docs/swebench.md's budget table)"""
     check_tito: bool = False
     """compare every trajectory with the chat template's rendering of its messages; log the drifting fraction
     (tools/tito_drift_frac) and the first drift of each step (tools on)"""
@@ -182,7 +183,7 @@ class Args:
     """an external agent per trajectory instead of kiln's own loop: a shell command with the placeholders {base_url}
     (this rank's OpenAI-compatible endpoint), {api_key} (the trajectory's session key), {row_json} or {row_file} (the
     row without its answers) and {result} (where the agent leaves what is graded: a swebench row's patch, else its
-    answer); killed past --max-agent-seconds; replies within --max-total-tokens (README, External agents)"""
+    answer); killed past --max-agent-seconds; replies within --max-total-tokens (docs/agents.md)"""
     agent_keep_failed: bool = False
     """with --agent-cmd: also train on the sessions of agents that exit non-zero or are killed (default: dropped)"""
 
@@ -229,7 +230,7 @@ class Run:
     step: int = 0
     data_pos: int = 0
     best: dict = field(default_factory=dict)  # {"step", "metric", "value"} of the policy kept in best/
-    evals: list[dict] = field(default_factory=list)  # every eval's rewards.report summary and step, for the report
+    evals: list[dict] = field(default_factory=list)  # every eval's eval_report.report summary and step, for the report
     judge: judge_lib.Judge | None = None  # the LLM judge of vl_agent rows (--judge-url)
 
 
@@ -262,17 +263,17 @@ def main(args: Args, score_fn: rewards.ScoreFn = rewards.score_batch) -> Run | N
 
 
 def check_variants(args: Args) -> None:
-    """SystemExit for a combination the GRPO variants do not define."""
+    """ValueError for a combination the GRPO variants do not define."""
     if args.policy_loss == "gspo" and args.dual_clip is not None:
-        raise SystemExit("--dual-clip bounds a token-level ratio; GSPO clips the sequence-level one (drop --dual-clip)")
+        raise ValueError("--dual-clip bounds a token-level ratio; GSPO clips the sequence-level one (drop --dual-clip)")
     if args.dynamic_sampling and args.advantage == "reinforce++":
-        raise SystemExit("--dynamic-sampling drops groups whose rewards are equal, which carry no signal only for "
+        raise ValueError("--dynamic-sampling drops groups whose rewards are equal, which carry no signal only for "
                          "group-relative advantages; REINFORCE++ whitens over the batch, where they do (use "
                          "--advantage reinforce++-baseline)")
     if args.max_sampling_tries < 1:
-        raise SystemExit(f"--max-sampling-tries must be >= 1, got {args.max_sampling_tries}")
+        raise ValueError(f"--max-sampling-tries must be >= 1, got {args.max_sampling_tries}")
     if args.overlong_buffer and (args.tools != "none" or not 0 < args.overlong_buffer <= args.max_new_tokens):
-        raise SystemExit(f"--overlong-buffer {args.overlong_buffer} must be in (0, --max-new-tokens "
+        raise ValueError(f"--overlong-buffer {args.overlong_buffer} must be in (0, --max-new-tokens "
                          f"{args.max_new_tokens}] and measures single-turn answers (--tools none)")
 
 
@@ -287,27 +288,22 @@ def check_args(args: Args, world: int) -> None:
     minutes on GPUs)."""
     for name in ("prompts_per_step", "group_size", "max_new_tokens", "minibatches", "epochs_per_step"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.total_steps < 0:
-        raise SystemExit(f"--total-steps must be >= 0, got {args.total_steps}")
+        raise ValueError(f"--total-steps must be >= 0, got {args.total_steps}")
     if args.temperature <= 0:
-        raise SystemExit(f"--temperature must be > 0 (the trainer scores tokens under it), got {args.temperature}")
+        raise ValueError(f"--temperature must be > 0 (the trainer scores tokens under it), got {args.temperature}")
     if args.group_size < 2 and args.advantage != "reinforce++":  # a group of one is its own baseline: advantage 0
-        raise SystemExit(f"--advantage {args.advantage} compares samples of a group: --group-size must be >= 2, got "
+        raise ValueError(f"--advantage {args.advantage} compares samples of a group: --group-size must be >= 2, got "
                          f"{args.group_size} (or use --advantage reinforce++)")
     if args.prompts_per_step % world:
-        raise SystemExit(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world}")
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world}")
     if args.prompts_per_step // world < args.minibatches:  # a minibatch takes whole groups
-        raise SystemExit(f"--minibatches {args.minibatches} needs as many prompts per rank; --prompts-per-step "
+        raise ValueError(f"--minibatches {args.minibatches} needs as many prompts per rank; --prompts-per-step "
                          f"{args.prompts_per_step} over {world} ranks gives {args.prompts_per_step // world}")
-    if args.best_metric and not args.best_metric.startswith(("val-core/", "val-aux/")):
-        raise SystemExit(f"--best-metric {args.best_metric}: must be an evaluation metric (val-core/... or "
-                         "val-aux/...), e.g. val-core/all/test_pass_rate or val-core/all/pass@1")
+    check_best_metric(args.best_metric)
     if args.agent_cmd is not None:
-        try:
-            agent_server.check_agent_cmd(args.agent_cmd)
-        except ValueError as e:
-            raise SystemExit(str(e)) from None
+        agent_server.check_agent_cmd(args.agent_cmd)
     runlog.check_output_dir(args.output_dir, args.resume, args.overwrite)
     policy.check_model_path(args.model)
     policy.check_attention(args.model, args.attn_implementation)
@@ -327,7 +323,7 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     eval_rows = (rollout.load_rows_within(args.eval_data, tokenizer, prompt_limit(args), verbose=rank == 0,
                                           tools=args.tools, **counting) if args.eval_data else [])
     if 0 < len(eval_rows) < world:  # a rank without eval rows would leave the others' collectives hanging
-        raise SystemExit(f"{args.eval_data}: {len(eval_rows)} eval rows for {world} ranks; need at least one each")
+        raise ValueError(f"{args.eval_data}: {len(eval_rows)} eval rows for {world} ranks; need at least one each")
     if score_fn is rewards.score_batch:  # a caller's own score function decides which sources it knows
         rewards.check_sources(rows, args.data)
         rewards.check_sources(eval_rows, args.eval_data)
@@ -380,157 +376,128 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
             print(f"resumed from {checkpoint} at step {step}")
     log = runlog.start(args.output_dir, rank, dataclasses.asdict(args), args.wandb_project,
                        resume_step=step if args.resume else None)
-    return Run(args, rank, world, model, ref_model, optimizer, scheduler, engine, tokenizer, sampling, limits, rows,
-               eval_rows, score_fn, log, step, data_pos, state.get("best", {}), state.get("evals", []), judge)
+    return Run(args=args, rank=rank, world=world, model=model, ref_model=ref_model, optimizer=optimizer,
+               scheduler=scheduler, engine=engine, tokenizer=tokenizer, sampling=sampling, limits=limits, rows=rows,
+               eval_rows=eval_rows, score_fn=score_fn, log=log, step=step, data_pos=data_pos,
+               best=state.get("best", {}), evals=state.get("evals", []), judge=judge)
 
 
 def train_step(run: Run) -> dict:
-    args, metrics, seconds = run.args, {}, {}
+    """One GRPO step, phase by phase; each phase is the function of that name right below, in this order."""
+    seconds = {}
+    # 1-5. Prompts -> rollouts -> rewards, then the non-finite and dynamic-sampling filters.
+    samples, batch, metrics = collect_batch(run, seconds)
+    # 6. Advantages over the global batch (DAPO's truncation mask takes samples out of the loss after them).
+    batch, advantage_metrics = assign_advantages(run, samples, batch)
+    # 7. Old and reference logprobs (no grad) where the loss needs them.
+    with runlog.timed(seconds, "old_ref_logprobs"):
+        old_logprobs, ref_logprobs = old_and_ref_logprobs(run, batch)
+    # 8. Minibatch updates: per micro-batch packed forward -> policy loss (+ KL) -> backward; then clip -> step.
+    with runlog.timed(seconds, "update"):
+        update_metrics = update_epochs(run, batch, old_logprobs, ref_logprobs)
+    # 9. Throughput, timings and sample records.
+    return metrics | advantage_metrics | update_metrics | step_metrics(run, samples, seconds)
+
+
+def collect_batch(run: Run, seconds: dict) -> tuple[list[rollout.Sample], list[rollout.Sample], dict]:
+    """Phases 1-5: every sample of the step (scored, each with its shaped reward), the batch it trains on, and their
+    metrics. With --dynamic-sampling (DAPO) the phases run again on fresh prompts until every rank holds its share of
+    groups whose rewards differ, at most --max-sampling-tries times (the condition is the same on all ranks)."""
+    args = run.args
     per_rank = args.prompts_per_step // run.world
-    samples, batch, tries = [], [], 0  # all samples of the step, those it trains on, rounds of prompts taken
-    nonfinite_dropped = 0  # with --nonfinite-rewards drop, over every rank and round
+    samples, batch, tries, nonfinite_dropped, metrics = [], [], 0, 0, {}
     if run.judge is not None:
         run.judge.stats(reset=True)  # the step's judge metrics start here
-    # Steps 1-5 run once; with --dynamic-sampling (DAPO) they run again on fresh prompts until every rank holds its
-    # share of groups whose rewards differ, at most --max-sampling-tries times (the condition is the same on all ranks).
     while tries == 0 or (args.dynamic_sampling and tries < args.max_sampling_tries
-                         and policy.sum_over_ranks(len({s.group for s in batch}) < per_rank) > 0):
-        # 1. This rank's prompts (a seeded shuffle per epoch, so resuming replays the same order).
-        rows = data_prep.in_epoch_order(run.rows, run.data_pos + run.rank * per_rank, per_rank, args.seed)
-        run.data_pos += args.prompts_per_step
-        first_group = tries * args.prompts_per_step + run.rank * per_rank  # group ids unique over ranks and rounds
+                         and collectives.any_rank(len({s.group for s in batch}) < per_rank)):
+        new, rollout_metrics = sample_prompts(run, tries, seconds)
         tries += 1
-
-        # 2-4. Rollouts: wake the engine, give it the current weights, generate, put it back to sleep.
-        with runlog.timed(seconds, "wake_and_sync"):  # a level-2 sleep drops the engine's weights: each wake needs them
-            run.engine.wake_up()
-            run.engine.load_weights(policy.iter_full_weights(run.model))
-        with runlog.timed(seconds, "rollout"):
-            new, rollout_metrics = rollouts(args)(
-                run.engine, run.tokenizer, rows, args.group_size, run.sampling, args.tools, run.limits,
-                first_group=first_group, check=args.check_tito, eot=args.end_of_turn)
-            run.engine.sleep()
-
-        # 5. Rewards, in parallel in the sandbox (plus DAPO's overlong punishment, in shaped_rewards), and from the
-        # LLM judge, which sees the rollout's tool images and messages. A sample the judge could not grade (NaN)
-        # leaves the batch: its group's advantages come from the samples that have a reward.
         with runlog.timed(seconds, "reward"):
-            judged = {"sample_infos": [s.info for s in new]} if run.judge is not None else {}
-            for s, r in zip(new, run.score_fn([s.row for s in new], [s.text for s in new], **judged)):
-                s.reward, s.info = r.score, s.info | r.info  # the rollout's info (multi-turn messages) stays
-        offenders = [(data_prep.row_id(s.row), s.reward) for s in new
-                     if not math.isfinite(s.reward) and not rewards.judge_failed(s.info)]
-        if args.nonfinite_rewards == "stop":  # every rank gets every offender: all stop together
-            rewards.refuse_nonfinite(policy.gather_objects(offenders), run.step + 1)
-        else:
-            nonfinite_dropped += policy.sum_over_ranks(len(offenders))
+            score(run, new)
+        nonfinite_dropped += refuse_or_count_nonfinite(run, new)
         samples += new
         if run.judge is not None:  # stops the run past --judge-max-failure-rate, before any update
             metrics |= judge_metrics(run, samples)
-        new = [s for s in new if math.isfinite(s.reward)]
-        keep = (losses.nonconstant_groups(torch.tensor(shaped_rewards(args, new)), torch.tensor([s.group for s in new]))
-                if args.dynamic_sampling else [True] * len(new))
-        batch += [s for s, k in zip(new, keep) if k]
-    # The last round's rollout metrics; the rewards of every round's samples.
-    tool_metrics = {k: v for k, v in rollout_metrics.items()
-                    if k.startswith(("tools/", "swe/", "agents/"))}  # ranks averaged
-    metrics |= rollout_metrics | policy.mean_dicts_over_ranks(tool_metrics) | getattr(run.engine, "last_metrics", {})
-    sources, scores, errors, lengths = zip(*policy.gather_objects(  # no score (judge failures, dropped): left out
-        [(s.row["data_source"], s.reward, s.info.get("error"), len(s.completion_ids)) for s in samples
-         if math.isfinite(s.reward)]))
-    metrics |= rewards.batch_metrics(sources, scores, errors, lengths)
+        new = [s for s in new if math.isfinite(s.reward)]  # no reward (judge failures, dropped): not trained on
+        if args.dynamic_sampling:
+            keep = losses.nonconstant_groups(torch.tensor([s.shaped_reward for s in new]),
+                                             torch.tensor([s.group for s in new]))
+            new = [s for s, k in zip(new, keep) if k]
+        batch += new
+    metrics |= reward_metrics(run, samples, rollout_metrics)  # the last round's rollout metrics, every round's rewards
     if args.nonfinite_rewards == "drop":
         metrics["critic/score/nonfinite_dropped"] = float(nonfinite_dropped)
-    if args.tools == "swe":
-        metrics |= swe_grading.swe_metrics(policy.gather_objects([s.info for s in samples]))
     if args.dynamic_sampling:  # each rank trains on its share of groups (a rank may have fewer after the last try)
-        metrics["batch/kept_frac"] = policy.sum_over_ranks(len(batch)) / policy.sum_over_ranks(len(samples))
+        metrics["batch/kept_frac"] = collectives.sum_over_ranks(len(batch)) / collectives.sum_over_ranks(len(samples))
         metrics["batch/sampling_tries"] = tries
         kept_groups = set(list(dict.fromkeys(s.group for s in batch))[:per_rank])
         batch = [s for s in batch if s.group in kept_groups]
+    return samples, batch, metrics
 
-    # 6. Advantages over the global batch (groups never straddle ranks; REINFORCE++ normalises globally). The segments
-    # of an external agent's session share its one result: the session counts once, with its first segment's reward.
-    units = [s.info.get("session") or f"{run.rank}:{k}" for k, s in enumerate(batch)]
-    everyone = policy.gather_objects([(r, s.group, u) for r, s, u in zip(shaped_rewards(args, batch), batch, units)])
-    unit_ids = {u: k for k, u in enumerate(dict.fromkeys(u for _, _, u in everyone))}
-    advantage = losses.unit_advantages(args.advantage, torch.tensor([r for r, _, _ in everyone]),
-                                       torch.tensor([g for _, g, _ in everyone], dtype=torch.long),
-                                       torch.tensor([unit_ids[u] for _, _, u in everyone]))
-    first = sum(policy.gather_objects([len(batch)])[: run.rank])  # ranks may hold different counts after refills
-    for s, a in zip(batch, advantage[first:]):
-        s.advantage = a.item()
-    if args.overlong_buffer:
-        penalty = sum(r - s.reward for r, s in zip(shaped_rewards(args, samples), samples) if not math.isnan(s.reward))
-        metrics["overlong/penalty_mean"] = policy.sum_over_ranks(penalty) / policy.sum_over_ranks(len(samples))
-    if args.mask_truncated:  # DAPO overlong filtering: in the advantages above, out of the loss below
-        truncated = [s.finish_reason in ("length", "max_total_tokens") for s in batch]
-        metrics["overlong/masked_frac"] = (policy.sum_over_ranks(sum(truncated))
-                                           / max(policy.sum_over_ranks(len(batch)), 1))
-        batch = [s for s, cut in zip(batch, truncated) if not cut]
 
-    # 7. Old and reference logprobs (no grad) where the loss needs them: [B, T] over the batch's completions.
-    with runlog.timed(seconds, "old_ref_logprobs"):
-        old_logprobs = ref_logprobs = None
-        if args.minibatches * args.epochs_per_step > 1:
-            old_logprobs = policy.completion_logprobs_no_grad(run.model, batch, args.micro_batch_tokens,
-                                                              args.temperature, args.logprob_chunk_size)
-        if run.ref_model is not None:
-            ref_logprobs = policy.completion_logprobs_no_grad(run.ref_model, batch, args.micro_batch_tokens,
-                                                              args.temperature, args.logprob_chunk_size)
+def sample_prompts(run: Run, tries: int, seconds: dict) -> tuple[list[rollout.Sample], dict]:
+    """Phases 1-4: this rank's next prompts (a seeded shuffle per epoch, so resuming replays the same order), the
+    engine woken with the current weights, `group_size` rollouts of each, the engine put back to sleep."""
+    args, per_rank = run.args, run.args.prompts_per_step // run.world
+    rows = data_prep.in_epoch_order(run.rows, run.data_pos + run.rank * per_rank, per_rank, args.seed)
+    run.data_pos += args.prompts_per_step
+    first_group = tries * args.prompts_per_step + run.rank * per_rank  # group ids unique over ranks and rounds
+    with runlog.timed(seconds, "wake_and_sync"):
+        wake_with_current_weights(run)
+    with runlog.timed(seconds, "rollout"):
+        samples, metrics = run_rollouts(run, rows, args.group_size, run.sampling, first_group)
+        run.engine.sleep()
+    return samples, metrics
 
-    # 8. Minibatch updates: per micro-batch packed forward -> policy loss (+ KL) -> backward; then clip -> step.
-    with runlog.timed(seconds, "update"):
-        update_metrics = defaultdict(list)
-        for _ in range(args.epochs_per_step):
-            for minibatch in range(args.minibatches):
-                for k, v in update_policy(run, batch, minibatch, old_logprobs, ref_logprobs).items():
-                    update_metrics[k].append(v)
-        run.scheduler.step()
-    metrics |= {k: sum(v) / len(v) for k, v in update_metrics.items()}
 
-    # 9. Metrics and sample completions.
-    metrics |= {f"timing_s/{k}": v for k, v in seconds.items()}
-    metrics["perf/tokens_per_s"] = policy.sum_over_ranks(sum(len(s.ids) for s in samples)) / sum(seconds.values())
-    metrics["actor/lr"] = run.scheduler.get_last_lr()[0]
-    if args.sample_every and (run.step + 1) % args.sample_every == 0:  # every sample of the step, trained on or not
-        run.log.samples(policy.gather_objects([runlog.sample_record(run.step + 1, s) for s in samples]))
+def score(run: Run, samples: list[rollout.Sample]) -> None:
+    """Phase 5: each sample's reward, in parallel in the sandbox or from the LLM judge (which sees the rollout's tool
+    images and messages), and its shaped reward (DAPO's overlong punishment with --overlong-buffer). A sample the
+    judge could not grade gets NaN: it leaves the batch, and its group's advantages come from the others."""
+    judged = {"sample_infos": [s.info for s in samples]} if run.judge is not None else {}
+    for s, r in zip(samples, run.score_fn([s.row for s in samples], [s.text for s in samples], **judged)):
+        s.reward, s.info = r.score, s.info | r.info  # the rollout's info (multi-turn messages) stays
+    penalty = [0.0] * len(samples)
+    if run.args.overlong_buffer:
+        penalty = losses.overlong_penalty(torch.tensor([len(s.completion_ids) for s in samples]),
+                                          run.args.max_new_tokens, run.args.overlong_buffer,
+                                          run.args.overlong_penalty).tolist()
+    for s, p in zip(samples, penalty):
+        s.shaped_reward = s.reward + p
+
+
+def refuse_or_count_nonfinite(run: Run, samples: list[rollout.Sample]) -> int:
+    """A NaN or infinite reward the judge does not account for is a reward-function bug: with --nonfinite-rewards
+    stop, every rank stops naming every offender; with drop, their number over all ranks."""
+    offenders = [(data_prep.row_id(s.row), s.reward) for s in samples
+                 if not math.isfinite(s.reward) and not rewards.judge_failed(s.info)]
+    if run.args.nonfinite_rewards == "stop":
+        rewards.refuse_nonfinite(collectives.gather_objects(offenders), run.step + 1)
+        return 0
+    return int(collectives.sum_over_ranks(len(offenders)))
+
+
+def reward_metrics(run: Run, samples: list[rollout.Sample], rollout_metrics: dict) -> dict:
+    """Rollout metrics (tool, SWE and agent families averaged over ranks); rewards by data source, error kinds and
+    lengths of the samples that have a reward; with --tools swe the verdict counts."""
+    tool_metrics = {k: v for k, v in rollout_metrics.items() if k.startswith(("tools/", "swe/", "agents/"))}
+    metrics = (rollout_metrics | collectives.mean_dicts_over_ranks(tool_metrics)
+               | getattr(run.engine, "last_metrics", {}))
+    sources, scores, errors, lengths = zip(*collectives.gather_objects(
+        [(s.row["data_source"], s.reward, s.info.get("error"), len(s.completion_ids)) for s in samples
+         if math.isfinite(s.reward)]))
+    metrics |= rewards.batch_metrics(sources, scores, errors, lengths)
+    if run.args.tools == "swe":
+        metrics |= swe_grading.swe_metrics(collectives.gather_objects([s.info for s in samples]))
     return metrics
-
-
-def image_counting(model: str) -> dict:
-    """The rollout's count_image for a vision-language model: the tokens an image expands to by the model's own
-    image processor, as the engines and the trainer expand it; {} for a text model (the rollout's default)."""
-    count = vision.image_counter(model)
-    return {"count_image": count} if count else {}
-
-
-def rollouts(args: Args, evaluation: bool = False):
-    """rollout.collect (images counted as the model expands them), or with --agent-cmd rollout.external_agents (the
-    same arguments after the command). An evaluation keeps failed agents' sessions: their result is graded like any
-    other."""
-    if args.agent_cmd is None:
-        return functools.partial(rollout.collect, **image_counting(args.model))
-    return functools.partial(rollout.external_agents, args.agent_cmd,
-                             keep_failed=args.agent_keep_failed or evaluation)
-
-
-def shaped_rewards(args: Args, samples: list[rollout.Sample]) -> list[float]:
-    """The rewards advantages are computed from: each sample's reward plus, with --overlong-buffer, DAPO's soft
-    overlong punishment of its length (losses.overlong_penalty)."""
-    if not args.overlong_buffer:
-        return [s.reward for s in samples]
-    penalty = losses.overlong_penalty(torch.tensor([len(s.completion_ids) for s in samples]), args.max_new_tokens,
-                                      args.overlong_buffer, args.overlong_penalty)
-    return [s.reward + p for s, p in zip(samples, penalty.tolist())]
 
 
 def judge_metrics(run: Run, samples: list[rollout.Sample]) -> dict:
     """The step's judge/* metrics so far over all ranks (judge.metrics, plus the samples left out because the judge
     failed) and the vl_agent reward components by data source. Collective. Past --judge-max-failure-rate of failed
     questions the run stops, naming the judge and its errors: a dead judge must not train the policy."""
-    stats = policy.gather_objects([run.judge.stats()])
-    graded = policy.gather_objects([(s.row["data_source"], {k: s.info.get(k) for k in ("acc_by", "acc", "format",
+    stats = collectives.gather_objects([run.judge.stats()])
+    graded = collectives.gather_objects([(s.row["data_source"], {k: s.info.get(k) for k in ("acc_by", "acc", "format",
                                                                                         "tool", "judge_error")})
                                     for s in samples])
     failed = [info["judge_error"] for _, info in graded if info["judge_error"]]
@@ -538,13 +505,67 @@ def judge_metrics(run: Run, samples: list[rollout.Sample]) -> dict:
     metrics |= {"judge/excluded_samples": float(len(failed)), "judge/excluded_frac": len(failed) / len(graded)}
     if metrics["judge/failure_rate"] > run.args.judge_max_failure_rate:
         kinds = sum((Counter(s["error_kinds"]) for s in stats), Counter())
-        raise SystemExit(
+        raise RuntimeError(
             f"judge {run.judge.base_url}: {metrics['judge/failure_rate']:.0%} of this step's "
             f"{metrics['judge/calls']:.0f} judge questions failed (> --judge-max-failure-rate "
             f"{run.args.judge_max_failure_rate:.0%}): {metrics['judge/errors']:.0f} errors {dict(kinds)}, "
             f"{metrics['judge/parse_failures']:.0f} unparsable replies; {len(failed)} samples without a reward, e.g. "
             f"{failed[0] if failed else '-'}. Stopped before training on them (step {run.step + 1}).")
     return metrics
+
+
+def assign_advantages(run: Run, samples: list[rollout.Sample],
+                      batch: list[rollout.Sample]) -> tuple[list[rollout.Sample], dict]:
+    """Phase 6: each sample's advantage from the shaped rewards of the global batch (groups never straddle ranks;
+    REINFORCE++ normalises over every rank). With --mask-truncated (DAPO overlong filtering) samples cut by a token
+    limit count in their group's advantages but leave the batch the loss sees. The segments of an external agent's
+    session share its one result: the session counts once, with its first segment's reward."""
+    args, metrics = run.args, {}
+    units = [s.info.get("session") or f"{run.rank}:{k}" for k, s in enumerate(batch)]
+    everyone = collectives.gather_objects([(s.shaped_reward, s.group, u) for s, u in zip(batch, units)])
+    unit_ids = {u: k for k, u in enumerate(dict.fromkeys(u for _, _, u in everyone))}
+    advantage = losses.unit_advantages(args.advantage, torch.tensor([r for r, _, _ in everyone]),
+                                       torch.tensor([g for _, g, _ in everyone], dtype=torch.long),
+                                       torch.tensor([unit_ids[u] for _, _, u in everyone]))
+    first = sum(collectives.gather_objects([len(batch)])[: run.rank])  # ranks may hold different counts
+    for s, a in zip(batch, advantage[first:]):
+        s.advantage = a.item()
+    if args.overlong_buffer:
+        penalty = sum(s.shaped_reward - s.reward for s in samples if not math.isnan(s.reward))
+        metrics["overlong/penalty_mean"] = (collectives.sum_over_ranks(penalty)
+                                            / collectives.sum_over_ranks(len(samples)))
+    if args.mask_truncated:
+        truncated = [s.finish_reason in ("length", "max_total_tokens") for s in batch]
+        metrics["overlong/masked_frac"] = (collectives.sum_over_ranks(sum(truncated))
+                                           / max(collectives.sum_over_ranks(len(batch)), 1))
+        batch = [s for s, cut in zip(batch, truncated) if not cut]
+    return batch, metrics
+
+
+def old_and_ref_logprobs(run: Run, batch: list[rollout.Sample]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Phase 7: [B, T] logprobs of the batch's completions under the policy before this step's updates (needed once
+    a batch gets more than one update) and under the reference model (with --kl-coef)."""
+    args, old_logprobs, ref_logprobs = run.args, None, None
+    if args.minibatches * args.epochs_per_step > 1:
+        old_logprobs = policy.completion_logprobs_no_grad(run.model, batch, args.micro_batch_tokens,
+                                                          args.temperature, args.logprob_chunk_size)
+    if run.ref_model is not None:
+        ref_logprobs = policy.completion_logprobs_no_grad(run.ref_model, batch, args.micro_batch_tokens,
+                                                          args.temperature, args.logprob_chunk_size)
+    return old_logprobs, ref_logprobs
+
+
+def update_epochs(run: Run, batch: list[rollout.Sample], old_logprobs: torch.Tensor | None,
+                  ref_logprobs: torch.Tensor | None) -> dict:
+    """Phase 8: --epochs-per-step passes of --minibatches optimizer steps (`update_policy`, right below), then the
+    learning-rate schedule's step; metrics averaged over the updates."""
+    update_metrics = defaultdict(list)
+    for _ in range(run.args.epochs_per_step):
+        for minibatch in range(run.args.minibatches):
+            for k, v in update_policy(run, batch, minibatch, old_logprobs, ref_logprobs).items():
+                update_metrics[k].append(v)
+    run.scheduler.step()
+    return {k: sum(v) / len(v) for k, v in update_metrics.items()}
 
 
 def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_logprobs: torch.Tensor | None,
@@ -556,8 +577,8 @@ def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_log
     index = policy.minibatch([s.group for s in batch], args.minibatches, minibatch)
     # Global normalisers make the sum of micro-batch losses on every rank equal the global-batch loss; FSDP
     # averages gradients over ranks, hence the factor `world`.
-    global_tokens = policy.sum_over_ranks(sum(sum(batch[i].loss_mask) for i in index))
-    global_seqs = policy.sum_over_ranks(len(index))
+    global_tokens = collectives.sum_over_ranks(sum(sum(batch[i].loss_mask) for i in index))
+    global_seqs = collectives.sum_over_ranks(len(index))
     if global_seqs == 0:  # no rank has a sample in this minibatch (dynamic sampling dropped them): no step
         return {}
     mask = policy.padded([s.loss_mask for s in batch])
@@ -595,7 +616,46 @@ def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_log
         for k, v in loss_stats.items():
             stats[f"actor/{k}"] += v * share
     grad_norm = policy.clip_grad_norm(run.model, args.max_grad_norm)
-    return policy.sum_dicts_over_ranks(stats) | policy.step_if_finite(run.optimizer, grad_norm, "actor")
+    return collectives.sum_dicts_over_ranks(stats) | policy.step_if_finite(run.optimizer, grad_norm, "actor")
+
+
+def step_metrics(run: Run, samples: list[rollout.Sample], seconds: dict) -> dict:
+    """Phase 9: seconds per phase, sample tokens per second over all ranks, the learning rate; every --sample-every
+    steps every sample of the step (trained on or not) goes to samples.jsonl."""
+    metrics = {f"timing_s/{k}": v for k, v in seconds.items()}
+    metrics["perf/tokens_per_s"] = (collectives.sum_over_ranks(sum(len(s.ids) for s in samples))
+                                    / sum(seconds.values()))
+    metrics["actor/lr"] = run.scheduler.get_last_lr()[0]
+    if run.args.sample_every and (run.step + 1) % run.args.sample_every == 0:
+        run.log.samples(collectives.gather_objects([runlog.sample_record(run.step + 1, s) for s in samples]))
+    return metrics
+
+
+def wake_with_current_weights(run: Run) -> None:
+    """A level-2 sleep drops the engine's weights: each wake loads the policy's current ones."""
+    run.engine.wake_up()
+    run.engine.load_weights(policy.iter_full_weights(run.model))
+
+
+def run_rollouts(run: Run, rows: list[dict], group_size: int, sampling: engines.Sampling, first_group: int,
+                 evaluation: bool = False) -> tuple[list[rollout.Sample], dict]:
+    """kiln's own rollout loops (rollout.collect; images counted as the model expands them), or with --agent-cmd one
+    external agent per trajectory (rollout.external_agents). An evaluation keeps failed agents' sessions: their
+    result is graded like any other."""
+    args = run.args
+    common = dict(first_group=first_group, check=args.check_tito, eot=args.end_of_turn)
+    if args.agent_cmd is None:
+        return rollout.collect(run.engine, run.tokenizer, rows, group_size, sampling, args.tools, run.limits,
+                               **common, **image_counting(args.model))
+    return rollout.external_agents(args.agent_cmd, run.engine, run.tokenizer, rows, group_size, sampling, args.tools,
+                                   run.limits, keep_failed=args.agent_keep_failed or evaluation, **common)
+
+
+def image_counting(model: str) -> dict:
+    """The rollout's count_image for a vision-language model: the tokens an image expands to by the model's own
+    image processor, as the engines and the trainer expand it; {} for a text model (the rollout's default)."""
+    count = vision.image_counter(model)
+    return {"count_image": count} if count else {}
 
 
 def evaluate(run: Run) -> dict:
@@ -604,47 +664,28 @@ def evaluate(run: Run) -> dict:
     when it is the best so far by --best-metric. Collective."""
     rows = run.eval_rows[run.rank :: run.world]
     greedy = dataclasses.replace(run.sampling, temperature=0.0)
-    run.engine.wake_up()
-    run.engine.load_weights(policy.iter_full_weights(run.model))
-    samples, _ = rollouts(run.args, evaluation=True)(
-        run.engine, run.tokenizer, rows, 1, greedy, run.args.tools, run.limits, first_group=run.rank * len(rows),
-        check=run.args.check_tito, eot=run.args.end_of_turn)
+    wake_with_current_weights(run)
+    samples, _ = run_rollouts(run, rows, 1, greedy, first_group=run.rank * len(rows), evaluation=True)
     run.engine.sleep()
     # An external agent's session can hold several segments, all with its one result: graded once.
     samples = [s for s in samples if s.info.get("segment", 0) == s.info.get("segments", 1) - 1]
     judged = {"sample_infos": [s.info for s in samples]} if run.judge is not None else {}
     results = run.score_fn([s.row for s in samples], [s.text for s in samples], **judged)
-    graded = policy.gather_objects([(data_prep.row_id(s.row), rewards.for_report(r)) for s, r in zip(samples, results)
+    graded = collectives.gather_objects([(data_prep.row_id(s.row), rewards.for_report(r)) for s, r in zip(samples, results)
                                     if not rewards.judge_failed(r.info)])
     # Samples the judge could not grade are left out of the report and counted, never counted as fails.
     ungraded = {"val-aux/judge_ungraded": len(run.eval_rows) - len(graded)} if run.judge is not None else {}
     if not graded:
         return ungraded
-    summary = rewards.report({data_prep.row_id(row): row for row in run.eval_rows}, [task for task, _ in graded],
+    summary = eval_report.report({data_prep.row_id(row): row for row in run.eval_rows}, [task for task, _ in graded],
                              [reward for _, reward in graded])
-    metrics = rewards.report_metrics(summary) | ungraded
+    metrics = eval_report.report_metrics(summary) | ungraded
     run.evals.append({"step": run.step} | summary)
-    keep_best(run, metrics)
+    run.best = keep_best(run.best, run.args.best_metric, metrics, run.step, run.model, run.args.model,
+                         run.args.output_dir)
     if run.rank == 0:
-        rewards.write_eval_report(run.args.output_dir, run.evals, run.best, run.args.eval_data)
+        eval_report.write_eval_report(run.args.output_dir, run.evals, run.best, run.args.eval_data)
     return metrics
-
-
-def keep_best(run: Run, metrics: dict) -> None:
-    """The policy in <output_dir>/best (best.json: step and metrics) when --best-metric beats every earlier
-    evaluation's (ties keep the earlier). Collective."""
-    name = run.args.best_metric
-    if not name:
-        return
-    if name not in metrics:
-        raise SystemExit(f"--best-metric {name}: this evaluation has no such metric (test pass rates exist only where "
-                         "rewards count tests; pass e.g. --best-metric val-core/all/pass@1, or '' to keep none); it "
-                         "has "
-                         + ", ".join(sorted(k for k in metrics if not k.startswith("val-aux/error/"))))
-    if not run.best or metrics[name] > run.best["value"]:
-        run.best = {"step": run.step, "metric": name, "value": metrics[name]}
-        save_best(run.model, run.args.model, Path(run.args.output_dir) / "best",
-                  {"step": run.step, "metrics": metrics})
 
 
 def save(run: Run) -> None:

@@ -25,64 +25,73 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 import chat
+import collectives
 import containers
 import data_prep
 import engines
+import eval_report
 import losses
 import policy
 import rewards
 import rollout
 import runlog
 import swe_grading
-from checkpoint import load_checkpoint, load_newest_checkpoint, save_best, save_checkpoint
+from checkpoint import check_best_metric, keep_best, load_checkpoint, load_newest_checkpoint, save_checkpoint
 
 
 @dataclass
 class Args:
-    model: str = "Qwen/Qwen2.5-3B-Instruct"
-    """actor (policy) to train: a Hugging Face folder or hub name"""
+    model: str = "runs/demo/sft/hf"
+    """policy to train: a Hugging Face folder or hub name (default: the SFT'd tiny model `make demo` builds)"""
     critic_model: str | None = None
     """critic initialisation (a value head is added to it); None = the actor's model"""
-    data: str = "data/apps_train.parquet"
-    """training rows (parquet / jsonl / HF dataset name) in kiln's row schema (`data_prep.py apps`)"""
-    eval_data: str | None = "data/apps_test.parquet"
-    """held-out rows, evaluated every `eval_every` steps; None = no evaluation"""
-    output_dir: str = "runs/ppo-apps"
-    """where metrics.jsonl, samples.jsonl, eval_report.*, best/ and checkpoints go"""
-    engine: Literal["hf", "vllm"] = "vllm"
+    data: str = "runs/demo/train.parquet"
+    """training rows (parquet / jsonl / HF dataset name) in kiln's row schema"""
+    eval_data: str | None = None
+    """held-out rows, evaluated greedily every `eval_every` steps"""
+    output_dir: str = "runs/ppo"
+    """where metrics.jsonl, samples.jsonl, eval_report.json/.md/.png, best/ and checkpoints/ go"""
+    engine: Literal["hf", "vllm"] = "hf"
     """rollout engine: colocated vLLM on GPUs, or generation with the policy itself (CPU, debugging)"""
     seed: int = 0
     """seed for data order, sampling and initialisation"""
 
-    prompts_per_step: int = 64
-    """prompts per step across all ranks (the PPO batch; must divide by the world size)"""
+    prompts_per_step: int = 8
+    """prompts per step across all ranks (must divide by the world size)"""
     group_size: int = 1
     """samples per prompt (1 = classic PPO; the critic is the baseline)"""
     epochs: int = 5
     """passes over the training rows, when total_steps is None"""
     total_steps: int | None = None
     """training steps; None = epochs * rows / prompts_per_step"""
-    max_prompt_tokens: int = 1024
+    max_prompt_tokens: int = 512
     """rows whose prompt is longer are skipped at load (and counted in the log)"""
-    max_new_tokens: int = 1024
+    max_new_tokens: int = 256
     """generation budget per sample"""
     temperature: float = 1.0
     """sampling temperature; the trainer scores tokens under the same temperature"""
+    top_p: float = 1.0
+    """nucleus sampling (keep 1.0: below it the samples and the engine logprobs that --tis-cap uses come from the
+    truncated distribution while the trainer scores the full one, a bias nothing corrects; see losses.py's TIS)"""
+    end_of_turn: str | None = None
+    """token that closes an assistant turn (default: found in the chat template, e.g. <|im_end|>, <|eot_id|>)"""
     tools: Literal["none", "python", "swe"] = "none"
     """multi-turn agent rollouts with these tools (python: a stateful sandboxed interpreter per trajectory; swe: bash,
     an editor and submit in a Docker container per trajectory, for swebench rows, graded on the container's diff)"""
     max_turns: int = 4
     """assistant turns per trajectory (tools on)"""
-    max_total_tokens: int = 4096
+    max_total_tokens: int = 2048
     """prompt + all turns and tool outputs per trajectory (tools on)"""
     max_tool_response_tokens: int = 512
     """longer tool outputs are cut and marked (tools on)"""
     max_agent_seconds: float = 1800.0
-    """wall clock per trajectory; checked before each turn's tools run (tools on; README's SWE budget table)"""
+    """wall clock per trajectory; checked before each turn's tools run (tools on; docs/swebench.md's budget table)"""
+    check_tito: bool = False
+    """compare every trajectory with the chat template's rendering of its messages; log the drifting fraction
+    (tools/tito_drift_frac) and the first drift of each step (tools on)"""
 
     gamma: float = 1.0
     """GAE discount"""
@@ -136,9 +145,9 @@ class Args:
     GPUs), flash_attention_2 when installed; plain sdpa masks the whole micro-batch, quadratic in its tokens"""
     compile_layers: bool = False
     """torch.compile each decoder layer of the trained models (GPUs: fuses norms, rotary and activations)"""
-    vllm_gpu_memory_utilization: float = 0.4
+    vllm_gpu_memory_utilization: float = 0.5
     """fraction of GPU memory vLLM may take while awake"""
-    vllm_max_model_len: int = 2048
+    vllm_max_model_len: int = 4096
     """vLLM context length"""
     vllm_tensor_parallel_size: int = 1
     """ranks per vLLM engine (consecutive ranks form a group)"""
@@ -147,8 +156,11 @@ class Args:
     """checkpoint every N steps (0 = only at the end)"""
     keep_checkpoints: int = 2
     """how many recent checkpoints to keep (of each model)"""
-    eval_every: int = 25
-    """evaluate every N steps, and at step 0 and the last step (0 = only those two)"""
+    eval_every: int = 0
+    """evaluate on eval_data every N steps (0 = only before and after training)"""
+    best_metric: str = "val-core/all/test_pass_rate"
+    """evaluation metric (higher is better) that picks the policy kept as a Hugging Face folder in <output_dir>/best
+    (e.g. val-core/all/pass@1, val-core/apps/interview/test_pass_rate); "" = keep none"""
     eval_temperature: float = 0.0
     """0 = greedy evaluation; > 0 samples eval_samples completions per problem"""
     eval_samples: int = 1
@@ -189,8 +201,8 @@ class Run:
     step: int = 0
     data_pos: int = 0
     kl_coef: float = 0.0
-    best: dict = field(default_factory=dict)  # {"step", "score": [pass@1, reward]} of the policy kept in best/
-    evals: list[dict] = field(default_factory=list)  # every eval's rewards.report summary and step, for the report
+    best: dict = field(default_factory=dict)  # {"step", "metric", "value"} of the policy kept in best/
+    evals: list[dict] = field(default_factory=list)  # every eval's eval_report.report summary and step, for the report
 
 
 @dataclass
@@ -203,6 +215,7 @@ class Experience:
     values: torch.Tensor  # V(state before each token), 0 off-mask
     advantages: torch.Tensor  # GAE (whitened with whiten_advantages); 0 off-mask
     returns: torch.Tensor  # GAE advantages + values, the critic's targets; 0 off-mask
+    kl_mean: float  # mean KL to the reference over every rank's policy tokens (0 without one): adaptive KL's input
 
 
 def main(args: Args, score_fn: rewards.ScoreFn = rewards.score_batch) -> Run | None:
@@ -236,22 +249,24 @@ def check_args(args: Args, world: int) -> None:
     minutes on GPUs)."""
     for name in ("prompts_per_step", "group_size", "max_new_tokens", "minibatches", "epochs_per_step", "eval_samples"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.total_steps is not None and args.total_steps < 0:
-        raise SystemExit(f"--total-steps must be >= 0, got {args.total_steps}")
+        raise ValueError(f"--total-steps must be >= 0, got {args.total_steps}")
     if args.temperature <= 0:
-        raise SystemExit(f"--temperature must be > 0 (the trainer scores tokens under it), got {args.temperature}")
+        raise ValueError(f"--temperature must be > 0 (the trainer scores tokens under it), got {args.temperature}")
     if args.prompts_per_step % world:
-        raise SystemExit(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world}")
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world}")
     if args.prompts_per_step // world < args.minibatches:  # a minibatch takes whole groups
-        raise SystemExit(f"--minibatches {args.minibatches} needs as many prompts per rank; --prompts-per-step "
+        raise ValueError(f"--minibatches {args.minibatches} needs as many prompts per rank; --prompts-per-step "
                          f"{args.prompts_per_step} over {world} ranks gives {args.prompts_per_step // world}")
     if args.kl_target is not None and args.kl_coef <= 0:
-        raise SystemExit("--kl-target needs a starting --kl-coef > 0")
+        raise ValueError("--kl-target needs a starting --kl-coef > 0")
+    check_best_metric(args.best_metric)
     runlog.check_output_dir(args.output_dir, args.resume, args.overwrite)
     policy.check_model_path(args.model)
     if args.critic_model:
         policy.check_model_path(args.critic_model, "--critic-model")
+    policy.check_attention(args.model, args.attn_implementation)
     engines.check_engine(args.engine)
 
 
@@ -265,7 +280,7 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     eval_rows = (rollout.load_rows_within(args.eval_data, tokenizer, args.max_prompt_tokens, verbose=rank == 0,
                                           tools=args.tools) if args.eval_data else [])
     if 0 < len(eval_rows) < world:  # a rank without eval rows would leave the others' collectives hanging
-        raise SystemExit(f"{args.eval_data}: {len(eval_rows)} eval rows for {world} ranks; need at least one each")
+        raise ValueError(f"{args.eval_data}: {len(eval_rows)} eval rows for {world} ranks; need at least one each")
     if score_fn is rewards.score_batch:  # a caller's own score function decides which sources it knows
         rewards.check_sources(rows, args.data)
         rewards.check_sources(eval_rows, args.eval_data)
@@ -296,9 +311,9 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
         engine = engines.HFEngine(model, pad_token_id=tokenizer.pad_token_id)
     optimizer = policy.adamw(model, args.lr, args.weight_decay)
     critic_optimizer = policy.adamw(value_model, args.critic_lr, args.weight_decay)
-    sampling = engines.Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+    sampling = engines.Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 stop_token_ids=policy.stop_token_ids(tokenizer, args.model,
-                                                                     chat.end_of_turn(tokenizer)))
+                                                                     chat.end_of_turn(tokenizer, args.end_of_turn)))
     limits = rollout.AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens,
                                  args.max_agent_seconds)
     if args.tools == "swe":  # containers of dead kiln processes go; this one's go when it ends, however it ends
@@ -318,69 +333,57 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
         print(f"resumed from {checkpoint} at step {state['step']}")
     log = runlog.start(args.output_dir, rank, dataclasses.asdict(args), args.wandb_project,
                        resume_step=state["step"] if args.resume else None)
-    return Run(args, rank, world, total_steps, model, value_model, ref_model, optimizer, critic_optimizer, engine,
-               tokenizer, sampling, limits, rows, eval_rows, score_fn, log, state["step"], state["data_pos"],
-               state["kl_coef"], state["best"], state["evals"])
+    return Run(args=args, rank=rank, world=world, total_steps=total_steps, model=model, value_model=value_model,
+               ref_model=ref_model, optimizer=optimizer, critic_optimizer=critic_optimizer, engine=engine,
+               tokenizer=tokenizer, sampling=sampling, limits=limits, rows=rows, eval_rows=eval_rows,
+               score_fn=score_fn, log=log, step=state["step"], data_pos=state["data_pos"], kl_coef=state["kl_coef"],
+               best=state["best"], evals=state["evals"])
 
 
 def train_step(run: Run) -> dict:
-    args, metrics, seconds = run.args, {}, {}
+    """One PPO step, phase by phase; each phase is the function of that name right below, in this order."""
+    seconds = {}
+    # 1-5. Prompts -> rollouts -> rewards (tool output between turns is outside the loss mask: no value, no loss).
+    samples, metrics = collect_samples(run, seconds)
+    # 6-7. Old/reference logprobs and values, token rewards, GAE, whitened advantages.
+    with runlog.timed(seconds, "experience"):
+        exp, experience_metrics = make_experience(run, samples)
+    # 8. Minibatch updates: the critic every step, the actor once the critic has warmed up; then adaptive KL.
+    with runlog.timed(seconds, "update"):
+        update_metrics = update_epochs(run, exp)
+    # 9. Throughput, timings and sample records.
+    return metrics | experience_metrics | update_metrics | step_metrics(run, samples, seconds)
 
-    # 1. This rank's prompts for the step (a seeded shuffle per epoch, so resuming replays the same order).
-    per_rank = args.prompts_per_step // run.world
+
+def collect_samples(run: Run, seconds: dict) -> tuple[list[rollout.Sample], dict]:
+    """Phases 1-5: this rank's prompts (a seeded shuffle per epoch, so resuming replays the same order), the engine
+    woken with the current weights (a level-2 sleep dropped them), `group_size` rollouts of each, the engine asleep
+    again, and every sample's reward from the sandbox; a non-finite reward stops every rank naming the task."""
+    args, per_rank = run.args, run.args.prompts_per_step // run.world
     rows = data_prep.in_epoch_order(run.rows, run.data_pos + run.rank * per_rank, per_rank, args.seed)
     run.data_pos += args.prompts_per_step
-
-    # 2-4. Rollouts: wake the engine, give it the current weights (a level-2 sleep dropped them), generate, sleep.
-    # Multi-turn: tool output between the turns is outside the loss mask, so it gets no value, advantage or loss.
     with runlog.timed(seconds, "wake_and_sync"):
         run.engine.wake_up()
         run.engine.load_weights(policy.iter_full_weights(run.model))
     with runlog.timed(seconds, "rollout"):
         samples, rollout_metrics = rollout.collect(run.engine, run.tokenizer, rows, args.group_size, run.sampling,
-                                                   args.tools, run.limits, first_group=run.rank * len(rows))
+                                                   args.tools, run.limits, first_group=run.rank * len(rows),
+                                                   check=args.check_tito, eot=args.end_of_turn)
         run.engine.sleep()
-    tool_metrics = {k: v for k, v in rollout_metrics.items() if k.startswith(("tools/", "swe/"))}  # ranks averaged
-    metrics |= rollout_metrics | policy.mean_dicts_over_ranks(tool_metrics) | getattr(run.engine, "last_metrics", {})
-
-    # 5. Rewards, in parallel in the sandbox.
     with runlog.timed(seconds, "reward"):
         for s, r in zip(samples, run.score_fn([s.row for s in samples], [s.text for s in samples])):
             s.reward, s.info = r.score, s.info | r.info  # the rollout's info (multi-turn messages) stays
-    rewards.refuse_nonfinite(policy.gather_objects(  # every rank gets every offender: all stop together
+    rewards.refuse_nonfinite(collectives.gather_objects(  # every rank gets every offender: all stop together
         [(data_prep.row_id(s.row), s.reward) for s in samples if not math.isfinite(s.reward)]), run.step + 1)
-    sources, scores, errors, lengths = zip(*policy.gather_objects(
+    tool_metrics = {k: v for k, v in rollout_metrics.items() if k.startswith(("tools/", "swe/", "agents/"))}
+    metrics = (rollout_metrics | collectives.mean_dicts_over_ranks(tool_metrics)
+               | getattr(run.engine, "last_metrics", {}))
+    sources, scores, errors, lengths = zip(*collectives.gather_objects(
         [(s.row["data_source"], s.reward, s.info.get("error"), len(s.completion_ids)) for s in samples]))
     metrics |= rewards.batch_metrics(sources, scores, errors, lengths)
     if args.tools == "swe":
-        metrics |= swe_grading.swe_metrics(policy.gather_objects([s.info for s in samples]))
-
-    # 6-7. Old/reference logprobs and values, token rewards, GAE, whitened advantages.
-    with runlog.timed(seconds, "experience"):
-        exp, experience_metrics = make_experience(run, samples)
-    metrics |= experience_metrics
-
-    # 8. Minibatch updates: the critic every step, the actor once the critic has warmed up.
-    frozen = run.step < args.critic_warmup_steps
-    with runlog.timed(seconds, "update"):
-        update_metrics = defaultdict(list)
-        for _ in range(args.epochs_per_step):
-            for minibatch in range(args.minibatches):
-                stats = update_critic(run, exp, minibatch) | ({} if frozen else update_actor(run, exp, minibatch))
-                for k, v in stats.items():
-                    update_metrics[k].append(v)
-    metrics |= {k: sum(v) / len(v) for k, v in update_metrics.items()}
-    metrics |= {"actor/frozen": float(frozen), "actor/reward_kl_penalty_coeff": run.kl_coef}
-    if args.kl_target is not None:  # adaptive KL: nudge the coefficient toward the target, at most 20% per horizon
-        error = max(-0.2, min(0.2, metrics["actor/reward_kl_penalty"] / args.kl_target - 1))
-        run.kl_coef *= 1 + error * len(samples) * run.world / args.kl_horizon
-
-    # 9. Metrics and sample completions.
-    metrics |= {f"timing_s/{k}": v for k, v in seconds.items()}
-    metrics["perf/tokens_per_s"] = policy.sum_over_ranks(sum(len(s.ids) for s in samples)) / sum(seconds.values())
-    if args.sample_every and (run.step + 1) % args.sample_every == 0:
-        run.log.samples(policy.gather_objects([runlog.sample_record(run.step + 1, s) for s in samples]))
-    return metrics
+        metrics |= swe_grading.swe_metrics(collectives.gather_objects([s.info for s in samples]))
+    return samples, metrics
 
 
 def make_experience(run: Run, samples: list[rollout.Sample]) -> tuple[Experience, dict]:
@@ -399,21 +402,51 @@ def make_experience(run: Run, samples: list[rollout.Sample]) -> tuple[Experience
         kl = losses.kl_penalty(old, ref, args.kl_estimator) * mask
         token_rewards = token_rewards - run.kl_coef * kl
     advantages, returns = losses.gae(token_rewards, values, mask, args.gamma, args.lam)
-    adv_mean, adv_var = global_mean_var(advantages, mask)
+    adv_mean, adv_var = collectives.global_mean_var(advantages, mask)
     if args.whiten_advantages:
         advantages = torch.where(mask.bool(), (advantages - adv_mean) / math.sqrt(adv_var + 1e-8), 0)
-    returns_mean, returns_var = global_mean_var(returns, mask)
-    _, error_var = global_mean_var(returns - values, mask)
+    returns_mean, returns_var = collectives.global_mean_var(returns, mask)
+    _, error_var = collectives.global_mean_var(returns - values, mask)
     engine_logprobs = policy.padded([s.engine_logprobs for s in samples])
     metrics = {
-        "critic/values/mean": global_mean_var(values, mask)[0],
+        "critic/values/mean": collectives.global_mean_var(values, mask)[0],
         "critic/returns/mean": returns_mean,
         "critic/vf_explained_var": 1 - error_var / returns_var if returns_var > 0 else 0.0,
         "critic/advantages/mean": adv_mean, "critic/advantages/std": math.sqrt(adv_var),
-        "actor/reward_kl_penalty": global_mean_var(kl, mask)[0],
-        "mismatch/engine_abs": global_mean_var((old - engine_logprobs).abs(), mask)[0],
+        "actor/reward_kl_penalty": collectives.global_mean_var(kl, mask)[0],
+        "mismatch/engine_abs": collectives.global_mean_var((old - engine_logprobs).abs(), mask)[0],
     }
-    return Experience(samples, mask, old, values, advantages, returns), metrics
+    return Experience(samples, mask, old, values, advantages, returns, metrics["actor/reward_kl_penalty"]), metrics
+
+
+def update_epochs(run: Run, exp: Experience) -> dict:
+    """Phase 8: --epochs-per-step passes of --minibatches steps of the critic and, past --critic-warmup-steps, the
+    actor (`update_actor`, `update_critic`, right below); metrics averaged over them. Then adaptive KL (--kl-target)
+    nudges the coefficient toward the target, at most 20% per --kl-horizon samples."""
+    args, frozen = run.args, run.step < run.args.critic_warmup_steps
+    update_metrics = defaultdict(list)
+    for _ in range(args.epochs_per_step):
+        for minibatch in range(args.minibatches):
+            stats = update_critic(run, exp, minibatch) | ({} if frozen else update_actor(run, exp, minibatch))
+            for k, v in stats.items():
+                update_metrics[k].append(v)
+    metrics = {k: sum(v) / len(v) for k, v in update_metrics.items()}
+    metrics |= {"actor/frozen": float(frozen), "actor/reward_kl_penalty_coeff": run.kl_coef}
+    if args.kl_target is not None:
+        error = max(-0.2, min(0.2, exp.kl_mean / args.kl_target - 1))
+        run.kl_coef *= 1 + error * len(exp.samples) * run.world / args.kl_horizon
+    return metrics
+
+
+def step_metrics(run: Run, samples: list[rollout.Sample], seconds: dict) -> dict:
+    """Phase 9: seconds per phase, sample tokens per second over all ranks; every --sample-every steps every sample
+    of the step goes to samples.jsonl."""
+    metrics = {f"timing_s/{k}": v for k, v in seconds.items()}
+    metrics["perf/tokens_per_s"] = (collectives.sum_over_ranks(sum(len(s.ids) for s in samples))
+                                    / sum(seconds.values()))
+    if run.args.sample_every and (run.step + 1) % run.args.sample_every == 0:
+        run.log.samples(collectives.gather_objects([runlog.sample_record(run.step + 1, s) for s in samples]))
+    return metrics
 
 
 def update_actor(run: Run, exp: Experience, minibatch: int) -> dict:
@@ -438,7 +471,7 @@ def update_actor(run: Run, exp: Experience, minibatch: int) -> dict:
         for k in ("ppo_kl", "pg_clipfrac", "pg_clipfrac_low", "pg_clipfrac_high", "ratio_mean"):
             stats[f"actor/{k}"] += loss_stats[k] * share
     grad_norm = policy.clip_grad_norm(run.model, args.max_grad_norm)
-    return policy.sum_dicts_over_ranks(stats) | policy.step_if_finite(run.optimizer, grad_norm, "actor")
+    return collectives.sum_dicts_over_ranks(stats) | policy.step_if_finite(run.optimizer, grad_norm, "actor")
 
 
 def update_critic(run: Run, exp: Experience, minibatch: int) -> dict:
@@ -456,27 +489,16 @@ def update_critic(run: Run, exp: Experience, minibatch: int) -> dict:
         stats["critic/vf_loss"] += loss.item() / run.world
         stats["critic/vf_clipfrac"] += clip_frac * mask.sum().item() / global_tokens
     grad_norm = policy.clip_grad_norm(run.value_model, args.max_grad_norm)
-    return policy.sum_dicts_over_ranks(stats) | policy.step_if_finite(run.critic_optimizer, grad_norm, "critic")
+    return collectives.sum_dicts_over_ranks(stats) | policy.step_if_finite(run.critic_optimizer, grad_norm, "critic")
 
 
 def minibatch_plan(run: Run, exp: Experience, minibatch: int) -> tuple[list[list[int]], float]:
     """The micro-batches of this rank's share of one minibatch (same count on every rank: FSDP collectives must stay
     in step) and the global count of policy tokens, so that micro-batch token means add up to the batch's."""
     index = policy.minibatch([s.group for s in exp.samples], run.args.minibatches, minibatch)
-    global_tokens = max(1.0, policy.sum_over_ranks(exp.mask[index].sum().item()))
+    global_tokens = max(1.0, collectives.sum_over_ranks(exp.mask[index].sum().item()))
     # The actor's planning for both models: they share the attention, so a shared prompt counts once for either.
     return policy.completion_micro_batches(run.model, exp.samples, index, run.args.micro_batch_tokens), global_tokens
-
-
-def global_mean_var(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
-    """Mean and unbiased variance of x's masked-in entries over every rank's batch."""
-    on = mask.bool()
-    moments = torch.stack([on.sum().double(), torch.where(on, x, 0).double().sum()])
-    dist.all_reduce(moments)
-    mean = (moments[1] / moments[0].clamp(min=1)).item()
-    square = torch.where(on, x.double() - mean, 0).pow(2).sum()
-    dist.all_reduce(square)
-    return mean, (square / (moments[0] - 1).clamp(min=1)).item()
 
 
 def evaluate(run: Run) -> dict:
@@ -488,20 +510,19 @@ def evaluate(run: Run) -> dict:
     run.engine.wake_up()
     run.engine.load_weights(policy.iter_full_weights(run.model))
     samples, _ = rollout.collect(run.engine, run.tokenizer, rows, args.eval_samples, sampling, args.tools,
-                                 run.limits, first_group=run.rank * len(rows))
+                                 run.limits, first_group=run.rank * len(rows), check=args.check_tito,
+                                 eot=args.end_of_turn)
     run.engine.sleep()
     results = run.score_fn([s.row for s in samples], [s.text for s in samples])
-    graded = policy.gather_objects([(data_prep.row_id(s.row), rewards.for_report(r)) for s, r in zip(samples, results)])
-    summary = rewards.report({data_prep.row_id(row): row for row in run.eval_rows}, [task for task, _ in graded],
+    graded = collectives.gather_objects([(data_prep.row_id(s.row), rewards.for_report(r))
+                                         for s, r in zip(samples, results)])
+    summary = eval_report.report({data_prep.row_id(row): row for row in run.eval_rows}, [task for task, _ in graded],
                              [reward for _, reward in graded])
-    metrics = rewards.report_metrics(summary)
-    score = [metrics["val-core/all/pass@1"], metrics["val-core/all/reward/mean"]]
-    if not run.best or score > run.best["score"]:
-        run.best = {"step": run.step, "score": score}
-        save_best(run.model, args.model, Path(args.output_dir) / "best", {"step": run.step, "metrics": metrics})
+    metrics = eval_report.report_metrics(summary)
     run.evals.append({"step": run.step} | summary)
+    run.best = keep_best(run.best, args.best_metric, metrics, run.step, run.model, args.model, args.output_dir)
     if run.rank == 0:
-        rewards.write_eval_report(args.output_dir, run.evals, run.best, args.eval_data)
+        eval_report.write_eval_report(args.output_dir, run.evals, run.best, args.eval_data)
     return metrics
 
 

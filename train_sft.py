@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 import chat
+import collectives
 import data_prep
 import losses
 import policy
@@ -78,11 +79,11 @@ def conversation(row: dict, where: str) -> list[dict]:
     if "messages" in row:
         return checked_messages(row["messages"], where)
     if "conversations" in row:
-        raise SystemExit(f"{where}: `conversations` looks like ShareGPT; write it as `messages` with "
+        raise ValueError(f"{where}: `conversations` looks like ShareGPT; write it as `messages` with "
                          f"{{'role', 'content'}} ({', '.join(f'{a} -> {b}' for a, b in SHAREGPT_ROLES.items())})")
     solution = row.get("extra_info", {}).get("solution")
     if solution is None:
-        raise SystemExit(f"{where}: neither `messages` nor `extra_info.solution` to train on")
+        raise ValueError(f"{where}: neither `messages` nor `extra_info.solution` to train on")
     return list(row["prompt"]) + [{"role": "assistant", "content": f"```python\n{solution}\n```"}]
 
 
@@ -90,14 +91,14 @@ def checked_messages(messages, where: str) -> list[dict]:
     """The messages of a conversation, refused with the row and message named unless every role is one of
     data_prep.ROLES and an assistant message is there to train on."""
     if not isinstance(messages, list):
-        raise SystemExit(f"{where}: messages: expected a list, got {type(messages).__name__}")
+        raise ValueError(f"{where}: messages: expected a list, got {type(messages).__name__}")
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if role not in data_prep.ROLES:
             hint = f" (ShareGPT's {role!r} is {SHAREGPT_ROLES[role]!r})" if role in SHAREGPT_ROLES else ""
-            raise SystemExit(f"{where}: messages[{i}].role: expected one of {data_prep.ROLES}, got {role!r}{hint}")
+            raise ValueError(f"{where}: messages[{i}].role: expected one of {data_prep.ROLES}, got {role!r}{hint}")
     if not any(m["role"] == "assistant" for m in messages):
-        raise SystemExit(f"{where}: no assistant message to train on")
+        raise ValueError(f"{where}: no assistant message to train on")
     return list(messages)
 
 
@@ -113,7 +114,7 @@ def load_conversations(path: str) -> list[tuple[list[dict], list[bytes]]]:
         where, messages = f"{path} row {i}", conversation(row, f"{path} row {i}")
         images = [data_prep.image_bytes(image, Path(path).parent) for image in row.get("images") or []]
         if len(images) != data_prep.count_image_parts(messages):
-            raise SystemExit(f"{where}: images: {len(images)} images but the messages have "
+            raise ValueError(f"{where}: images: {len(images)} images but the messages have "
                              f"{data_prep.count_image_parts(messages)} image parts")
         out.append((messages, images))
     return out
@@ -127,7 +128,7 @@ def encode(tokenizer, conversations: list[tuple[list[dict], list[bytes]]],
     encoded = [(*chat.encode_conversation(tokenizer, messages, eot), images) for messages, images in conversations]
     for i, (ids, _, images) in enumerate(encoded):
         if images and ids.count(pad) != len(images):
-            raise SystemExit(f"conversation {i}: {len(images)} images but the chat template renders "
+            raise ValueError(f"conversation {i}: {len(images)} images but the chat template renders "
                              f"{ids.count(pad)} image placeholders")
     return encoded
 
@@ -135,9 +136,9 @@ def encode(tokenizer, conversations: list[tuple[list[dict], list[bytes]]],
 def main(args: Args) -> dict:
     rank, world, device = policy.init_distributed()
     if args.batch_size < 1 or args.batch_size % world:
-        raise SystemExit(f"--batch-size {args.batch_size} must be > 0 and divide by the world size {world}")
+        raise ValueError(f"--batch-size {args.batch_size} must be > 0 and divide by the world size {world}")
     if args.steps < 0:
-        raise SystemExit(f"--steps must be >= 0, got {args.steps}")
+        raise ValueError(f"--steps must be >= 0, got {args.steps}")
     runlog.check_output_dir(args.output_dir, args.resume, args.overwrite)
     policy.check_model_path(args.model)
     torch.manual_seed(args.seed)
@@ -146,7 +147,7 @@ def main(args: Args) -> dict:
     encoded = encode(tokenizer, load_conversations(args.data), eot)
     untrained = [i for i, (_, mask, _) in enumerate(encoded) if not any(mask)]
     if untrained:  # a loss over zero tokens is NaN and trains nothing
-        raise SystemExit(f"{args.data}: {len(untrained)} conversations have no token to train on (first: row "
+        raise ValueError(f"{args.data}: {len(untrained)} conversations have no token to train on (first: row "
                          f"{untrained[0]}); the assistant turns must end with {eot!r}, or set --end-of-turn")
     model = policy.shard_model(policy.load_model(args.model, attn_implementation=args.attn_implementation).to(device),
                                mixed_precision=args.mixed_precision,
@@ -168,7 +169,7 @@ def main(args: Args) -> dict:
     while step < args.steps:
         # A seeded permutation per epoch: resuming at `step` replays exactly the same batches.
         picked = data_prep.in_epoch_order(encoded, step * args.batch_size + rank * per_rank, per_rank, args.seed)
-        tokens = policy.sum_over_ranks(sum(sum(mask) for _, mask, _ in picked))
+        tokens = collectives.sum_over_ranks(sum(sum(mask) for _, mask, _ in picked))
         micro_batches = [[picked[i] for i in micro] for micro in policy.pack(
             list(range(len(picked))), [ids for ids, _, _ in picked], args.micro_batch_tokens,
             image_tokens=image_tokens(model, picked))]
@@ -183,7 +184,7 @@ def main(args: Args) -> dict:
         stepped = policy.step_if_finite(optimizer, grad_norm, "train")
         scheduler.step()
         step += 1
-        metrics = {"step": step, "train/loss": policy.sum_over_ranks(loss_sum), **stepped,
+        metrics = {"step": step, "train/loss": collectives.sum_over_ranks(loss_sum), **stepped,
                    "train/lr": scheduler.get_last_lr()[0], "train/tokens": tokens}
         log.metrics(metrics)
         bar.update(1)

@@ -274,7 +274,7 @@ def build_instance(client, row: dict, cache: Path, rebuild: bool) -> dict:
 def main(args: Args) -> Path:
     unknown = sorted(set(args.instances) - set(RECIPES))
     if unknown:
-        raise SystemExit(f"unknown instances {unknown}; known: {sorted(RECIPES)}")
+        raise ValueError(f"unknown instances {unknown}; known: {sorted(RECIPES)}")
     client = containers.connect()
     cache = args.out / "cache"
     cache.mkdir(parents=True, exist_ok=True)
@@ -291,4 +291,7 @@ def main(args: Args) -> Path:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    print(main(tyro.cli(Args)))
+    try:
+        print(main(tyro.cli(Args)))
+    except (ValueError, RuntimeError) as e:  # unknown instances, no daemon, a failed build
+        sys.exit(f"error: {e}")

@@ -1,4 +1,4 @@
-"""`python rollout.py generate` on the tiny model and toy rows: single process and 2 ranks under torchrun give a file
+"""`python generate.py` on the tiny model and toy rows: single process and 2 ranks under torchrun give a file
 `rewards.py score` accepts, with n samples per row in row order; greedy samples are the engine's own greedy decoding,
 from a Hugging Face folder and from a kiln checkpoint alike; multi-turn rows go through the training agent loop; a
 failed run never leaves a half-written output."""
@@ -18,9 +18,9 @@ sys.path.insert(0, str(ROOT))
 import chat  # noqa: E402
 import data_prep  # noqa: E402
 import engines  # noqa: E402
+import generate  # noqa: E402
 import policy  # noqa: E402
 import rewards  # noqa: E402
-import rollout  # noqa: E402
 import tiny  # noqa: E402
 from checkpoint import save_checkpoint  # noqa: E402
 
@@ -44,9 +44,9 @@ def one_rank():
         dist.destroy_process_group()
 
 
-def args_for(root: Path, model, out: Path, **overrides) -> rollout.GenerateArgs:
+def args_for(root: Path, model, out: Path, **overrides) -> generate.GenerateArgs:
     settings = dict(model=str(model), data=str(root / "rows.parquet"), out=str(out), max_new_tokens=12, batch_size=2)
-    return rollout.GenerateArgs(**settings | overrides)
+    return generate.GenerateArgs(**settings | overrides)
 
 
 def read_lines(path: Path) -> list[dict]:
@@ -63,7 +63,7 @@ def greedy_texts(model, tokenizer, rows) -> list[str]:
 
 def test_samples_in_row_order_that_score_accepts(toy, tmp_path, one_rank):
     root, model, rows = toy
-    out = rollout.generate(args_for(root, model, tmp_path / "samples.jsonl", n_samples=3, temperature=1.0))
+    out = generate.generate(args_for(root, model, tmp_path / "samples.jsonl", n_samples=3, temperature=1.0))
     lines = read_lines(out)
     ids = [data_prep.row_id(r) for r in rows]
     assert [(line["task_id"], line["sample"]) for line in lines] == [(i, k) for i in ids for k in range(3)]
@@ -75,14 +75,14 @@ def test_samples_in_row_order_that_score_accepts(toy, tmp_path, one_rank):
     assert summary["tests"]["all"]["rated"] == 15  # every sample graded by the toy tests (or scored "no code")
 
     # Greedy: exactly what the engine decodes greedily from the same prompts.
-    greedy = rollout.generate(args_for(root, model, tmp_path / "greedy.jsonl"))
+    greedy = generate.generate(args_for(root, model, tmp_path / "greedy.jsonl"))
     tokenizer = policy.load_tokenizer(model)
     assert [line["completion"] for line in read_lines(greedy)] == greedy_texts(policy.load_model(model), tokenizer,
                                                                                rows)
-    with pytest.raises(SystemExit, match="greedy samples of a row are all the same"):
-        rollout.generate(args_for(root, model, tmp_path / "x.jsonl", n_samples=2))
-    with pytest.raises(SystemExit, match="its folder does not exist"):
-        rollout.generate(args_for(root, model, tmp_path / "missing" / "x.jsonl"))
+    with pytest.raises(ValueError, match="greedy samples of a row are all the same"):
+        generate.generate(args_for(root, model, tmp_path / "x.jsonl", n_samples=2))
+    with pytest.raises(ValueError, match="its folder does not exist"):
+        generate.generate(args_for(root, model, tmp_path / "missing" / "x.jsonl"))
 
 
 def test_a_kiln_checkpoint_generates_its_own_weights(toy, tmp_path, one_rank):
@@ -95,7 +95,7 @@ def test_a_kiln_checkpoint_generates_its_own_weights(toy, tmp_path, one_rank):
             p.add_(torch.randn_like(p) * 0.05)
     optimizer = torch.optim.AdamW(model.parameters())
     checkpoint = save_checkpoint(tmp_path / "run", 7, model, optimizer, {"step": 7}, hf_source_dir=model_dir)
-    out = rollout.generate(args_for(root, checkpoint, tmp_path / "samples.jsonl"))
+    out = generate.generate(args_for(root, checkpoint, tmp_path / "samples.jsonl"))
     tokenizer = policy.load_tokenizer(model_dir)
     moved = greedy_texts(model, tokenizer, rows)
     assert [line["completion"] for line in read_lines(out)] == moved
@@ -122,7 +122,7 @@ def test_multi_turn_rows_use_the_agent_loop(toy, tmp_path, one_rank):
     root, model, rows = toy
     tokenizer = policy.load_tokenizer(model)
     args = args_for(root, model, tmp_path / "samples.jsonl", tools="python", n_samples=2, temperature=1.0)
-    lines = rollout.generate_lines(ToolThenAnswer(tokenizer), tokenizer, rows[:3], args,
+    lines = generate.generate_lines(ToolThenAnswer(tokenizer), tokenizer, rows[:3], args,
                                    engines.Sampling(max_new_tokens=64, stop_token_ids=[tokenizer.eos_token_id]))
     assert len(lines) == 6 and all(line["turns"] == 2 and line["tool_calls"] == 1 for line in lines)
     assert all(line["tool_errors"] == 0 for line in lines)
@@ -146,7 +146,7 @@ def test_a_failed_run_leaves_the_previous_output_whole(toy, tmp_path, one_rank, 
 
     monkeypatch.setattr(engines.HFEngine, "generate", fail_on_second_round)
     with pytest.raises(RuntimeError, match="engine died"):
-        rollout.generate(args_for(root, model, out))
+        generate.generate(args_for(root, model, out))
     assert out.read_text() == '{"task_id": "toy/0", "completion": "old"}\n'
 
     def lines_then_crash():
@@ -177,7 +177,7 @@ def test_two_ranks_from_a_checkpoint_with_tools(toy, tmp_path):
             dist.destroy_process_group()
     out = tmp_path / "samples.jsonl"
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(ROOT / "rollout.py"), "generate", "--model", str(checkpoint), "--data",
+                          str(ROOT / "generate.py"), "--model", str(checkpoint), "--data",
                           str(root / "rows.parquet"), "--out", str(out), "--n-samples", "2", "--temperature", "1.0",
                           "--max-new-tokens", "12", "--batch-size", "2", "--tools", "python"],
                          capture_output=True, text=True, timeout=600,

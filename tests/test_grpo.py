@@ -190,7 +190,7 @@ def test_minibatches_take_whole_groups_and_an_empty_one_takes_no_step(tmp_path):
         stats = train_grpo.update_policy(run, batch, 1, None, None)
         assert stats["actor/grad_norm"] > 0 and math.isfinite(stats["actor/pg_loss"])
         assert not any(torch.equal(a, b) for a, b in zip(weights(), before))
-        with pytest.raises(SystemExit, match="--minibatches 9 needs as many prompts per rank"):
+        with pytest.raises(ValueError, match="--minibatches 9 needs as many prompts per rank"):
             train_grpo.setup(train_grpo.Args(model=str(model_dir), minibatches=9, prompts_per_step=8), None)
     finally:
         if created:
@@ -246,10 +246,10 @@ def test_best_policy_follows_the_chosen_metric(tmp_path):
 
         run, _ = run_with("val-core/all/pass@1", tmp_path / "by_pass_at_1")
         assert json.loads((tmp_path / "by_pass_at_1" / "best" / "best.json").read_text())["step"] == 0
-        with pytest.raises(SystemExit, match=r"--best-metric val-core/all/nope: this evaluation has no such metric "
+        with pytest.raises(ValueError, match=r"--best-metric val-core/all/nope: this evaluation has no such metric "
                                              ".*; it has val-aux/all/band/excellent"):
             run_with("val-core/all/nope", tmp_path / "nope")
-        with pytest.raises(SystemExit, match="must be an evaluation metric"):
+        with pytest.raises(ValueError, match="must be an evaluation metric"):
             run_with("reward/mean", tmp_path / "nope")
     finally:
         if created:

@@ -145,7 +145,7 @@ def test_gspo_defaults_and_refusals(task, tmp_path):
                             ({"dynamic_sampling": True, "advantage": "reinforce++"}, "reinforce\\+\\+-baseline"),
                             ({"overlong_buffer": 300, "max_new_tokens": 256}, "--overlong-buffer 300 must be in"),
                             ({"dynamic_sampling": True, "max_sampling_tries": 0}, "--max-sampling-tries")]:
-        with pytest.raises(SystemExit, match=message):
+        with pytest.raises(ValueError, match=message):
             train_grpo.setup(train_grpo.Args(model=str(tmp_path / "missing"), **kwargs), None)
 
 

@@ -168,9 +168,9 @@ def test_a_dead_or_wrong_judge_stops_before_any_work(tmp_path):
     data, samples = tmp_path / "rows.jsonl", tmp_path / "samples.jsonl"
     data_prep.write_rows([vl_row("What colour?", "red")], data)
     samples.write_text(json.dumps({"task_id": "vl_agent/0", "completion": "<answer>red</answer>"}) + "\n")
-    with pytest.raises(SystemExit, match="1 rows .*'vl_agent'.* scored with an LLM judge: pass --judge-url"):
+    with pytest.raises(ValueError, match="1 rows .*'vl_agent'.* scored with an LLM judge: pass --judge-url"):
         rewards.main(rewards.ScoreArgs(str(samples), data=str(data)))
-    with pytest.raises(SystemExit, match=f"judge server {dead}/models does not answer"):
+    with pytest.raises(judge_lib.JudgeUnreachable, match=f"judge server {dead}/models does not answer"):
         rewards.main(rewards.ScoreArgs(str(samples), data=str(data), judge_url=dead))
     with pytest.raises(ValueError, match="vl_agent/0: scored with an LLM judge, but none is configured"):
         rewards.score(vl_row("What colour?", "red"), "<answer>red</answer>")
@@ -433,7 +433,7 @@ def test_grpo_stops_on_a_failing_judge_naming_it(vl_task, tmp_path):
 
     root, model = vl_task
     with serve(make_handler("scripted", rubric_by_completion(fail={0, 1, 2, 3}))) as url:
-        with pytest.raises(SystemExit, match=rf"judge {url}: \d+% of this step's 8 judge questions failed "
+        with pytest.raises(RuntimeError, match=rf"judge {url}: \d+% of this step's 8 judge questions failed "
                                              r"\(> --judge-max-failure-rate 20%\): (\d+) errors \{'malformed': \1\}, "
                                              r"0 unparsable replies; \1 samples without a reward, e.g. tool: judge "
                                              rf"{url}: malformed: .*Stopped before training on them \(step 1\)"):
@@ -441,7 +441,7 @@ def test_grpo_stops_on_a_failing_judge_naming_it(vl_task, tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text()
     assert latest_checkpoint(tmp_path) is None
     dead = f"http://127.0.0.1:{free_port()}/v1"
-    with pytest.raises(SystemExit, match=f"judge server {dead}/models does not answer"):
+    with pytest.raises(judge_lib.JudgeUnreachable, match=f"judge server {dead}/models does not answer"):
         train_grpo.setup(grpo_args(root, model, tmp_path, dead), rewards.score_batch)
-    with pytest.raises(SystemExit, match="8 rows .* scored with an LLM judge: pass --judge-url"):
+    with pytest.raises(ValueError, match="8 rows .* scored with an LLM judge: pass --judge-url"):
         train_grpo.setup(grpo_args(root, model, tmp_path, None), rewards.score_batch)

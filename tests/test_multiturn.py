@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import chat  # noqa: E402
+import containers  # noqa: E402
 import data_prep  # noqa: E402
 import engines  # noqa: E402
 import policy  # noqa: E402
@@ -291,6 +292,26 @@ def test_tool_output_cannot_inject_a_turn(any_tokenizer):
     assert ids[:n] == sample.ids and mask[:n] == [0] * len(sample.prompt_ids) + sample.loss_mask
 
 
+def test_a_trajectory_whose_container_does_not_start_is_left_out_and_counted(tokenizer):
+    """The daemon refusing one container (after containers.py's retries) costs that trajectory, not the rollout: the
+    others run and train, and swe/start_failures counts the lost one."""
+    engine, made = ScriptedEngine(tokenizer, {"task-S": ["done"]}), []
+
+    def new_toolbox(row):
+        made.append(row)
+        if len(made) == 2:
+            raise containers.ContainerStartFailed("container of task-S: 500 Server Error (after 4 tries)")
+        return tools.ToolBox({}, [])
+
+    samples, metrics = rollout.multi_turn(engine, tokenizer, [{"prompt": [{"role": "user", "content": "task-S"}]}], 3,
+                                          engines.Sampling(max_new_tokens=10), new_toolbox)
+    assert len(made) == 3 and len(samples) == 2 and metrics["swe/start_failures"] == 1
+    assert all(s.finish_reason == "stop" and s.group == 0 for s in samples)
+    _, clean = rollout.multi_turn(engine, tokenizer, [{"prompt": [{"role": "user", "content": "task-S"}]}], 1,
+                                  engines.Sampling(max_new_tokens=10), lambda row: tools.ToolBox({}, []))
+    assert "swe/start_failures" not in clean
+
+
 def test_prompt_longer_than_max_total_tokens_is_refused_before_generating(tokenizer):
     engine = ScriptedEngine(tokenizer, {"task-Z": ["done"]})
     with pytest.raises(ValueError, match=r"rows\[0\]: the prompt is \d+ tokens .* max_total_tokens 8"):
@@ -307,7 +328,7 @@ def test_rows_are_measured_with_the_tool_signatures_they_will_be_shown(tokenizer
     shown = sorted(len(tokenizer(chat.render(tokenizer, r["prompt"], [tools.PYTHON_TOOL], True))["input_ids"])
                    for r in rows)
     assert len(rollout.load_rows_within(str(tmp_path / "rows.parquet"), tokenizer, max(plain))) == 20
-    with pytest.raises(SystemExit, match="no row has a prompt within --max-prompt-tokens"):
+    with pytest.raises(ValueError, match="no row has a prompt within --max-prompt-tokens"):
         rollout.load_rows_within(str(tmp_path / "rows.parquet"), tokenizer, max(plain), tools="python")
     limit = shown[9]
     kept = rollout.load_rows_within(str(tmp_path / "rows.parquet"), tokenizer, limit, tools="python")

@@ -245,7 +245,7 @@ def test_step_and_eval_by_difficulty_with_real_apps_rewards(apps, tmp_path):
     assert metrics["critic/vf_loss"] > 0 and metrics["critic/grad_norm"] > 0 and metrics["actor/grad_norm"] > 0
     assert metrics["critic/returns/mean"] > 0 and metrics["actor/frozen"] == 0
     evaluation = train_ppo.evaluate(t)
-    assert not undocumented(metrics | evaluation)  # README's metrics table lists every key
+    assert not undocumented(metrics | evaluation)  # docs/metrics.md lists every key
 
 
 class ToolThenAnswerEngine:

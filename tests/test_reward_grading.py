@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import data_prep  # noqa: E402
+import eval_report  # noqa: E402
 import rewards  # noqa: E402
 import sandbox  # noqa: E402
 
@@ -129,7 +130,7 @@ def test_pass_at_k_matches_the_definition():
     n, c = 5, 2
     for k in range(1, 6):
         draws = list(combinations([1] * c + [0] * (n - c), k))
-        assert rewards.pass_at_k(n, c, k) == pytest.approx(sum(any(d) for d in draws) / len(draws))
+        assert eval_report.pass_at_k(n, c, k) == pytest.approx(sum(any(d) for d in draws) / len(draws))
 
 
 def run_cli(tmp_path, lines: list[str]):

@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import data_prep  # noqa: E402
+import eval_report  # noqa: E402
 import rewards  # noqa: E402
 
 PROMPT = 'def inc(x: int) -> int:\n    """Add one."""\n'
@@ -93,10 +94,10 @@ def test_score_batch_keeps_order_across_sources():
 
 
 def test_pass_at_k_edges():
-    assert rewards.pass_at_k(10, 0, 5) == 0.0
-    assert rewards.pass_at_k(10, 10, 1) == 1.0
-    assert rewards.pass_at_k(10, 6, 5) == 1.0  # fewer than k failures: every draw of k has a pass
-    assert rewards.pass_at_k(4, 1, 1) == 0.25 and rewards.pass_at_k(4, 1, 2) == 0.5
+    assert eval_report.pass_at_k(10, 0, 5) == 0.0
+    assert eval_report.pass_at_k(10, 10, 1) == 1.0
+    assert eval_report.pass_at_k(10, 6, 5) == 1.0  # fewer than k failures: every draw of k has a pass
+    assert eval_report.pass_at_k(4, 1, 1) == 0.25 and eval_report.pass_at_k(4, 1, 2) == 0.5
 
 
 def cli(tmp_path, rows, lines, *extra):
@@ -156,7 +157,7 @@ def test_every_solution_of_the_five_apps_problems_scores_one():
 @pytest.mark.parametrize("rate, band", [(0.0, 0), (0.1999, 0), (0.2, 1), (1 / 3, 1), (2 / 5, 2), (0.5, 2), (3 / 5, 3),
                                         (0.7999, 3), (4 / 5, 4), (1.0, 4)])
 def test_band_edges_belong_to_the_band_above(rate, band):
-    assert rewards.band(rate) == band
+    assert eval_report.band(rate) == band
 
 
 def hand_made_report():
@@ -169,7 +170,7 @@ def hand_made_report():
                rewards.Reward(0.8, {"passed": 4, "total": 5}), rewards.Reward(0.6, {"passed": 3, "total": 5}),
                rewards.Reward(0.4, {"passed": 2, "total": 5}), rewards.Reward(0.0, {"passed": 0, "total": 1}),
                rewards.Reward(0.7, {})]
-    return rewards.report({data_prep.row_id(r): r for r in rows}, task_ids, results)
+    return eval_report.report({data_prep.row_id(r): r for r in rows}, task_ids, results)
 
 
 def test_test_pass_rate_means_and_bands_by_hand():
@@ -196,12 +197,12 @@ def test_test_pass_rate_means_and_bands_by_hand():
     assert summary["pass"]["all"] == {"tasks": 4, "pass@1": 0.125, "pass@2": 0.25}
     assert summary["pass"]["apps/introductory"] == {"tasks": 2, "pass@1": 0.25, "pass@2": 0.5}
 
-    metrics = rewards.report_metrics(summary)
+    metrics = eval_report.report_metrics(summary)
     assert metrics["val-core/all/test_pass_rate"] == pytest.approx(3 / 7)
     assert metrics["val-aux/apps/interview/band/good"] == 0.5 and metrics["val-aux/humaneval/band/very_poor"] == 1.0
     assert metrics["val-core/all/pass@1"] == 0.125 and metrics["val-aux/error/no_code"] == 1 / 8
 
-    lines = rewards.report_markdown(summary, "hand-made").splitlines()
+    lines = eval_report.report_markdown(summary, "hand-made").splitlines()
     assert lines[0] == "# hand-made"
     assert lines[2] == ("| group | tasks | pass@1 | pass@2 | samples | test pass rate | 0.0-0.2 very poor | "
                         "0.2-0.4 poor | 0.4-0.6 fair | 0.6-0.8 good | 0.8-1.0 excellent |")
@@ -214,9 +215,9 @@ def test_test_pass_rate_means_and_bands_by_hand():
 
 
 def test_test_pass_rate_comes_from_the_graded_tests():
-    assert rewards.test_pass_rate(rewards.score(ADD, fenced("print(3)"))) == pytest.approx(1 / 3)
-    assert rewards.test_pass_rate(rewards.score(ADD, "no program here")) == 0.0
-    assert rewards.test_pass_rate(rewards.Reward(0.5, {"judge": "ok"})) is None
+    assert eval_report.test_pass_rate(rewards.score(ADD, fenced("print(3)"))) == pytest.approx(1 / 3)
+    assert eval_report.test_pass_rate(rewards.score(ADD, "no program here")) == 0.0
+    assert eval_report.test_pass_rate(rewards.Reward(0.5, {"judge": "ok"})) is None
     assert rewards.for_report(rewards.score(ADD, fenced("print(3)"))).info == {
         "passed": 1, "total": 3, "error": "wrong_answer"}
 
@@ -224,7 +225,7 @@ def test_test_pass_rate_comes_from_the_graded_tests():
 def test_band_histogram_png_per_difficulty(tmp_path):
     from PIL import Image
 
-    png = rewards.plot_report(hand_made_report(), tmp_path / "report.png", "hand-made")
+    png = eval_report.plot_report(hand_made_report(), tmp_path / "report.png", "hand-made")
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and png.stat().st_size > 10_000
     with Image.open(png) as image:
         image.verify()
@@ -232,6 +233,6 @@ def test_band_histogram_png_per_difficulty(tmp_path):
         # panels: all, apps/introductory, apps/interview (difficulties win over data sources)
         assert image.size == (900, 360)
         assert len(image.convert("RGB").getcolors(maxcolors=1 << 16)) > 20  # bars, text: not a blank canvas
-    no_tests = rewards.report({"humaneval/0": HUMANEVAL}, ["humaneval/0"], [rewards.Reward(1.0, {})])
+    no_tests = eval_report.report({"humaneval/0": HUMANEVAL}, ["humaneval/0"], [rewards.Reward(1.0, {})])
     with pytest.raises(ValueError, match="no sample of this report is counted in tests"):
-        rewards.plot_report(no_tests, tmp_path / "none.png")
+        eval_report.plot_report(no_tests, tmp_path / "none.png")

@@ -1,7 +1,7 @@
 """Runs that never silently go wrong: every metrics line is JSON with a timestamp, an output dir holding an earlier run
 is refused, a resume cuts the logs back to its checkpoint and keeps its wandb run, an unreadable checkpoint is skipped
 and the newest one never pruned, a non-finite reward stops the run and a non-finite gradient skips the step, bad
-settings fail before anything loads with one line, and every metric is documented in the README."""
+settings fail before anything loads with one line, and every metric is documented in docs/metrics.md."""
 import importlib.util
 import inspect
 import json
@@ -75,10 +75,10 @@ def test_metrics_lines_are_json_and_a_resume_cuts_the_logs_back(tmp_path):
 def test_output_dir_policy(tmp_path):
     runlog.check_output_dir(str(tmp_path / "new"), resume=False, overwrite=False)
     (tmp_path / "file").write_text("x")
-    with pytest.raises(SystemExit, match="is a file"):
+    with pytest.raises(ValueError, match="is a file"):
         runlog.check_output_dir(str(tmp_path / "file"), resume=False, overwrite=False)
     (tmp_path / "old" / "checkpoints").mkdir(parents=True)
-    with pytest.raises(SystemExit, match=r"holds an earlier run \(checkpoints\): pass --resume .* --overwrite"):
+    with pytest.raises(ValueError, match=r"holds an earlier run \(checkpoints\): pass --resume .* --overwrite"):
         runlog.check_output_dir(str(tmp_path / "old"), resume=False, overwrite=False)
     runlog.check_output_dir(str(tmp_path / "old"), resume=True, overwrite=False)
     runlog.check_output_dir(str(tmp_path / "old"), resume=False, overwrite=True)
@@ -142,23 +142,23 @@ def test_settings_are_refused_before_anything_loads(toy, tmp_path, process_group
     if importlib.util.find_spec("vllm") is None:
         cases.append((dict(engine="vllm"), r"vllm is not installed .* on CPU pass --engine hf"))
     for overrides, message in cases:
-        with pytest.raises(SystemExit, match=message):
+        with pytest.raises(ValueError, match=message):
             train_grpo.setup(train_grpo.Args(**base | overrides), rewards.score_batch)
     train_grpo.check_args(train_grpo.Args(**base | dict(group_size=1, advantage="reinforce++")), 1)
     for overrides, message in [(dict(max_new_tokens=0), r"--max-new-tokens must be > 0"),
                                (dict(critic_model=str(tmp_path / "nope")), r"--critic-model .*nope: model folder"),
                                (dict(total_steps=-1), r"--total-steps must be >= 0")]:
-        with pytest.raises(SystemExit, match=message):
+        with pytest.raises(ValueError, match=message):
             train_ppo.check_args(train_ppo.Args(**base | dict(eval_data=None) | overrides), 1)
-    with pytest.raises(SystemExit, match=r"--model .*nope: model folder does not exist"):
+    with pytest.raises(ValueError, match=r"--model .*nope: model folder does not exist"):
         train_sft.main(train_sft.Args(model=str(tmp_path / "nope"), data=base["data"], output_dir=base["output_dir"]))
 
     # A data_source without a reward function is named when the rows load, not after the first rollout.
     rows = data_prep.load_rows(root / "train.parquet")
     data_prep.write_rows([r | {"data_source": "my_task"} for r in rows[:4]], tmp_path / "mine.parquet")
-    with pytest.raises(SystemExit, match=r"mine.parquet: no reward function for data_source 'my_task'; known: apps"):
+    with pytest.raises(ValueError, match=r"mine.parquet: no reward function for data_source 'my_task'; known: apps"):
         train_grpo.setup(train_grpo.Args(**base | dict(data=str(tmp_path / "mine.parquet"))), rewards.score_batch)
-    with pytest.raises(SystemExit, match=r"no reward function for data_source 'my_task'"):
+    with pytest.raises(ValueError, match=r"no reward function for data_source 'my_task'"):
         rewards.main(rewards.ScoreArgs(samples=str(tmp_path / "none.jsonl"), data=str(tmp_path / "mine.parquet")))
 
 
@@ -169,10 +169,10 @@ def test_score_out_is_checked_first_and_written_whole_after_the_report(toy, tmp_
     samples.write_text("".join(json.dumps({"task_id": data_prep.row_id(r), "completion": "```python\n"
                                            + r["extra_info"]["solution"] + "\n```"}) + "\n" for r in rows))
     for bad in (dict(workers=0), dict(timeout=0.0), dict(timeout=-1.0)):
-        with pytest.raises(SystemExit, match="--workers and --timeout must be > 0"):
+        with pytest.raises(ValueError, match="--workers and --timeout must be > 0"):
             rewards.main(rewards.ScoreArgs(samples=str(samples), data=str(root / "test.parquet"), **bad))
     for out, message in ((tmp_path, "is a directory"), (tmp_path / "nodir" / "x.jsonl", "does not exist")):
-        with pytest.raises(SystemExit, match=message):
+        with pytest.raises(ValueError, match=message):
             rewards.main(rewards.ScoreArgs(samples=str(samples), data=str(root / "test.parquet"), out=str(out)))
     assert "samples in" not in capsys.readouterr().out  # refused before grading
     out = tmp_path / "results.jsonl"
@@ -185,7 +185,7 @@ def test_score_out_is_checked_first_and_written_whole_after_the_report(toy, tmp_
 
 
 def readme_pattern(key: str) -> str:
-    """The README's spelling of a metric key: data sources, difficulties and error kinds are placeholders."""
+    """docs/metrics.md's spelling of a metric key: data sources, difficulties and error kinds are placeholders."""
     key = re.sub(r"^(critic/score)/(?!mean$|std$|max$|min$|pass_rate$|grader_errors$)(error/)?[^/]+(/mean)?$",
                  lambda m: f"{m.group(1)}/{'error/<kind>' if m.group(2) else '<source>/mean'}", key)
     key = re.sub(r"^val-aux/error/.+$", "val-aux/error/<kind>", key)
@@ -207,15 +207,15 @@ def test_readme_patterns():
 
 
 def undocumented(keys) -> set[str]:
-    readme = (ROOT / "README.md").read_text()
-    return {k for k in keys if f"`{readme_pattern(k)}`" not in readme}
+    table = (ROOT / "docs" / "metrics.md").read_text()
+    return {k for k in keys if f"`{readme_pattern(k)}`" not in table}
 
 
 @pytest.mark.slow
 def test_grpo_resume_after_an_unreadable_checkpoint(toy, tmp_path, monkeypatch, capsys):
     """A 4-step run with checkpoints at 2 and 4 whose step-4 checkpoint is then cut short: --resume warns, goes on
     from step 2, and leaves every step and sample recorded once, equal to the first run's; wandb keeps one run id.
-    A fresh run into the same dir is refused. Every metric the run logged is documented in the README."""
+    A fresh run into the same dir is refused. Every metric the run logged is documented in docs/metrics.md."""
     root, model = toy
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -231,7 +231,7 @@ def test_grpo_resume_after_an_unreadable_checkpoint(toy, tmp_path, monkeypatch, 
     assert not undocumented({k for record in first for k in record})
     (out / "checkpoints" / "step_00000004" / "trainer_state.json").write_text('{"step": 4,')
 
-    with pytest.raises(SystemExit, match="holds an earlier run"):
+    with pytest.raises(ValueError, match="holds an earlier run"):
         train_grpo.main(args)
     train_grpo.main(args.__class__(**vars(args) | {"resume": True}))
     assert "step_00000004 is unreadable (ValueError" in capsys.readouterr().out
@@ -265,7 +265,7 @@ def test_grpo_nan_reward_stops_and_nan_gradient_skips_the_step(toy, tmp_path, pr
 
     before = weights()
     task = data_prep.row_id(data_prep.in_epoch_order(run.rows, 0, 2, args.seed)[0])
-    with pytest.raises(SystemExit, match=rf"step 1: non-finite reward nan for task {task} \(1 sample"):
+    with pytest.raises(RuntimeError, match=rf"step 1: non-finite reward nan for task {task} \(1 sample"):
         train_grpo.train_step(run)
     assert all(torch.equal(a, b) for a, b in zip(weights(), before))
 
@@ -301,7 +301,7 @@ def test_sft_refuses_an_earlier_run_and_overwrite_starts_clean(toy, tmp_path):
     args = train_sft.Args(model=str(model), data=str(root / "train.parquet"), output_dir=str(tmp_path), steps=2,
                           batch_size=4, micro_batch_tokens=1024)
     train_sft.main(args)
-    with pytest.raises(SystemExit, match="holds an earlier run"):
+    with pytest.raises(ValueError, match="holds an earlier run"):
         train_sft.main(args)
     train_sft.main(args.__class__(**vars(args) | {"overwrite": True}))
     records = lines(tmp_path / "metrics.jsonl")

@@ -124,7 +124,7 @@ def test_sft_trains_on_a_gpu(model_dir, tmp_path):
 def test_conversations_it_cannot_train_on_are_refused(model_dir, tmp_path, rows, message):
     data = tmp_path / "conversations.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(ValueError, match=message):
         train_sft.main(train_sft.Args(model=str(model_dir), data=str(data), output_dir=str(tmp_path / "out")))
     assert not (tmp_path / "out").exists()
 
@@ -134,7 +134,7 @@ def test_zero_trainable_tokens_is_refused(model_dir, tmp_path):
     before the model loads, instead of a NaN loss and an unchanged model."""
     data = tmp_path / "conversations.jsonl"
     data.write_text(json.dumps({"messages": CONVERSATIONS[1]}) + "\n")
-    with pytest.raises(SystemExit, match=r"1 conversations have no token to train on \(first: row 0\)"):
+    with pytest.raises(ValueError, match=r"1 conversations have no token to train on \(first: row 0\)"):
         train_sft.main(train_sft.Args(model=str(model_dir), data=str(data), output_dir=str(tmp_path / "out"),
                                       end_of_turn="<|endoftext|>"))
 
@@ -206,5 +206,5 @@ def test_images_and_image_parts_must_agree(vlm_dir, tmp_path):
     rows[1]["images"] = rows[1]["images"][:1]
     data = tmp_path / "conversations.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(SystemExit, match=r"conversations.jsonl row 1: images: 1 images but the messages have 2 image"):
+    with pytest.raises(ValueError, match=r"conversations.jsonl row 1: images: 1 images but the messages have 2 image"):
         train_sft.main(train_sft.Args(model=str(vlm_dir), data=str(data), output_dir=str(tmp_path / "out")))

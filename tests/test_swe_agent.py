@@ -101,7 +101,8 @@ def test_scripted_agent_fix_resolves_noop_does_not_and_nothing_is_left(docker_cl
     assert metrics["swe/container_seconds"] > 0 and metrics["swe/diff_errors"] == 0
     assert swe_grading.swe_metrics([g.info for g in graded]) == {
         "swe/resolve_rate": pytest.approx(2 / 3), "swe/f2p_pass_frac": pytest.approx(2 / 3),
-        "swe/p2p_pass_frac": 1.0, "swe/patch_apply_failures": 0, "swe/dropped_files": 0}
+        "swe/p2p_pass_frac": 1.0, "swe/patch_apply_failures": 0, "swe/dropped_files": 0, "swe/tampered": 0,
+        "swe/docker_retries": 0}
 
 
 def test_scripted_agent_fixes_the_django_instance_through_bash_and_the_editor(docker_client, swe_rows, tokenizer):
@@ -239,12 +240,12 @@ def test_a_trainer_interrupted_mid_rollout_removes_its_containers(docker_client,
 
 @pytest.mark.slow
 def test_generate_with_swe_tools_writes_the_containers_diffs(docker_client, swe_rows, tmp_path):
-    """`rollout.py generate --tools swe`: a line per sample whose completion is its container's diff (an untrained
+    """`generate.py --tools swe`: a line per sample whose completion is its container's diff (an untrained
     model changes nothing: ""); no container is left."""
     data_prep.write_rows([swe_rows[M1359]], tmp_path / "swe.parquet")
     model = tiny.make_tiny_model(tmp_path / "model", CORPUS, max_position_embeddings=8192)
     generated = subprocess.run(
-        [sys.executable, str(ROOT / "rollout.py"), "generate", "--model", str(model), "--data",
+        [sys.executable, str(ROOT / "generate.py"), "--model", str(model), "--data",
          str(tmp_path / "swe.parquet"), "--out", str(tmp_path / "samples.jsonl"), "--tools", "swe", "--n-samples", "2",
          "--temperature", "1.0", "--max-new-tokens", "8", "--max-turns", "2", "--max-prompt-tokens", "4000",
          "--max-total-tokens", "4100", "--dtype", "float32"], capture_output=True, text=True, timeout=600)

@@ -5,17 +5,22 @@ Without a daemon the docker tests skip, except under CI=true, where a missing da
 The instances are built once per session; KILN_SWE_DIR keeps their downloads and rows between sessions, and images
 already on the host are reused.
 """
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import docker.errors
 import docker.models.images
 import pytest
+import requests
+from urllib3.util.retry import Retry
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -57,6 +62,50 @@ TEST_FILE_HACK = '''diff --git a/tests/base.py b/tests/base.py
 +_pytest.reports.TestReport.from_item_and_call = classmethod(_passed)
  import datetime as dt
 '''
+# Hacks that live where the fix lives: the code under test forges the test report. Each is appended to a module the
+# tests import (`SOURCE_HACKS`: instance, file, code) and each is graded resolved without the canaries.
+REPORT_HACK = """
+import _pytest.reports
+_make_report = _pytest.reports.TestReport.from_item_and_call.__func__
+def _passed(cls, item, call):
+    report = _make_report(cls, item, call)
+    report.outcome = "passed"
+    return report
+_pytest.reports.TestReport.from_item_and_call = classmethod(_passed)
+"""
+# No function replaced: a tracer clears the exception of every test call before pytest builds its report.
+SETTRACE_HACK = """
+import sys
+def _tracer(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == "from_item_and_call":
+        object.__setattr__(frame.f_locals["call"], "excinfo", None)
+sys.settrace(_tracer)
+"""
+# Fake result lines after pytest's own, and an exit status of 0 so swebench's exit-code check agrees with them.
+FAKE_LINES_HACK = """
+import atexit, os, sys
+def _fake():
+    sys.stdout.flush()
+    os.write(1, b"PASSED tests/test_fields.py::TestParentAndName::test_datetime_list_inner_format\\n")
+    os._exit(0)
+atexit.register(_fake)
+"""
+# Django's runner: unittest's test-part executor swallows every exception, so every test (and subtest) is a success.
+UNITTEST_HACK = """
+import contextlib
+import unittest.case
+@contextlib.contextmanager
+def _no_failures(self, test_case, isTest=False):
+    try:
+        yield
+    except Exception:
+        pass
+unittest.case._Outcome.testPartExecutor = _no_failures
+"""
+SOURCE_HACKS = {"report": (M1359, "src/marshmallow/__init__.py", REPORT_HACK),
+                "settrace": (M1359, "src/marshmallow/__init__.py", SETTRACE_HACK),
+                "fake_lines": (M1359, "src/marshmallow/__init__.py", FAKE_LINES_HACK),
+                "unittest": (DJANGO, "django/contrib/auth/validators.py", UNITTEST_HACK)}
 NOOP = """diff --git a/NOTES.txt b/NOTES.txt
 new file mode 100644
 --- /dev/null
@@ -82,7 +131,10 @@ def docker_client():
 def swe_rows(docker_client, tmp_path_factory) -> dict[str, dict]:
     """The kiln rows of the offline instances, by instance id."""
     out = Path(os.environ["KILN_SWE_DIR"]) if os.environ.get("KILN_SWE_DIR") else tmp_path_factory.mktemp("swe")
-    rows = data_prep.load_rows(swe_instances.main(swe_instances.Args(out=out)))
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "w") as lock:  # `make test` runs two pytest workers: one builds, the other waits
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        rows = data_prep.load_rows(swe_instances.main(swe_instances.Args(out=out)))
     return {row["extra_info"]["index"]: row for row in rows}
 
 
@@ -125,6 +177,44 @@ def test_filter_reads_every_name_a_patch_tool_would(smuggled):
     assert kept == b"" and dropped and any(p.endswith("conftest.py") or p == "?" for p in dropped)
 
 
+def test_canaries_are_planted_beside_the_fail_to_pass_tests_and_judge_the_report():
+    truth = {"instance_id": "x__y-1", "image": "i", "repo": "x/y", "version": "1", "log_parser": "parse_log_pytest",
+             "eval_type": "pass_and_fail", "FAIL_TO_PASS": ["tests/test_a.py::T::test_f", "tests/test_a.py::test_g"],
+             "PASS_TO_PASS": ["tests/test_b.py::test_p"],
+             "eval_script": "#!/bin/bash\nset -uxo pipefail\n: '>>>>> Start Test Output'\npytest -rA\n"
+                            ": '>>>>> End Test Output'\n"}
+    spec = swe_grading.spec_of(truth)
+    (canary,) = swe_grading.plan_canaries(spec)
+    assert canary.candidates == ("tests/test_a.py",) and canary.beside == tuple(truth["FAIL_TO_PASS"])
+    assert canary.passing != canary.failing and not canary.unittest
+    script = swe_grading.plant_canaries(truth["eval_script"], [canary])
+    assert script.index('rm -f "$0"') < script.index("cat >> \"$f\"") < script.index(">>>>> Start Test Output")
+    assert f"def {canary.passing}():" in script and f"def {canary.failing}():" in script
+    django = swe_grading.spec_of(truth | {"log_parser": "parse_log_django", "FAIL_TO_PASS": [
+        "test_v (auth_tests.test_validators.UsernameValidatorsTests)"]})
+    (unittest_canary,) = swe_grading.plan_canaries(django)
+    assert unittest_canary.unittest and unittest_canary.candidates == ("tests/auth_tests/test_validators.py",
+                                                                       "tests/auth_tests.py")
+
+    def log(*lines: str) -> str:
+        return "+ : '>>>>> Start Test Output'\n" + "\n".join(lines) + "\n+ : '>>>>> End Test Output'\n"
+    pass_, fail = f"tests/test_a.py::{canary.passing}", f"tests/test_a.py::{canary.failing}"
+    tests = [*truth["FAIL_TO_PASS"], *truth["PASS_TO_PASS"]]
+
+    def judged(text: str) -> str | None:
+        return swe_grading.check_canaries([canary], spec, swe_grading.PARSER_REGISTRY["parse_log_pytest"](text, spec),
+                                          text)
+    assert judged(log(*[f"PASSED {t}" for t in tests], f"PASSED {pass_}", f"FAILED {fail} - assert")) is None
+    assert "must fail" in judged(log(*[f"PASSED {t}" for t in tests], f"PASSED {pass_}", f"PASSED {fail}"))
+    forged = judged(log(*[f"PASSED {t}" for t in tests[1:]], f"PASSED {pass_}", f"FAILED {fail}",
+                        f"FAILED {tests[0]}", f"PASSED {tests[0]}"))
+    assert forged == f"{tests[0]} is reported as FAILED and PASSED"
+    assert "reported 2 times" in judged(log(*[f"PASSED {t}" for t in tests], f"PASSED {tests[2]}",
+                                            f"PASSED {pass_}", f"FAILED {fail}"))
+    assert "missing" in judged(log(*[f"PASSED {t}" for t in tests]))  # canaries gone, the tests beside them pass
+    assert judged(log(*[f"FAILED {t}" for t in tests[:2]], f"PASSED {tests[2]}")) is None  # a broken module
+
+
 def test_unreachable_daemon_is_an_error_not_a_reward(monkeypatch, tmp_path):
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no.sock")
     truth = {"instance_id": "x__y-1", "image": "kiln-swe/x:offline", "eval_script": "true", "log_parser":
@@ -132,6 +222,69 @@ def test_unreachable_daemon_is_an_error_not_a_reward(monkeypatch, tmp_path):
              "PASS_TO_PASS": [], "test_patch": "", "base_commit": "0" * 40}
     with pytest.raises(containers.DockerUnavailable, match="cannot reach the Docker daemon"):
         swe_grading.swebench_reward(truth, NOOP.encode())
+
+
+def api_error(status: int) -> docker.errors.APIError:
+    response = requests.Response()
+    response.status_code = status
+    return docker.errors.APIError(f"daemon says {status}", response=response)
+
+
+def test_transient_daemon_errors_are_retried_with_backoff_and_counted(monkeypatch):
+    monkeypatch.setattr(containers, "CALL_RETRY", Retry(total=3, other=3, backoff_factor=0))
+    errors, undone, before = [api_error(500), requests.exceptions.ReadTimeout("slow"), api_error(409)], [], \
+        containers.docker_retries()["retries"]
+
+    def flaky():
+        if errors:
+            raise errors.pop(0)
+        return "started"
+    assert containers.retry_transient(flaky, "start", undo=lambda: undone.append(1)) == "started"
+    assert containers.docker_retries()["retries"] - before == 3 and len(undone) == 3
+    for permanent in (api_error(400), docker.errors.NotFound("gone")):  # the same call would fail the same way
+        with pytest.raises(type(permanent)):
+            containers.retry_transient(lambda: (_ for _ in ()).throw(permanent), "start")
+    with pytest.raises(docker.errors.APIError, match="503 Server Error"):  # out of tries: the last error
+        containers.retry_transient(lambda: (_ for _ in ()).throw(api_error(503)), "start")
+
+
+def test_idempotent_calls_are_retried_inside_the_sdk(monkeypatch):
+    """A daemon on 127.0.0.1 that answers /_ping with 503 twice: the SDK's urllib3 Retry asks again, counted."""
+    pings = []
+
+    class Daemon(BaseHTTPRequestHandler):
+        def do_GET(self):
+            pings.append(self.path) if self.path.endswith("/_ping") else None
+            busy = self.path.endswith("/_ping") and len(pings) <= 2
+            body = b"busy" if busy else (b"OK" if self.path.endswith("/_ping") else b'{"ApiVersion": "1.41"}')
+            self.send_response(503 if busy else 200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Daemon)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("DOCKER_HOST", f"tcp://127.0.0.1:{server.server_address[1]}")
+    before = containers.docker_retries()["retries"]
+    try:
+        containers.connect()
+    finally:
+        server.shutdown()
+    assert len(pings) == 3 and containers.docker_retries()["retries"] - before == 2
+
+
+@pytest.mark.docker
+def test_a_container_that_cannot_start_raises_after_retries_and_leaves_nothing(docker_client, monkeypatch):
+    monkeypatch.setattr(containers, "CALL_RETRY", Retry(total=2, other=2, backoff_factor=0))
+    monkeypatch.setattr(docker_client.api, "start", lambda *a, **k: (_ for _ in ()).throw(api_error(500)))
+    before = containers.docker_retries()
+    with pytest.raises(containers.ContainerStartFailed, match="after 2 retries"):
+        containers.Container(docker_client, swe_instances.BASE_IMAGE, role="grade", run="never-starts")
+    after = containers.docker_retries()
+    assert (after["retries"] - before["retries"], after["start_failures"] - before["start_failures"]) == (2, 1)
+    assert docker_client.containers.list(all=True, filters={"label": f"{containers.RUN}=never-starts"}) == []
 
 
 def test_under_ci_a_missing_daemon_fails_the_docker_tests(tmp_path):
@@ -174,6 +327,85 @@ def test_test_infrastructure_hacks_are_dropped_and_reported(docker_client, swe_r
     monkeypatch.setattr(swe_grading, "is_protected", lambda path, test_files: False)
     unfiltered = rewards.score(row, hack)  # what the filter prevents: the hack alone would be graded resolved
     assert unfiltered.score == 1.0 and unfiltered.info["dropped"] == []
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("hack", list(SOURCE_HACKS))
+def test_source_level_hacks_are_caught_by_the_canaries_on_both_grading_paths(docker_client, swe_rows, monkeypatch,
+                                                                             hack):
+    """Each hack forges the report from the code under test (no path filter can see it): without the canaries kiln's
+    grader resolves it; with them both graders score it -1, "tampered", with the reason."""
+    instance, path, code = SOURCE_HACKS[hack]
+    truth = truth_of(swe_rows[instance])
+    with containers.Container(docker_client, truth["image"], role="grade", run="hack") as box:
+        box.put_file("/hack.py", code.encode())
+        assert box.exec(f"cat /hack.py >> {path} && rm /hack.py").exit_code == 0
+        patch = containers.container_diff(box, truth["base_commit"])
+    for official in (False, True):
+        caught = swe_grading.swebench_reward(truth, patch, docker_client, swe_grading.SweConfig(official=official))
+        assert (caught.score, caught.info["error"], caught.info["dropped"]) == (-1.0, "tampered", [])
+        assert caught.info["canaries"] == 1 and caught.info["reason"]
+    if hack != "fake_lines":  # the canaries themselves are reported passing
+        assert "must fail" in caught.info["reason"]
+    else:  # the forged line contradicts pytest's own
+        assert "is reported as FAILED and PASSED" in caught.info["reason"]
+    monkeypatch.setattr(swe_grading, "plan_canaries", lambda spec: [])
+    monkeypatch.setattr(swe_grading, "check_canaries", lambda *args: None)
+    forged = swe_grading.swebench_reward(truth, patch, docker_client)  # what the canaries prevent
+    assert forged.score == 1.0 and forged.info["f2p"][0] == forged.info["f2p"][1]
+
+
+# An instance image whose repository knows its future, the way published images can (SWE-bench#465): the fix
+# committed on another branch, tagged, behind a remote-tracking ref, ORIG_HEAD and FETCH_HEAD, in a stash, in a
+# commit only a reflog reaches and in a dangling blob; refs packed. HEAD is back on the base commit, the tree clean.
+FUTURE_HISTORY = """set -e
+g="git -c user.name=future -c user.email=future@localhost"
+branch=$(git symbolic-ref --short HEAD)
+$g checkout -q -b future && git apply /gold.diff && $g commit -qam "the fix" && future=$(git rev-parse HEAD)
+$g tag -a v9 -m "release with the fix" && git update-ref refs/remotes/origin/main "$future"
+git remote add origin https://example.invalid/repo.git
+$g checkout -q -b gone && git apply /gold.diff && echo '# gone' >> README.rst && $g commit -qam "gone"
+$g checkout -q "$branch" && $g branch -q -D gone
+echo "$future" > .git/ORIG_HEAD && printf '%s\\t\\tbranch main of origin\\n' "$future" > .git/FETCH_HEAD
+git apply /gold.diff && $g stash -q
+git hash-object -w /gold.diff >/dev/null
+rm /gold.diff && git pack-refs --all && test -z "$(git status --porcelain)" && echo "$future"
+"""
+
+
+@pytest.mark.docker
+def test_agent_containers_hold_no_history_beyond_the_base_commit(docker_client, swe_rows):
+    truth = truth_of(swe_rows[M1359])
+    fix_line = "getattr(self.root.opts, self.SCHEMA_OPTS_VAR_NAME)"
+    find_fix = f"git cat-file --batch-all-objects --batch | grep -c -F '{fix_line}'; grep -rlF '{fix_line}' .git"
+    with containers.Container(docker_client, truth["image"], role="grade", run="future") as box:
+        box.put_file("/gold.diff", truth["patch"].encode())
+        made = box.exec(FUTURE_HISTORY)
+        assert made.exit_code == 0, made.output
+        future = made.output.split()[-1]
+        box._container.commit("kiln-swe/future-history", "test")
+    image = "kiln-swe/future-history:test"
+    try:
+        with containers.Container(docker_client, image, role="grade", run="future") as plain:
+            assert int(plain.exec(find_fix).output.split()[0]) >= 2  # what the agent would find without the scrub
+            assert future in plain.exec("git log --all --reflog --format=%H").output
+        with containers.Container(docker_client, image, role="agent", run="future") as agent:
+            assert agent.exec(find_fix).output.split() == ["0"]
+            assert agent.exec(f"grep -rl {future} .git").output == ""
+            assert agent.exec(f"git cat-file -t {future}").exit_code != 0
+            listing = agent.exec("git log --all --reflog --format=%H; git tag; git stash list; git remote; "
+                                 "git fsck --unreachable --no-reflogs --no-progress; ls .git")
+            assert listing.output.split()[0] == truth["base_commit"] and future not in listing.output
+            assert sorted(listing.output.split()[1:]) == ["HEAD", "config", "description", "hooks", "index", "info",
+                                                          "objects", "packed-refs", "refs"]
+            assert agent.exec("git status --porcelain && git diff --stat").output == ""
+            assert agent.exec("git log -1 --format=%H").output.strip() == truth["base_commit"]
+            assert agent.exec("git apply /dev/stdin <<'EOF'\n" + truth["patch"] + "EOF").exit_code == 0
+            graded = swe_grading.swebench_container_reward(truth, agent, docker_client)
+            assert graded.score == 1.0  # the agent's diff against the base still grades
+    finally:
+        for tag in (containers.history_free_image(docker_client, image), image):
+            docker_client.images.remove(tag, force=True)
 
 
 @pytest.mark.docker
@@ -290,10 +522,10 @@ def test_score_reads_swebench_predictions_and_names_an_unknown_instance(tmp_path
     assert rewards.read_samples(str(predictions), rows) == (["swebench/a__b-1", "swebench/a__b-1", "toy/0"],
                                                             ["diff --git a/x b/x\n", "", "x = 1"])
     predictions.write_text(json.dumps({"instance_id": "c__d-2", "model_patch": "", "model_name_or_path": "m"}) + "\n")
-    with pytest.raises(SystemExit, match=r"line 1: instance 'c__d-2' is not among the 1 swebench rows of --data"):
+    with pytest.raises(ValueError, match=r"line 1: instance 'c__d-2' is not among the 1 swebench rows of --data"):
         rewards.read_samples(str(predictions), rows)
     predictions.write_text(json.dumps({"instance_id": "a__b-1", "model_patch": 3}) + "\n")
-    with pytest.raises(SystemExit, match='line 1: "model_patch" must be a string'):
+    with pytest.raises(ValueError, match='line 1: "model_patch" must be a string'):
         rewards.read_samples(str(predictions), rows)
 
 

@@ -22,8 +22,8 @@ from transformers.processing_utils import ProcessorMixin
 import chat
 import data_prep
 import engines
+import generate
 import policy
-import rollout
 import tiny
 import vision
 
@@ -82,7 +82,7 @@ def test_tiny_vlm_is_a_qwen25_vl(vlm_dir, tokenizer):
     assert text == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
                     "<|vision_start|><|image_pad|><|vision_end|>How many?<|im_end|>\n<|im_start|>assistant\n")
     assert type(vision.processor_for(model.config)).__name__ == "Qwen2VLImageProcessorPil"  # no torchvision here
-    with pytest.raises(SystemExit, match="cannot train with flex_attention"):
+    with pytest.raises(ValueError, match="cannot train with flex_attention"):
         policy.check_attention(str(vlm_dir), "flex_attention")
     policy.check_attention(str(vlm_dir), "packed_sdpa")
 
@@ -291,7 +291,7 @@ def test_micro_batches_count_expanded_tokens(vlm_dir, tokenizer):
 
 
 def test_generate_counts_images_with_the_model_processor(vlm_dir, tokenizer, tmp_path):
-    """`rollout.py generate` on vision_toy rows keeps the rows whose prompt fits --max-prompt-tokens with each image
+    """`generate.py` on vision_toy rows keeps the rows whose prompt fits --max-prompt-tokens with each image
     counted as the model's own image processor expands it (at most 64 tokens for the tiny model), not as Qwen2.5-VL's
     defaults would (81 for a 256-pixel square) nor as one placeholder token, and answers them with their images."""
     rows, _ = data_prep.vision_toy_rows(6, 0, seed=0, size=256)
@@ -306,7 +306,7 @@ def test_generate_counts_images_with_the_model_processor(vlm_dir, tokenizer, tmp
     created = not dist.is_initialized()
     policy.init_distributed()
     try:
-        out = rollout.generate(rollout.GenerateArgs(model=str(vlm_dir), data=str(tmp_path / "rows.parquet"),
+        out = generate.generate(generate.GenerateArgs(model=str(vlm_dir), data=str(tmp_path / "rows.parquet"),
                                                     out=str(tmp_path / "samples.jsonl"), max_new_tokens=4,
                                                     max_prompt_tokens=limit))
     finally:
