@@ -1,14 +1,26 @@
-"""External agents: a token-recording OpenAI-compatible chat endpoint over a rank's engine, and the agent processes
-that talk to it.
+"""External agents: a token-recording endpoint over a rank's engine that speaks OpenAI chat completions and the
+Anthropic Messages API, streaming or not, and the agent processes that talk to it.
 
-Any agent that speaks OpenAI chat completions (mini-swe-agent, a CLI, a script) gets `GET /v1/models` and
-`POST /v1/chat/completions` (non-streaming, n=1, tools). Each request is keyed by its bearer token: one session per
-agent. A session records what the policy sampled as segments, token-in-token-out: a request whose messages extend
-the session's stored ones, with every assistant turn equal to what the endpoint returned, keeps the stored ids and
-appends only the chat template's ids for the new messages (loss mask 0; chat.template_suffix_ids, as the multi-turn
-loop does); any other history (compaction, an edited turn, a dropped reply) closes the segment and starts a new one
-whose prompt is the template's rendering of the messages. Sampled ids are never decoded and encoded again.
-`GET /kiln/sessions/{key}` returns a session's segments with check_tito's findings.
+Any agent that speaks OpenAI chat completions (mini-swe-agent, qwen-code, a script) gets `GET /v1/models` and
+`POST /v1/chat/completions` (n=1, tools, `stream: true` with `stream_options.include_usage`); one that speaks
+Anthropic's (claude-code, the anthropic SDK) gets `POST /v1/messages` (text, tool_use and tool_result blocks, its SSE
+events). A streamed reply is generated whole, then sent as SSE chunks: the same ids as without streaming. Each request
+is keyed by its bearer token (or `x-api-key`): one session per agent.
+
+A session records what the policy sampled as segments, token-in-token-out. A request continues a segment when its
+messages extend that segment's conversation as the client holds it (assistant turns as the endpoint returned them) up
+to one of the segment's replies: the stored ids are kept and only the chat template's ids for the new messages are
+appended (loss mask 0; chat.template_suffix_ids). Sampled ids are never decoded and encoded again. Every segment of
+the session is tried, not only the last one, so:
+- a reply cut by max_tokens or a stop string can be continued (the template's closing tokens enter with mask 0);
+- a request that continues an earlier reply of a segment (the later turns dropped) opens a "branch" segment whose
+  prompt is that segment's ids up to that reply, exactly as recorded (trained once, where they were sampled);
+- the same request again (a client's retry) replaces the reply it got before, which nobody continued;
+- a side query with another system prompt or other tools (qwen-code's compression and JSON classifiers) opens or
+  extends a "side" segment beside the main thread; side segments train only with train_side_queries;
+- any other history (a rewritten, compressed conversation) opens a "rewrite" segment whose prompt is the template's
+  rendering of the messages.
+`GET /kiln/sessions/{key}` returns a session's segments, why each was opened, and check_tito's findings.
 
 The engine is driven by the rank's main thread in ticks (`AgentServer.step`): the requests waiting from all
 sessions go to one `engine.generate`, and under torchrun every rank makes the same number of engine calls (a rank
@@ -29,6 +41,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -38,8 +51,24 @@ import collectives
 from engines import Engine, Sampling
 
 TICK_SECONDS = 0.02  # how long a tick waits for a first request: the batching window when requests trickle in
+STREAM_WAIT_SECONDS = 2.0  # a stream's headers wait this long for its reply, so that early refusals keep their status
+KEEPALIVE_SECONDS = 5.0  # then a stream waiting for its reply sends a keep-alive this often (clients' idle watchdogs)
+SSE_PIECE = 24  # characters of text (or tool arguments) per streamed delta
 AGENT_FIELDS = ("instance_id", "repo", "version", "base_commit", "image")  # of a swebench row's truth; no answers
 AGENT_EXTRA_INFO = ("index", "split", "difficulty", "repo", "version")  # extra_info can hold solutions: not those
+OPENED = ("first", "branch", "side", "rewrite")  # why a segment was opened; see the module docstring
+
+
+@dataclass
+class Turn:
+    """One reply of a segment: the request that asked for it (its length in wire messages) and where the turn's ids
+    (the template's ids for the new messages, then the sampled ones) and messages begin."""
+
+    request_len: int
+    ids_start: int
+    messages_start: int
+    ended: bool  # the reply ended with the end-of-turn token it sampled (else the template's closes it, mask 0)
+    finish: str
 
 
 @dataclass
@@ -47,38 +76,83 @@ class Segment:
     """Token-in-token-out record of one stretch of a session: the prompt ids, then sampled ids (loss mask 1, engine
     logprobs) and the template's ids for the messages between turns (mask 0). `messages` is what the template renders
     (assistant turns as sampled text); `wire` is the conversation as the client holds it (assistant turns as returned:
-    content and tool calls), what a next request must extend."""
+    content and tool calls); each of its turns ends where a next request may continue."""
 
     messages: list[dict]
     tools: list[dict] | None
     prompt_ids: list[int]
     wire: list[dict]
+    opened: str = "first"  # one of OPENED
+    trains: bool = True
     completion_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    finish_reason: str = ""
-    extendable: bool = True  # the last turn ended with the end-of-turn token: the template can continue after it
+    turns: list[Turn] = field(default_factory=list)
+    open_turns: list[int] = field(default_factory=list)  # assistant messages whose end-of-turn token was not sampled
+    prompt_ended: bool = True  # a branch's prompt ends on a reply that sampled its end-of-turn token
 
     @property
     def ids(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
 
+    @property
+    def finish_reason(self) -> str:
+        return self.turns[-1].finish if self.turns else ""
+
+    def rewind(self) -> None:
+        """Drop the last turn (a retried request's first reply, which the client never continued)."""
+        turn = self.turns.pop()
+        del self.completion_ids[turn.ids_start:], self.loss_mask[turn.ids_start:], self.logprobs[turn.ids_start:]
+        del self.messages[turn.messages_start:]
+        self.wire = self.wire[: self.turns[-1].request_len + 1] if self.turns else self.wire[: turn.request_len]
+        self.open_turns = [i for i in self.open_turns if i < turn.messages_start]
+
+    def branch(self, turn: int) -> Segment:
+        """A new segment whose prompt is this one's ids and messages up to the end of reply `turn` (< the last)."""
+        following = self.turns[turn + 1]
+        return Segment([dict(m) for m in self.messages[: following.messages_start]], self.tools,
+                       self.prompt_ids + self.completion_ids[: following.ids_start],
+                       self.wire[: self.turns[turn].request_len + 1], opened="branch",
+                       open_turns=[i for i in self.open_turns if i < following.messages_start],
+                       prompt_ended=self.turns[turn].ended)
+
     def record(self, tokenizer, eot: str) -> dict:
         """What GET /kiln/sessions returns for it."""
         return {"prompt_ids": self.prompt_ids, "completion_ids": self.completion_ids, "loss_mask": self.loss_mask,
                 "logprobs": self.logprobs, "finish_reason": self.finish_reason, "messages": self.messages,
-                "tools": self.tools, "tito": chat.check_tito(tokenizer, self, self.messages, self.tools, eot)}
+                "tools": self.tools, "opened": self.opened, "trains": self.trains, "turns": len(self.turns),
+                "open_turns": self.open_turns,
+                "tito": chat.check_tito(tokenizer, self, self.messages, self.tools, eot, self.open_turns)}
 
 
 @dataclass(eq=False)  # two identical requests (a client's retry) are still two requests
 class Request:
     key: str
-    messages: list[dict]  # as sent
+    messages: list[dict]  # as sent (OpenAI chat form; an Anthropic request is translated)
     tools: list[dict] | None
     max_tokens: int | None
     stop: list[str]
     sampling: tuple[float, float]  # (temperature, top_p) it asked for
-    reply: Future = field(default_factory=Future)  # (HTTP status, JSON body)
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage
+    reply: Future = field(default_factory=Future)  # (HTTP status, Reply or an error body)
+
+
+@dataclass
+class Reply:
+    """A generated turn, whatever API asked for it: the message in OpenAI form and the ids behind it."""
+
+    content: str
+    tool_calls: list[dict]  # [{id, type: function, function: {name, arguments (JSON text)}}]
+    finish: str  # "stop", "length" or "tool_calls"
+    stop: str | None  # the stop string that ended it
+    prompt_ids: list[int]
+    token_ids: list[int]
+
+    @property
+    def message(self) -> dict:
+        return {"role": "assistant", "content": self.content} | ({"tool_calls": self.tool_calls}
+                                                                 if self.tool_calls else {})
 
 
 class BadRequest(ValueError):
@@ -89,11 +163,19 @@ class BadRequest(ValueError):
         self.status, self.code = status, code
 
 
+def text_of(content) -> str:
+    """A message's content as text: a string, or the text of its parts (OpenAI content parts, Anthropic blocks)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type", "text") == "text")
+
+
 def wire_form(message: dict) -> dict:
-    """A message as compared for prefix extension: role, content ("" for none) and, for assistant turns, the tool
-    calls' names and arguments (parsed); wire-only fields (ids, names, provider extras) are left out."""
-    content = message.get("content")
-    form = {"role": message.get("role"), "content": "" if content is None else content}
+    """A message as compared for prefix extension: role, content as text and, for assistant turns, the tool calls'
+    names and arguments (parsed); wire-only fields (ids, names, provider extras, cache hints) are left out."""
+    form = {"role": message.get("role"), "content": text_of(message.get("content"))}
     if message.get("role") == "assistant":
         form["tool_calls"] = [(c["function"]["name"], _arguments(c["function"].get("arguments")))
                               for c in message.get("tool_calls") or []]
@@ -101,8 +183,8 @@ def wire_form(message: dict) -> dict:
 
 
 def template_form(message: dict) -> dict:
-    """A client's message as the chat template renders it (tool calls with parsed arguments)."""
-    form = {"role": message["role"], "content": "" if message.get("content") is None else message["content"]}
+    """A client's message as the chat template renders it (text content, tool calls with parsed arguments)."""
+    form = {"role": message["role"], "content": text_of(message.get("content"))}
     if message.get("tool_calls"):
         form["tool_calls"] = [{"type": "function", "function": {
             "name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))}}
@@ -120,18 +202,18 @@ def _arguments(arguments):
 
 
 def parse_request(key: str, body: dict, fixed: Sampling | None) -> Request:
-    """The fields kiln honours, checked; BadRequest names the first problem."""
+    """The fields kiln honours of a chat completions body, checked; BadRequest names the first problem."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool") for m in messages):
+            isinstance(m, dict) and m.get("role") in ("system", "developer", "user", "assistant", "tool")
+            for m in messages):
         raise BadRequest("messages must be a non-empty list of {role: system|user|assistant|tool, content}")
+    messages = [m | {"role": "system"} if m["role"] == "developer" else m for m in messages]
     for i, m in enumerate(messages):
         for call in m.get("tool_calls") or []:
             if not isinstance(call, dict) or not isinstance(call.get("function"), dict) or not isinstance(
                     call["function"].get("name"), str):
                 raise BadRequest(f"messages[{i}].tool_calls: each needs function.name and function.arguments")
-    if body.get("stream"):
-        raise BadRequest("stream=true is not supported: send non-streaming requests")
     if body.get("n") not in (None, 1):
         raise BadRequest(f"n={body.get('n')}: only n=1 is supported (send n requests)")
     tools = body.get("tools") or None
@@ -154,28 +236,74 @@ def parse_request(key: str, body: dict, fixed: Sampling | None) -> Request:
                 0 < top_p <= 1):
             raise BadRequest(f"temperature must be >= 0 and top_p in (0, 1], got {temperature!r}, {top_p!r}")
         sampling = (float(temperature), float(top_p))
-    return Request(key, messages, tools, max_tokens, stop, sampling)
+    options = body.get("stream_options") or {}
+    return Request(key, messages, tools, max_tokens, stop, sampling, stream=bool(body.get("stream")),
+                   include_usage=bool(isinstance(options, dict) and options.get("include_usage")))
+
+
+def anthropic_to_chat(body: dict) -> dict:
+    """An Anthropic Messages body as the chat completions body it means: `system` a system message, text blocks
+    content, tool_use blocks tool calls (their input as JSON arguments), each tool_result block a tool message (before
+    the user's text, as Anthropic orders them), tools as functions, stop_sequences as stop. BadRequest names the
+    first problem."""
+    if not isinstance(body.get("max_tokens"), int):
+        raise BadRequest("max_tokens is required (a positive integer)")
+    messages = []
+    system = body.get("system")
+    if system:
+        messages.append({"role": "system", "content": text_of(system)})
+    for i, m in enumerate(body.get("messages") or []):
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise BadRequest(f"messages[{i}]: role must be user, assistant or system")
+        blocks = [{"type": "text", "text": m["content"]}] if isinstance(m.get("content"), str) else m.get("content")
+        if not isinstance(blocks, list) or not all(isinstance(b, dict) for b in blocks):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of content blocks")
+        texts = [b.get("text", "") for b in blocks if b.get("type") == "text"]
+        if m["role"] == "system":  # a system message between turns (claude-code sends them)
+            messages.append({"role": "system", "content": "".join(texts)})
+            continue
+        if m["role"] == "assistant":
+            calls = [{"id": b.get("id"), "type": "function",
+                      "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input", {}))}}
+                     for b in blocks if b.get("type") == "tool_use"]
+            messages.append({"role": "assistant", "content": "".join(texts)} | ({"tool_calls": calls} if calls else {}))
+            continue
+        for b in blocks:
+            if b.get("type") == "tool_result":
+                messages.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
+                                 "content": text_of(b.get("content"))})
+        if texts or not any(b.get("type") == "tool_result" for b in blocks):
+            messages.append({"role": "user", "content": "".join(texts)})
+    tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
+                                               "parameters": t.get("input_schema", {})}}
+             for t in body.get("tools") or [] if isinstance(t, dict)]
+    return {"messages": messages, "tools": tools or None, "max_tokens": body["max_tokens"],
+            "stop": body.get("stop_sequences"), "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+            "stream": body.get("stream")}
 
 
 class AgentServer:
     """The endpoint on one rank: an HTTP server on its own threads (127.0.0.1 unless `host`), sessions, and `step`,
     which the rank's main thread calls in a loop to generate. `fixed_sampling`: every request samples with `sampling`
     (training: what the trainer scores); otherwise requests choose temperature and top_p. max_tokens defaults to
-    sampling.max_new_tokens (with fixed_sampling also caps it); prompt plus reply stay within max_total_tokens."""
+    sampling.max_new_tokens (with fixed_sampling also caps it); prompt plus reply stay within max_total_tokens.
+    train_side_queries: side segments (another system prompt or other tools than the session's first request) train
+    too."""
 
     def __init__(self, engine: Engine, tokenizer, sampling: Sampling, eot: str | None = None,
                  max_total_tokens: int = 32768, fixed_sampling: bool = True, host: str = "127.0.0.1", port: int = 0,
-                 model_name: str = "kiln"):
+                 model_name: str = "kiln", train_side_queries: bool = False):
         self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
         self.eot = eot or chat.end_of_turn(tokenizer)
         self.eot_id = tokenizer.convert_tokens_to_ids(self.eot)
         self.max_total_tokens, self.fixed_sampling, self.model_name = max_total_tokens, fixed_sampling, model_name
+        self.train_side_queries = train_side_queries
         self.sessions: dict[str, list[Segment]] = {}
         self.ended: set[str] = set()
         self.lock = threading.Lock()  # sessions and ended: read by handler threads, written by the main thread
         self.pending: queue.Queue[Request] = queue.Queue()
         self.waiting: list[Request] = []  # taken from the queue, not generated yet
-        self.requests = self.generate_calls = 0
+        self.requests = self.generate_calls = self.retries = 0
         self.http = ThreadingHTTPServer((host, port), _Handler)
         self.http.daemon_threads = True
         self.http.kiln = self
@@ -213,7 +341,8 @@ class AgentServer:
         with self.lock:  # the main thread appends to segments under the same lock
             if key not in self.sessions:
                 return None
-            return {"id": key, "segments": [s.record(self.tokenizer, self.eot) for s in self.sessions[key]]}
+            segments = [s.record(self.tokenizer, self.eot) for s in self.sessions[key]]
+        return {"id": key, "opened": [s["opened"] for s in segments], "segments": segments}
 
     def submit(self, request: Request) -> None:
         with self.lock:
@@ -246,9 +375,9 @@ class AgentServer:
         return busy_anywhere
 
     def _prepare(self, request: Request):
-        """The request's segment (extended, or a new one) and the ids to generate from; answers refusals at once."""
+        """The request's segment (continued, or a new one) and the ids to generate from; answers refusals at once."""
         try:
-            segment, new_ids, new_messages, forked = self._continue(request)
+            segment, new_ids, new_messages, new_segment = self._continue(request)
             room = self.max_total_tokens - len(segment.ids) - len(new_ids)
             if room < 1:
                 raise BadRequest(f"the conversation is {len(segment.ids) + len(new_ids)} tokens, no room for a reply "
@@ -264,25 +393,50 @@ class AgentServer:
         budget = min(request.max_tokens or self.sampling.max_new_tokens, room)
         if self.fixed_sampling:  # training: the trainer's reply budget holds whatever the agent asks
             budget = min(budget, self.sampling.max_new_tokens)
-        return request, segment, new_ids, new_messages, forked, budget
+        return request, segment, new_ids, new_messages, new_segment, budget
 
     def _continue(self, request: Request) -> tuple[Segment, list[int], list[dict], bool]:
-        """Prefix extension of the session's last segment, or a new segment (the last one stays as it is)."""
-        with self.lock:
-            segments = self.sessions.setdefault(request.key, [])
-            last = segments[-1] if segments else None
-        wire = [wire_form(m) for m in request.messages]
+        """The segment the request continues (a reply of any segment its messages extend, or the last reply of one
+        it repeats the request of), or a new one; the ids and template messages to add; whether the segment is new.
+        A retry drops the reply it repeats the request of (nobody continued it) before it is answered again."""
         if request.messages[-1]["role"] == "assistant":
             raise BadRequest("the last message is an assistant turn: continuing a reply is not supported")
-        if (last is not None and last.extendable and last.tools == request.tools and len(wire) > len(last.wire)
-                and wire[: len(last.wire)] == last.wire
-                and all(m["role"] != "assistant" for m in wire[len(last.wire):])):
-            new = [template_form(m) for m in request.messages[len(last.wire):]]
+        wire = [wire_form(m) for m in request.messages]
+        last_reply = max((i for i, m in enumerate(wire) if m["role"] == "assistant"), default=-1)
+        with self.lock:
+            segments = list(self.sessions.get(request.key, []))
+        found = None  # (segment, turn index) whose reply the request continues, extensions of a last reply first
+        for segment in reversed(segments):
+            if segment.tools != request.tools:
+                continue
+            common = _common_prefix(wire, segment.wire)
+            last = segment.turns[-1] if segment.turns else None
+            if last is not None and last.request_len == len(wire) == common:  # the same request again: a retry
+                with self.lock:
+                    segment.rewind()
+                self.retries += 1
+                found = (segment, len(segment.turns) - 1) if segment.turns else (segment, None)
+                break
+            for t, turn in enumerate(segment.turns):
+                if turn.request_len == last_reply and common > last_reply and (
+                        found is None or (found[1] != len(found[0].turns) - 1 and t == len(segment.turns) - 1)):
+                    found = (segment, t)
+        if found is not None:
+            segment, t = found
+            if t is None:  # a retry of the segment's first request: its prompt again
+                return segment, [], [], False
+            branched = t < len(segment.turns) - 1
+            if branched:
+                segment = segment.branch(t)
+                segment.trains = self._main(segments, request) or self.train_side_queries
+            new = [template_form(m) for m in request.messages[last_reply + 1:]]
+            ended = segment.prompt_ended if branched else segment.turns[t].ended
             try:
-                ids = chat.template_suffix_ids(self.tokenizer, last.messages, new, request.tools, self.eot)
+                ids = chat.template_suffix_ids(self.tokenizer, segment.messages, new, request.tools, self.eot,
+                                               after_eot=ended)
             except ValueError as e:
                 raise BadRequest(f"messages: {e}") from None
-            return last, ids, new, False
+            return segment, ids, new, branched
         messages = [template_form(m) for m in request.messages]
         try:
             text = chat.render(self.tokenizer, messages, request.tools, add_generation_prompt=True)
@@ -290,7 +444,19 @@ class AgentServer:
         except Exception as e:  # a template error on the client's messages is the client's to fix
             raise BadRequest(f"the chat template cannot render these messages: {e}") from None
         prompt_ids = chat.encode_text(self.tokenizer, text, plain)[0]
-        return Segment(messages, request.tools, prompt_ids, wire), [], [], True
+        main = self._main(segments, request)
+        opened = "first" if not segments else ("rewrite" if main else "side")
+        return Segment(messages, request.tools, prompt_ids, [], opened=opened,
+                       trains=main or self.train_side_queries), [], [], True
+
+    def _main(self, segments: list[Segment], request: Request) -> bool:
+        """Whether the request belongs to the session's main thread: its system prompt and tools are the first
+        segment's (a side query's differ)."""
+        if not segments:
+            return True
+        first = segments[0]
+        system = [template_form(m) for m in request.messages[:1] if m["role"] == "system"]
+        return first.tools == request.tools and system == [m for m in first.messages[:1] if m["role"] == "system"]
 
     def _generate(self, prepared: list) -> None:
         if not prepared:  # another rank generates: one throwaway token keeps this rank's collectives in step
@@ -307,21 +473,22 @@ class AgentServer:
                 _answer(request, 500, _error(f"generation failed: {type(e).__name__}: {e}", "server_error"))
             raise
         self.generate_calls += 1
-        for (request, segment, new_ids, new_messages, forked, budget), completion in zip(prepared, completions):
+        for (request, segment, new_ids, new_messages, new_segment, budget), completion in zip(prepared, completions):
             self.requests += 1
-            _answer(request, 200, self._record(request, segment, new_ids, new_messages, forked, completion, budget))
+            _answer(request, 200, self._record(request, segment, new_ids, new_messages, new_segment, completion,
+                                               budget))
 
-    def _record(self, request: Request, segment: Segment, new_ids: list[int], new_messages: list[dict], forked: bool,
-                completion, budget: int) -> dict:
-        """Append the turn to its segment (a new segment to its session) and build the response."""
+    def _record(self, request: Request, segment: Segment, new_ids: list[int], new_messages: list[dict],
+                new_segment: bool, completion, budget: int) -> Reply:
+        """Append the turn to its segment (a new segment to its session) and build the reply."""
         ids, logprobs = completion.token_ids[:budget], completion.logprobs[:budget]
         ended = bool(ids) and ids[-1] == self.eot_id
         stopped = ended or (completion.finish_reason == "stop" and len(ids) == len(completion.token_ids))
         text = self.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)  # as sampled
-        shown = text  # what the reply says
+        shown, stop = text, None  # what the reply says
         cut = _stop_cut(self.tokenizer, ids[:-1] if stopped else ids, request.stop) if request.stop else None
         if cut is not None:  # a stop string: the reply ends before it, the ids at the token that completed it
-            ids, logprobs, shown, stopped, ended = ids[:cut[0]], logprobs[:cut[0]], cut[1], True, False
+            ids, logprobs, shown, stop, stopped, ended = ids[:cut[0]], logprobs[:cut[0]], cut[1], cut[2], True, False
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
         known = {t["function"]["name"] for t in request.tools or []}
         calls = [c for c in chat.parse_tool_calls(text, known) if isinstance(c, dict)] if ended else []
@@ -329,27 +496,30 @@ class AgentServer:
         content = chat.TOOL_CALL.sub("", text).strip() if calls else shown
         tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                        "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in calls]
-        reply = {"role": "assistant", "content": content} | ({"tool_calls": tool_calls} if tool_calls else {})
         prompt_ids = segment.ids + new_ids
+        reply = Reply(content, tool_calls, finish, stop, prompt_ids, ids)
         with self.lock:
-            if forked:
+            if new_segment:
                 self.sessions.setdefault(request.key, []).append(segment)
+            turn = Turn(len(request.messages), len(segment.completion_ids), len(segment.messages), ended, finish)
+            segment.turns.append(turn)
             segment.messages += new_messages + [{"role": "assistant", "content": text}]
-            segment.wire = [wire_form(m) for m in request.messages] + [wire_form(reply)]
+            if not ended:
+                segment.open_turns.append(len(segment.messages) - 1)
+            segment.wire = [wire_form(m) for m in request.messages] + [wire_form(reply.message)]
             segment.completion_ids += new_ids + ids
             segment.loss_mask += [0] * len(new_ids) + [1] * len(ids)
             segment.logprobs += [0.0] * len(new_ids) + list(logprobs)
-            segment.finish_reason, segment.extendable = finish, ended
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name, "prompt_token_ids": prompt_ids,
-                "choices": [{"index": 0, "message": reply, "finish_reason": finish, "logprobs": None,
-                             "token_ids": ids}],
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
-                          "total_tokens": len(prompt_ids) + len(ids)}}
+        return reply
 
 
-def _stop_cut(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, str] | None:
-    """(tokens to keep, text before the stop string) at the earliest stop string in the decoded ids, or None."""
+def _common_prefix(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _stop_cut(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, str, str] | None:
+    """(tokens to keep, text before the stop string, the stop string) at the earliest stop string in the decoded ids,
+    or None."""
     text = tokenizer.decode(ids, skip_special_tokens=False)
     found = [(text.find(s), s) for s in stops if s in text]
     if not found:
@@ -357,8 +527,8 @@ def _stop_cut(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, str] | 
     at, stop = min(found)
     for k in range(1, len(ids) + 1):
         if len(tokenizer.decode(ids[:k], skip_special_tokens=False)) >= at + len(stop):
-            return k, text[:at]
-    return len(ids), text[:at]
+            return k, text[:at], stop
+    return len(ids), text[:at], stop
 
 
 def _drain(q: queue.Queue) -> list:
@@ -370,13 +540,99 @@ def _drain(q: queue.Queue) -> list:
             return out
 
 
-def _answer(request: Request, status: int, body: dict) -> None:
+def _answer(request: Request, status: int, body) -> None:
     if not request.reply.done():
         request.reply.set_result((status, body))
 
 
 def _error(message: str, code: str) -> dict:
     return {"error": {"message": message, "type": "invalid_request_error", "code": code}}
+
+
+# The replies in each API's shapes. Anthropic's stop reasons and error types for OpenAI's.
+ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+ANTHROPIC_ERROR = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                   410: "invalid_request_error", 503: "overloaded_error"}
+
+
+def chat_completion(reply: Reply, model: str) -> dict:
+    """The reply as a chat.completion, with kiln's ids (prompt_token_ids, choices[].token_ids)."""
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "prompt_token_ids": reply.prompt_ids,
+            "choices": [{"index": 0, "message": reply.message, "finish_reason": reply.finish, "logprobs": None,
+                         "token_ids": reply.token_ids}],
+            "usage": _usage(reply)}
+
+
+def chat_chunks(reply: Reply, model: str, include_usage: bool) -> list[dict]:
+    """The reply as chat.completion.chunk objects: the role, content deltas, each tool call (index, id, name, then its
+    arguments in pieces), a finish chunk (with kiln's ids), and the usage chunk (no choices) when asked."""
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": model}
+
+    def chunk(delta: dict, finish: str | None = None, **extra) -> dict:
+        return head | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None} | extra]}
+
+    chunks = [chunk({"role": "assistant", "content": ""})]
+    chunks += [chunk({"content": piece}) for piece in _pieces(reply.content)]
+    for i, call in enumerate(reply.tool_calls):
+        chunks.append(chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                             "function": {"name": call["function"]["name"], "arguments": ""}}]}))
+        chunks += [chunk({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
+                   for piece in _pieces(call["function"]["arguments"])]
+    chunks.append(chunk({}, reply.finish, token_ids=reply.token_ids) | {"prompt_token_ids": reply.prompt_ids})
+    if include_usage:
+        chunks.append(head | {"choices": [], "usage": _usage(reply)})
+    return chunks
+
+
+def anthropic_message(reply: Reply, model: str) -> dict:
+    """The reply as an Anthropic message: a text block (if any text), a tool_use block per call."""
+    blocks = [{"type": "text", "text": reply.content}] if reply.content or not reply.tool_calls else []
+    blocks += [{"type": "tool_use", "id": "toolu_" + c["id"][len("call_"):], "name": c["function"]["name"],
+                "input": json.loads(c["function"]["arguments"])} for c in reply.tool_calls]
+    return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model,
+            "content": blocks, "stop_reason": "stop_sequence" if reply.stop else ANTHROPIC_STOP[reply.finish],
+            "stop_sequence": reply.stop, "prompt_token_ids": reply.prompt_ids, "token_ids": reply.token_ids,
+            "usage": {"input_tokens": len(reply.prompt_ids), "output_tokens": len(reply.token_ids)}}
+
+
+def anthropic_events(reply: Reply, model: str) -> list[tuple[str, dict]]:
+    """The reply as Anthropic's stream: message_start, each block's start, deltas (text_delta, input_json_delta) and
+    stop, message_delta (stop reason, usage), message_stop."""
+    message = anthropic_message(reply, model)
+    start = message | {"content": [], "stop_reason": None, "stop_sequence": None,
+                       "usage": {"input_tokens": len(reply.prompt_ids), "output_tokens": 0}}
+    events = [("message_start", {"type": "message_start", "message": start})]
+    for i, block in enumerate(message["content"]):
+        if block["type"] == "text":
+            opened, deltas = {"type": "text", "text": ""}, [{"type": "text_delta", "text": p}
+                                                              for p in _pieces(block["text"])]
+        else:
+            opened = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
+            deltas = [{"type": "input_json_delta", "partial_json": p} for p in _pieces(json.dumps(block["input"]))]
+        events.append(("content_block_start", {"type": "content_block_start", "index": i, "content_block": opened}))
+        events += [("content_block_delta", {"type": "content_block_delta", "index": i, "delta": d}) for d in deltas]
+        events.append(("content_block_stop", {"type": "content_block_stop", "index": i}))
+    events.append(("message_delta", {"type": "message_delta", "delta": {
+        "stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]},
+        "usage": {"output_tokens": len(reply.token_ids)}}))
+    events.append(("message_stop", {"type": "message_stop"}))
+    return events
+
+
+def anthropic_error(status: int, body: dict) -> dict:
+    return {"type": "error", "error": {"type": ANTHROPIC_ERROR.get(status, "api_error"),
+                                       "message": body["error"]["message"]}}
+
+
+def _usage(reply: Reply) -> dict:
+    return {"prompt_tokens": len(reply.prompt_ids), "completion_tokens": len(reply.token_ids),
+            "total_tokens": len(reply.prompt_ids) + len(reply.token_ids)}
+
+
+def _pieces(text: str) -> list[str]:
+    return [text[i: i + SSE_PIECE] for i in range(0, len(text), SSE_PIECE)]
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -398,24 +654,76 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         server: AgentServer = self.server.kiln
-        if self.path.rstrip("/") != "/v1/chat/completions":
+        path = self.path.split("?")[0].rstrip("/")
+        if path not in ("/v1/chat/completions", "/v1/messages"):
             return self._send(404, _error(f"no such path: {self.path}", "not_found"))
+        anthropic = path == "/v1/messages"
         auth = self.headers.get("Authorization", "")
-        key = auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else ""
+        key = auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else self.headers.get("x-api-key", "")
         try:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
             if not key:
-                raise BadRequest("no session: send Authorization: Bearer <session key>", 401, "invalid_api_key")
+                raise BadRequest("no session: send Authorization: Bearer <session key> (or x-api-key)", 401,
+                                 "invalid_api_key")
             if not isinstance(body, dict):
                 raise BadRequest("the body must be a JSON object")
-            request = parse_request(key, body, server.sampling if server.fixed_sampling else None)
+            request = parse_request(key, anthropic_to_chat(body) if anthropic else body,
+                                    server.sampling if server.fixed_sampling else None)
             server.submit(request)
         except json.JSONDecodeError as e:
-            return self._send(400, _error(f"the body is not JSON: {e}", "invalid_json"))
+            return self._error(400, _error(f"the body is not JSON: {e}", "invalid_json"), anthropic)
         except BadRequest as e:
-            return self._send(e.status, _error(str(e), e.code))
-        status, reply = request.reply.result()
-        self._send(status, reply)
+            return self._error(e.status, _error(str(e), e.code), anthropic)
+        if not request.stream:
+            status, reply = request.reply.result()
+            if status != 200:
+                return self._error(status, reply, anthropic)
+            return self._send(200, anthropic_message(reply, server.model_name) if anthropic
+                              else chat_completion(reply, server.model_name))
+        try:  # an early refusal keeps its HTTP status; a long wait gets the stream's headers and keep-alives
+            status, reply = request.reply.result(timeout=STREAM_WAIT_SECONDS)
+            if status != 200:
+                return self._error(status, reply, anthropic)
+            self._open_stream()
+        except FutureTimeout:
+            self._open_stream()
+            while True:
+                try:
+                    status, reply = request.reply.result(timeout=KEEPALIVE_SECONDS)
+                    break
+                except FutureTimeout:
+                    if anthropic:
+                        self._event("ping", {"type": "ping"})
+                    else:
+                        self._event(None, None)
+        if status != 200:  # after the headers: OpenAI's error chunk, Anthropic's error event
+            return self._event("error", anthropic_error(status, reply)) if anthropic else self._event(None, reply)
+        if anthropic:
+            for name, data in anthropic_events(reply, server.model_name):
+                self._event(name, data)
+        else:
+            for data in chat_chunks(reply, server.model_name, request.include_usage):
+                self._event(None, data)
+            self.wfile.write(b"data: [DONE]\n\n")
+
+    def _open_stream(self) -> None:
+        """SSE headers; the stream ends when the connection closes."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+
+    def _event(self, name: str | None, data: dict | None) -> None:
+        """One SSE event (`data` None: a keep-alive comment)."""
+        text = ": keep-alive\n\n" if data is None else (f"event: {name}\n" if name else "") + (
+            f"data: {json.dumps(data)}\n\n")
+        self.wfile.write(text.encode())
+        self.wfile.flush()
+
+    def _error(self, status: int, body: dict, anthropic: bool) -> None:
+        self._send(status, anthropic_error(status, body) if anthropic else body)
 
     def _send(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()

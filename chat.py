@@ -273,12 +273,13 @@ def truncate_tool_text(tokenizer, text: str, max_tokens: int) -> tuple[str, bool
 
 
 def check_tito(tokenizer, sample, messages: list[dict], tools: list[dict] | None = None,
-               eot: str | None = None) -> list[str]:
+               eot: str | None = None, open_turns=()) -> list[str]:
     """Drift between a trajectory (a rollout.Sample, or anything with its ids, prompt_ids and loss_mask) and the chat
     template's rendering of the same messages (tokenized whole, tool output as plain text): ids that differ, and
     loss-mask positions that are not exactly the assistant turns' content plus their end-of-turn token `eot` (default:
-    end_of_turn's) where the policy sampled it (not after a code action). Returns human-readable findings; [] = no
-    drift."""
+    end_of_turn's) where the policy sampled it (not after a code action, nor after the assistant messages whose
+    indices are in `open_turns`: replies cut by a token budget or a stop string, closed by the template). Returns
+    human-readable findings; [] = no drift."""
     eot = eot or end_of_turn(tokenizer)
     text = render(tokenizer, messages, tools, add_generation_prompt=False)
     plain = tool_spans(tokenizer, messages, tools, False, text)
@@ -302,7 +303,7 @@ def check_tito(tokenizer, sample, messages: list[dict], tools: list[dict] | None
         if m["role"] == "assistant":
             begin = len(render(tokenizer, messages[:i], tools, add_generation_prompt=True))
             end = render(tokenizer, messages[: i + 1], tools, add_generation_prompt=False).rindex(eot)
-            unsampled = is_action_turn(messages, i) or (open_end and i == len(messages) - 1)
+            unsampled = is_action_turn(messages, i) or i in open_turns or (open_end and i == len(messages) - 1)
             spans.append((begin, end + (0 if unsampled else len(eot))))
     # The prompt is never trained, assistant turns in it (a conversation resumed from its messages) included.
     want_mask = [int(k >= len(sample.prompt_ids) and any(b <= s and e <= c for b, c in spans))

@@ -95,6 +95,16 @@ def scalar_advantages(name: str, rewards: torch.Tensor, group: torch.Tensor) -> 
     raise ValueError(f"unknown advantage estimator {name!r}; expected one of {ADVANTAGES}")
 
 
+def unit_advantages(name: str, rewards: torch.Tensor, group: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+    """scalar_advantages where the samples that share a `unit` id (the segments of one external agent's session, which
+    share its one result) count once in the statistics, with their first sample's reward, and share its advantage.
+    rewards, group, unit [N] -> [N]."""
+    ids, index = torch.unique(unit, return_inverse=True)
+    first = torch.full((len(ids),), len(unit), dtype=torch.long).scatter_reduce_(
+        0, index, torch.arange(len(unit)), "amin")
+    return scalar_advantages(name, rewards[first], group[first])[index]
+
+
 def nonconstant_groups(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     """Bool [N]: True for samples whose group has unequal rewards (DAPO dynamic sampling keeps these)."""
     ids, index = torch.unique(group, return_inverse=True)

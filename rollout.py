@@ -363,19 +363,21 @@ def _generate(engine: Engine, prompts: list[list[int]], sampling: Sampling, imag
 def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict], group_size: int, sampling: Sampling,
                     tools: str = "none", limits: AgentLimits | None = None, first_group: int = 0,
                     check: bool = False, eot: str | None = None,
-                    keep_failed: bool = False) -> tuple[list[Sample], dict]:
+                    keep_failed: bool = False, train_side_queries: bool = False) -> tuple[list[Sample], dict]:
     """`group_size` runs of `agent_cmd` (agent_server.start_agent's placeholders) per row, all at once, each killed
     (its process group) past limits.max_seconds; the rank's engine serves them (agent_server.AgentServer, sampling
     fixed to `sampling`, replies within limits.max_total_tokens) until every agent on every rank has ended.
     Collective under torchrun. Each recorded segment is a Sample of the row's group whose text is the agent's result
     file (what the reward grades; for swebench rows its patch). An agent that exits non-zero or is killed ends its
     session: its samples are dropped, or kept with keep_failed. `tools` names the rows' kind only (the agent brings
-    its own tools). check: check_tito on every sample (tools/tito_drift_frac)."""
+    its own tools). check: check_tito on every sample (tools/tito_drift_frac). Side segments (agent_server: another
+    system prompt or other tools) are recorded and train only with train_side_queries."""
     limits = limits or AgentLimits()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kiln-agents-") as workdir, \
             open(Path(workdir) / "agents.log", "wb") as log, \
-            agent_server.AgentServer(engine, tokenizer, sampling, eot, limits.max_total_tokens) as server:
+            agent_server.AgentServer(engine, tokenizer, sampling, eot, limits.max_total_tokens,
+                                     train_side_queries=train_side_queries) as server:
         agents = [agent_server.start_agent(agent_cmd, server.base_url, rows[i // group_size],
                                            first_group + i // group_size, Path(workdir), log)
                   for i in range(len(rows) * group_size)]
@@ -396,14 +398,16 @@ def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict],
     for agent, recorded, text in zip(agents, segments, results):
         if agent.status != "ok" and not keep_failed:
             continue
-        for k, segment in enumerate(recorded):
+        trained = [segment for segment in recorded if segment.trains]  # side queries only with train_side_queries
+        for k, segment in enumerate(trained):
             samples.append(Sample(
                 prompt_ids=segment.prompt_ids, completion_ids=segment.completion_ids, loss_mask=segment.loss_mask,
                 engine_logprobs=segment.logprobs, row=agent.row, group=agent.group, text=text,
                 finish_reason=segment.finish_reason,
                 info={"messages": segment.messages, "tools": segment.tools, "agent_status": agent.status,
                       "agent_returncode": agent.process.returncode, "agent_seconds": agent.seconds,
-                      "session": agent.key, "segment": k, "segments": len(recorded)}))
+                      "session": agent.key, "segment": k, "segments": len(trained), "opened": segment.opened,
+                      "open_turns": segment.open_turns}))
     n = max(1, len(agents))
     seconds = time.perf_counter() - start
     metrics = {
@@ -425,6 +429,7 @@ def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict],
                          f"{metrics['agents/timeout_frac']:.0%} were killed at the wall limit); the end of their "
                          f"output:\n{failures}")
     if check and samples:
-        drifts = [chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"], eot) for s in samples]
+        drifts = [chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"], eot,
+                                  s.info.get("open_turns", ())) for s in samples]
         metrics["tools/tito_drift_frac"] = sum(bool(d) for d in drifts) / len(drifts)
     return samples, metrics

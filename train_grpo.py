@@ -518,11 +518,15 @@ def assign_advantages(run: Run, samples: list[rollout.Sample],
                       batch: list[rollout.Sample]) -> tuple[list[rollout.Sample], dict]:
     """Phase 6: each sample's advantage from the shaped rewards of the global batch (groups never straddle ranks;
     REINFORCE++ normalises over every rank). With --mask-truncated (DAPO overlong filtering) samples cut by a token
-    limit count in their group's advantages but leave the batch the loss sees."""
+    limit count in their group's advantages but leave the batch the loss sees. The segments of an external agent's
+    session share its one result: the session counts once, with its first segment's reward."""
     args, metrics = run.args, {}
-    everyone = collectives.gather_objects([(s.shaped_reward, s.group) for s in batch])
-    advantage = losses.scalar_advantages(args.advantage, torch.tensor([r for r, _ in everyone]),
-                                         torch.tensor([g for _, g in everyone], dtype=torch.long))
+    units = [s.info.get("session") or f"{run.rank}:{k}" for k, s in enumerate(batch)]
+    everyone = collectives.gather_objects([(s.shaped_reward, s.group, u) for s, u in zip(batch, units)])
+    unit_ids = {u: k for k, u in enumerate(dict.fromkeys(u for _, _, u in everyone))}
+    advantage = losses.unit_advantages(args.advantage, torch.tensor([r for r, _, _ in everyone]),
+                                       torch.tensor([g for _, g, _ in everyone], dtype=torch.long),
+                                       torch.tensor([unit_ids[u] for _, _, u in everyone]))
     first = sum(collectives.gather_objects([len(batch)])[: run.rank])  # ranks may hold different counts
     for s, a in zip(batch, advantage[first:]):
         s.advantage = a.item()

@@ -14,8 +14,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import anthropic
 import openai
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -24,6 +26,7 @@ import agent_server  # noqa: E402
 import chat  # noqa: E402
 import data_prep  # noqa: E402
 import engines  # noqa: E402
+import losses  # noqa: E402
 import policy  # noqa: E402
 import rollout  # noqa: E402
 import tiny  # noqa: E402
@@ -46,9 +49,9 @@ def tokenizer(tmp_path_factory):
 class Served:
     """An AgentServer whose engine loop runs on a thread (what a rank's main thread does), plus OpenAI clients."""
 
-    def __init__(self, engine, tokenizer, max_new_tokens=200):
+    def __init__(self, engine, tokenizer, max_new_tokens=200, max_total_tokens=4096):
         self.server = agent_server.AgentServer(engine, tokenizer, engines.Sampling(max_new_tokens=max_new_tokens),
-                                               max_total_tokens=4096)
+                                               max_total_tokens=max_total_tokens)
         self.running = True
         self.loop = threading.Thread(target=self._loop, daemon=True)
 
@@ -182,20 +185,220 @@ def test_sixteen_concurrent_sessions_share_one_engine_call(tokenizer):
             f"task-{k:02d}"]
 
 
-def test_a_stop_string_ends_the_reply_at_the_token_that_completes_it(tokenizer):
-    engine = ScriptedEngine(tokenizer, {"task-S": ["Done: two files.", "Again."]})
+def test_replies_cut_by_a_stop_string_or_max_tokens_are_continued_in_their_segment(tokenizer):
+    engine = ScriptedEngine(tokenizer, {"task-S": ["Done: two files.", "Again and again and again.", "Fine."]})
     with Served(engine, tokenizer) as served:
         client = served.client("session-s")
         messages = [{"role": "user", "content": "task-S"}]
-        reply = client.chat.completions.create(model="kiln", messages=messages, stop=["two"]).choices[0]
-        messages += [echo(reply.message), {"role": "user", "content": "and?"}]
-        client.chat.completions.create(model="kiln", messages=messages)
-        first, second = served.session("session-s")["segments"]  # no end-of-turn token to continue after: a new one
-    ids = reply.model_extra["token_ids"]
-    assert reply.message.content == "Done: " and reply.finish_reason == "stop"
-    assert ids == engine.emitted["task-S"][: len(ids)] == first["completion_ids"]
+        first = client.chat.completions.create(model="kiln", messages=messages, stop=["two"]).choices[0]
+        messages += [echo(first.message), {"role": "user", "content": "and?"}]
+        second = client.chat.completions.create(model="kiln", messages=messages, max_tokens=3).choices[0]
+        messages += [echo(second.message), {"role": "user", "content": "go on"}]
+        third = client.chat.completions.create(model="kiln", messages=messages).choices[0]
+        (segment,) = served.session("session-s")["segments"]  # one sample, not one per cut reply
+    ids = first.model_extra["token_ids"]
+    assert first.message.content == "Done: " and first.finish_reason == "stop"
     assert "two" in tokenizer.decode(ids) and "two" not in tokenizer.decode(ids[:-1])
-    assert first["tito"] == [] and second["tito"] == []
+    assert second.finish_reason == "length" and len(second.model_extra["token_ids"]) == 3
+    assert third.message.content == "Fine." and third.finish_reason == "stop"
+    sampled = ids + second.model_extra["token_ids"] + third.model_extra["token_ids"]
+    completion, mask = segment["completion_ids"], segment["loss_mask"]
+    assert [i for i, m in zip(completion, mask) if m] == sampled  # mask 1 exactly on what was sampled
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert completion[len(ids)] == eot and mask[len(ids)] == 0  # the template closes the cut reply, untrained
+    assert segment["open_turns"] == [1, 3] and segment["turns"] == 3
+    assert segment["tito"] == []
+
+
+class RuleEngine:
+    """Replies chosen by a rule on the prompt's text (the last marker of `rules` found in it wins), canonical ids plus
+    the end-of-turn token; `emitted` lists every call's ids in order."""
+
+    def __init__(self, tokenizer, rules: list[tuple[str, str]], fail: bool = False):
+        self.tokenizer, self.rules, self.fail, self.emitted = tokenizer, rules, fail, []
+        self.eot = tokenizer.convert_tokens_to_ids(chat.end_of_turn(tokenizer))
+
+    def generate(self, prompts, sampling):
+        if self.fail:
+            time.sleep(0.3)
+            raise RuntimeError("the engine died")
+        out = []
+        for prompt in prompts:
+            text = self.tokenizer.decode(prompt)
+            reply = max(((text.rfind(marker), reply) for marker, reply in self.rules if marker in text))[1]
+            ids = self.tokenizer(reply, add_special_tokens=False)["input_ids"][: sampling.max_new_tokens - 1]
+            ids += [self.eot]
+            self.emitted.append(ids)
+            out.append(engines.Completion(ids, [-0.5] * len(ids), "stop"))
+        return out
+
+
+def test_streaming_records_the_same_ids_as_not_streaming(tokenizer):
+    engine = ScriptedEngine(tokenizer, {"task-T": ["Let me look at the files first.\n" + call("ls -la /testbed"),
+                                                   "Done."]})
+    tools = [BASH]
+    with Served(engine, tokenizer) as served:
+        results = {}
+        for key, streams in (("plain", (False, False)), ("streamed", (True, True)), ("mixed", (True, False))):
+            client = served.client(key)
+            messages = [{"role": "user", "content": "task-T"}]
+            replies = []
+            for stream in streams:
+                if stream:
+                    chunks = list(client.chat.completions.create(model="kiln", messages=messages, tools=tools,
+                                                                 stream=True, stream_options={"include_usage": True}))
+                    message, finish, usage = assemble(chunks)
+                else:
+                    completion = client.chat.completions.create(model="kiln", messages=messages, tools=tools)
+                    message = echo(completion.choices[0].message)
+                    finish, usage = completion.choices[0].finish_reason, completion.usage.model_dump()
+                replies.append((message, finish, usage))
+                messages = messages + [message] + [{"role": "tool", "tool_call_id": c["id"], "content": "a.py"}
+                                                   for c in message.get("tool_calls", [])]
+            results[key] = replies, served.session(key)["segments"]
+    (plain, (plain_segment,)), (streamed, (streamed_segment,)) = results["plain"], results["streamed"]
+    (_, (mixed_segment,)) = results["mixed"]  # one session, a streamed turn then a plain one
+    for field in ("prompt_ids", "completion_ids", "loss_mask", "messages"):  # logprobs name the engine call
+        assert plain_segment[field] == streamed_segment[field] == mixed_segment[field], field
+    for (a, a_finish, a_usage), (b, b_finish, b_usage) in zip(plain, streamed):
+        assert a_finish == b_finish and a_usage == b_usage
+        assert a["content"] == b["content"]
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in a.get("tool_calls", [])] \
+            == [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in b.get("tool_calls", [])]
+    assert streamed[0][1] == "tool_calls" and streamed[1][1] == "stop"
+    assert streamed_segment["tito"] == []
+
+
+def assemble(chunks) -> tuple[dict, str, dict]:
+    """A streamed reply put together as a client does: content and tool-call deltas joined by index."""
+    content, calls, finish, usage = "", {}, None, None
+    assert chunks[0].choices[0].delta.role == "assistant"
+    for chunk in chunks:
+        if chunk.usage is not None:
+            assert chunk.choices == []  # the usage chunk comes last and alone
+            usage = chunk.usage.model_dump()
+            continue
+        (choice,) = chunk.choices
+        content += choice.delta.content or ""
+        for call in choice.delta.tool_calls or []:
+            entry = calls.setdefault(call.index, {"id": call.id, "type": "function",
+                                                  "function": {"name": call.function.name, "arguments": ""}})
+            entry["function"]["arguments"] += call.function.arguments or ""
+        finish = choice.finish_reason or finish
+    assert chunks[-1].usage is not None
+    message = {"role": "assistant", "content": content} | ({"tool_calls": list(calls.values())} if calls else {})
+    return message, finish, usage
+
+
+def test_the_anthropic_sdk_streaming_and_not_with_tool_use_blocks(tokenizer):
+    engine = ScriptedEngine(tokenizer, {"task-M": ["I will list.\n" + call("ls"), "Two files: a.py, b.py."]})
+    with Served(engine, tokenizer) as served:
+        client = anthropic.Anthropic(base_url=served.server.base_url[: -len("/v1")], api_key="claude-1",
+                                     max_retries=0, timeout=60)
+        tools = [{"name": "bash", "description": "run a command", "input_schema": BASH["function"]["parameters"]}]
+        messages = [{"role": "user", "content": "task-M: what is here?"}]
+        first = client.messages.create(model="kiln", max_tokens=200, system="You fix code.", messages=messages,
+                                       tools=tools)
+        assert first.stop_reason == "tool_use"
+        text, use = first.content
+        assert text.text == "I will list." and use.name == "bash" and use.input == {"command": "ls"}
+        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                   "content": "a.py b.py"}]}]
+        with client.messages.stream(model="kiln", max_tokens=200, system="You fix code.", messages=messages,
+                                    tools=tools) as stream:
+            deltas = [event.delta.text for event in stream if event.type == "content_block_delta"]
+            second = stream.get_final_message()
+        (segment,) = served.session("claude-1")["segments"]
+    assert second.stop_reason == "end_turn" and second.content[0].text == "Two files: a.py, b.py." == "".join(deltas)
+    assert second.usage.output_tokens == len(second.model_extra["token_ids"])
+    assert second.usage.input_tokens == len(second.model_extra["prompt_token_ids"])
+    assert [i for i, m in zip(segment["completion_ids"], segment["loss_mask"]) if m] == engine.emitted["task-M"]
+    assert segment["messages"][0] == {"role": "system", "content": "You fix code."}
+    assert segment["messages"][3] == {"role": "tool", "content": "a.py b.py"}
+    assert segment["tito"] == []
+
+
+def test_side_queries_retries_branches_and_rewrites(tokenizer):
+    engine = RuleEngine(tokenizer, [("main-task", "Step one.\n" + call("ls")), ("listing", "Step two, done."),
+                                    ("Summarize", '{"summary": "listed"}'), ("compressed", "Resumed.")])
+    system = {"role": "system", "content": "You are the agent."}
+    with Served(engine, tokenizer) as served:
+        client = served.client("qwen-like")
+        main = [system, {"role": "user", "content": "main-task"}]
+        first = echo(client.chat.completions.create(model="kiln", messages=main, tools=[BASH]).choices[0].message)
+        main += [first, {"role": "tool", "tool_call_id": first["tool_calls"][0]["id"], "content": "listing"}]
+        # A side query beside the main thread (another system prompt, no tools), as qwen-code's classifiers send.
+        side = client.chat.completions.create(model="kiln", messages=[
+            {"role": "system", "content": "You summarize."}, {"role": "user", "content": "main-task: Summarize it"}])
+        assert side.choices[0].message.content == '{"summary": "listed"}'
+        second = client.chat.completions.create(model="kiln", messages=main, tools=[BASH])
+        retried = client.chat.completions.create(model="kiln", messages=main, tools=[BASH])  # the same request again
+        assert retried.choices[0].message.content == second.choices[0].message.content == "Step two, done."
+        session = served.session("qwen-like")
+        assert session["opened"] == ["first", "side"]  # the side query did not fork the main thread
+        main_segment, side_segment = session["segments"]
+        assert main_segment["turns"] == 2 and main_segment["tito"] == [] and side_segment["tito"] == []
+        assert side_segment["trains"] is False and main_segment["trains"] is True
+        sampled = [i for i, m in zip(main_segment["completion_ids"], main_segment["loss_mask"]) if m]
+        assert sampled == engine.emitted[0] + engine.emitted[3]  # the retry replaced the orphan reply (call 2)
+        # The agent goes back to its first reply and answers it otherwise: a branch whose prompt is the recorded ids.
+        other = main[:3] + [{"role": "tool", "tool_call_id": "x", "content": "compressed listing"}]
+        client.chat.completions.create(model="kiln", messages=other, tools=[BASH])
+        # A rewritten history (compression): a new segment rendered by the template.
+        rewrite = [system, {"role": "user", "content": "main-task, compressed: ls showed a.py"}]
+        client.chat.completions.create(model="kiln", messages=rewrite, tools=[BASH])
+        session = served.session("qwen-like")
+    assert session["opened"] == ["first", "side", "branch", "rewrite"]
+    main_segment, _, branch, rewritten = session["segments"]
+    turn_one = main_segment["prompt_ids"] + main_segment["completion_ids"][: len(engine.emitted[0])]
+    assert branch["prompt_ids"] == turn_one  # exact ids, trained where they were sampled (mask 0 here)
+    assert [i for i, m in zip(branch["completion_ids"], branch["loss_mask"]) if m] == engine.emitted[4]
+    assert branch["trains"] and rewritten["trains"] and branch["tito"] == [] and rewritten["tito"] == []
+    assert "compressed: ls showed" in tokenizer.decode(rewritten["prompt_ids"])
+    assert served.server.retries == 1
+
+
+def test_an_engine_failure_after_the_stream_opened_is_an_error_chunk(tokenizer, monkeypatch):
+    monkeypatch.setattr(agent_server, "STREAM_WAIT_SECONDS", 0.05)
+    monkeypatch.setattr(agent_server, "KEEPALIVE_SECONDS", 0.05)
+    server = agent_server.AgentServer(RuleEngine(tokenizer, [], fail=True), tokenizer, engines.Sampling())
+    with server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="k", max_retries=0, timeout=30)
+        anthropic_client = anthropic.Anthropic(base_url=server.base_url[: -len("/v1")], api_key="k2", max_retries=0)
+        errors = []
+
+        def ask(send):
+            try:
+                send()
+            except Exception as e:  # noqa: BLE001 -- what the client raises is the thing checked
+                errors.append(e)
+
+        threads = [threading.Thread(target=ask, args=(lambda: list(client.chat.completions.create(
+                       model="kiln", messages=[{"role": "user", "content": "x"}], stream=True)),)),
+                   threading.Thread(target=ask, args=(lambda: list(anthropic_client.messages.create(
+                       model="kiln", max_tokens=5, messages=[{"role": "user", "content": "x"}], stream=True)),))]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)  # both streams opened (headers and keep-alives sent) before the engine runs
+        with pytest.raises(RuntimeError, match="engine died"):
+            while len(server.pending.queue) < 2:
+                time.sleep(0.01)
+            server.step()
+        for t in threads:
+            t.join(timeout=30)
+    assert len(errors) == 2 and all("generation failed" in str(e) for e in errors)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce++-baseline"])
+def test_a_session_counts_once_in_its_group_however_many_segments(name):
+    rewards, group = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.5, 0.5]), torch.tensor([0, 0, 0, 0, 1, 1])
+    unit = torch.tensor([7, 7, 7, 3, 4, 5])  # session 7 has three segments (a branch, a rewrite), the others one
+    advantage = losses.unit_advantages(name, rewards, group, unit)
+    once = losses.scalar_advantages(name, torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.tensor([0, 0, 1, 1]))
+    assert advantage.tolist() == pytest.approx([once[0].item()] * 3 + once[1:].tolist())
+    per_segment = losses.scalar_advantages(name, rewards, group)
+    assert per_segment[0].item() != pytest.approx(once[0].item())  # counting each segment skews the statistics
 
 
 def test_bad_requests_are_refused_with_a_reason(tokenizer):
@@ -286,6 +489,8 @@ def test_agents_see_no_answers_and_get_their_placeholders(tmp_path, monkeypatch)
     assert "KILN_JUDGE_API_KEY" not in env and "RANK" not in env and env["OPENAI_API_KEY"] == agent.key
     url, key, rest = agent.completion().split(" ", 2)
     assert url == "http://h:1/v1" and key == agent.key and json.loads(rest) == view
+    with pytest.raises(ValueError, match="unknown placeholder"):
+        agent_server.check_agent_cmd("run --url {url}")
     with pytest.raises(ValueError, match="unknown placeholder"):  # refused before anything loads
         train_grpo.check_args(train_grpo.Args(agent_cmd="run --url {url}", output_dir=str(tmp_path / "run")), 1)
 

@@ -46,8 +46,8 @@ def call(command: str) -> str:
 
 def left_behind(client, sessions) -> list[str]:
     """Containers of these agent sessions still on the host."""
-    return [c.name for key in sessions
-            for c in client.containers.list(all=True, filters={"label": f"{containers.RUN}={key}"})]
+    return [c.id for key in sessions  # sparse: no inspect of each, which races with a removal in progress
+            for c in client.containers.list(all=True, sparse=True, filters={"label": f"{containers.RUN}={key}"})]
 
 
 def test_tiny_model_run_completes_and_every_segment_passes_check_tito(docker_client, swe_rows, model_dir):
