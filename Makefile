@@ -16,19 +16,26 @@ $(STAMP): requirements-cpu.txt constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -r requirements-cpu.txt
 	touch $(STAMP)
 
+# The agent CLIs the tests drive through kiln's endpoint (npm; qwen-code 0.15.10 is the newest that runs on Node 20).
+NPM_TOOLS := .npm-tools/.kiln-installed
+$(NPM_TOOLS):
+	npm install --no-audit --no-fund --loglevel=error --prefix .npm-tools @qwen-code/qwen-code@0.15.10 \
+		@anthropic-ai/claude-code@2.1.332
+	touch $(NPM_TOOLS)
+
 # Two workers, a test file each at a time: most tests wait on subprocesses, containers or one core's Python, so the
 # second core is otherwise idle (the two timings are in bench/RESULTS.md).
-test: venv
+test: venv $(NPM_TOOLS)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
-test-fast: venv
+test-fast: venv $(NPM_TOOLS)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 
 demo: venv
 	$(PY) demo.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs .npm-tools
 
 # `make test-vllm`: kiln's vLLM calls checked against the real vllm==0.32.0 API (5.8 GB venv, ~5 min the first
 # time). No engine can start on a CPU, but everything kiln passes to vLLM is validated against its signatures.
