@@ -5,7 +5,7 @@
 
 mini-swe-agent's DefaultAgent and LitellmModel (its swebench config: one `bash` tool, a fresh subshell per command,
 `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat patch.txt` submits) against the endpoint, in its DockerEnvironment on
-the row's instance image with no network. The container is labelled as a kiln agent container of this process, so a
+the row's instance image, its repository holding nothing past the base commit, with no network. The container is labelled as a kiln agent container of this process, so a
 kiln sweep removes it when this process is killed, and it is removed when the run ends. The submission (the patch)
 goes to --result. The two environment variables keep litellm and mini-swe-agent off the network.
 """
@@ -25,6 +25,7 @@ from minisweagent.environments.docker import DockerEnvironment
 from minisweagent.models.litellm_model import LitellmModel
 
 import containers
+import runlog
 
 # For small models that cannot read mini-swe-agent's two-page instructions: the same protocol in a few lines.
 SHORT_INSTANCE = ("Fix this issue in /testbed:\n{{task}}\nCall the bash tool. When done, submit with "
@@ -68,8 +69,8 @@ def main(args: Args) -> None:
         format_error_template=config["model"]["format_error_template"])
     labels = {containers.OWNER: containers.owner_label(), containers.ROLE: "agent", containers.RUN: args.api_key,
               containers.EXPIRES: str(int(time.time()) + args.container_seconds)}
-    environment = DockerEnvironment(
-        image=instance["image"], cwd="/testbed", timeout=args.command_timeout, interpreter=["bash", "-c"],
+    environment = DockerEnvironment(  # the instance's repository without its future (containers.history_free_image)
+        image=containers.history_free_image(containers.connect(), instance["image"]), cwd="/testbed", timeout=args.command_timeout, interpreter=["bash", "-c"],
         env={k: v for k, v in config["environment"]["env"].items() if k != "BASH_ENV"},  # no conda in kiln's images
         run_args=["--rm", "--network", "none", "--init"] + [f"--label={k}={v}" for k, v in labels.items()],
         container_timeout=str(args.container_seconds))
@@ -83,4 +84,5 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    with runlog.one_line_errors():
+        main(tyro.cli(Args))
