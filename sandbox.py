@@ -79,6 +79,7 @@ UID_RANGE = 65536
 PROC_READER_GID = (1 << 30) - 1
 WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # where plain-mode runs may leave files
 PACKAGES_DIR = "/kiln/packages"  # the allow-listed packages, inside the view
+HOST_DIR = "/kiln/host"  # where the view places an interpreter that lives under a path the view uses itself (/tmp)
 # What the agent's Python tool may import besides the stdlib: images, arrays, plots (and matplotlib's dependencies).
 SESSION_PACKAGES = ("PIL", "numpy", "matplotlib", "contourpy", "cycler", "dateutil", "fontTools", "kiwisolver",
                     "packaging", "pyparsing", "six")
@@ -710,12 +711,28 @@ def _enter_view(packages: tuple[str, ...]) -> None:
     """Make the root of the zygote's mount namespace a new tmpfs holding only what programs may see (the module
     docstring lists it), then pivot_root into it and detach the host's tree, which no process here can reach again."""
     root = "/tmp"  # any mount point does: this namespace's mounts are private
+    multiarch = getattr(sys.implementation, "_multiarch", "")
+    stdlib = os.path.dirname(os.__file__)
+    # From /usr: programs (a shell, coreutils), the shared libraries and the loader, time zones; then a system
+    # Python's stdlib, or a whole pyenv/conda/local prefix (at the path the interpreter knows it by: symlinks in it
+    # are resolved on the host side).
+    wanted = [(path, path) for path in ("/bin", "/lib", "/lib32", "/lib64", "/sbin")
+              if os.path.isdir(path) and not os.path.islink(path)]
+    wanted += [(path, path) for path in ("/usr/bin", f"/usr/lib/{multiarch}", "/usr/lib64", "/usr/share/zoneinfo")
+               if multiarch and os.path.isdir(path)]
+    prefix = stdlib if os.path.realpath(sys.base_prefix) == "/usr" else os.path.abspath(sys.base_prefix)
+    # An interpreter under the view's own /tmp, /dev or /proc (a venv's base in a temp dir) moves out of their way.
+    moved = HOST_DIR + prefix if prefix.split("/")[1] in ("tmp", "dev", "proc") else prefix
+    wanted += [(prefix, moved)] + [(path, f"{PACKAGES_DIR}/{os.path.basename(path)}") for path in packages]
+    # Each source is opened before the view's tmpfs covers /tmp and bound through its descriptor: what lives under
+    # /tmp (a checkout, a venv, the interpreter), behind symlinks or on other mounts stays reachable.
+    held = [(os.open(source, os.O_PATH | os.O_CLOEXEC), os.path.isdir(source), target) for source, target in wanted]
 
-    def bind(source: str, target: str | None = None, read_only: bool = True) -> None:
-        target = root + (target or source)
-        if os.path.isdir(source):
-            os.makedirs(target, exist_ok=True)
-        else:
+    def bind(source: str, target: str, is_dir: bool, read_only: bool = True) -> None:
+        target = root + target
+        if is_dir:
+            os.makedirs(target, exist_ok=True)  # the folders made on the way are 755 (a pyenv under /root, mode
+        else:  # 700, stays reachable for other uids)
             os.makedirs(os.path.dirname(target), exist_ok=True)
             open(target, "w").close()
         _mount(source, target, None, MS_BIND | MS_REC)
@@ -726,28 +743,18 @@ def _enter_view(packages: tuple[str, ...]) -> None:
     for path in ("/bin", "/lib", "/lib32", "/lib64", "/sbin"):
         if os.path.islink(path):  # merged /usr
             os.symlink(os.readlink(path), root + path)
-        elif os.path.isdir(path):
-            bind(path)
-    # From /usr: programs (a shell, coreutils), the shared libraries and the loader, time zones.
-    multiarch = getattr(sys.implementation, "_multiarch", "")
-    for path in ("/usr/bin", f"/usr/lib/{multiarch}", "/usr/lib64", "/usr/share/zoneinfo"):
-        if multiarch and os.path.isdir(path):
-            bind(path)
-    prefix = os.path.realpath(sys.base_prefix)
-    stdlib = os.path.dirname(os.__file__)
-    bind(stdlib if prefix == "/usr" else prefix)  # a system Python's stdlib, or a whole pyenv/conda/local prefix;
-    # the folders made on the way are 755 (a pyenv under /root, mode 700, stays reachable for other uids)
+    for fd, is_dir, target in held:
+        bind(f"/proc/self/fd/{fd}", target, is_dir)
+        os.close(fd)
     for folder in (f"{stdlib}/site-packages", f"{stdlib}/dist-packages"):  # installed packages: the allow-list only
         if os.path.isdir(root + folder):
             _mount("kiln-empty", root + folder, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k")
-    for path in packages:
-        bind(path, f"{PACKAGES_DIR}/{os.path.basename(path)}")
     os.mkdir(root + "/proc")
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,  # only one's own processes
            f"hidepid=2,gid={PROC_READER_GID}")
     os.mkdir(root + "/dev")
     for name in ("null", "zero", "full", "random", "urandom"):
-        bind("/dev/" + name, read_only=False)
+        bind("/dev/" + name, "/dev/" + name, False, read_only=False)
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                          ("stderr", "/proc/self/fd/2"), ("shm", "/tmp")):  # POSIX shared memory: the run's /tmp
         os.symlink(target, f"{root}/dev/{name}")
@@ -757,6 +764,8 @@ def _enter_view(packages: tuple[str, ...]) -> None:
     _check(_libc.umount2(b".", MNT_DETACH), "detaching the host's root")
     os.chdir("/")
     _mount("none", "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    if moved != prefix:
+        sys.path[:] = [moved + p[len(prefix):] if (p + "/").startswith(prefix + "/") else p for p in sys.path]
 
 
 def _isolate_run(uid: int | None, limits: dict) -> None:
