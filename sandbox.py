@@ -29,9 +29,12 @@ go on.
 
 Speed: a fork copies the parent's page tables and an exit frees them, so the zygote stays small (modules only
 the caller needs are imported in the functions that use them), and a function/assert suite costs one fork.
-Fallbacks, logged: without root, a user namespace (one uid: runs are tracked by process group and environment
-marker); without namespaces, plain processes with network access that see the whole filesystem read-only (by
-permissions) and the allow-listed packages' folders on sys.path.
+Isolation levels (ISOLATION, docs/sandbox.md): all of the above is `full` and needs root with CAP_SYS_ADMIN. A
+Sandbox never runs at less than its `isolation` (default full) and decides its level once, at its first start: a
+weaker one only when named (`userns`: a user namespace, one uid for every run, tracked by process group and
+environment marker; `plain`: no namespaces, programs with network access that see the whole filesystem by
+permissions and the allow-listed packages' folders on sys.path). Otherwise IsolationError says what is missing.
+`require` holds the shared sandboxes to a level and starts them; `isolation_level` is what graded their samples.
 
 `PythonSession`, the agent's stateful Python tool, is a long-lived program of the same kind (same view, namespaces,
 uid and rlimits), with its working dir holding the input image; closing it kills every process it started.
@@ -123,8 +126,24 @@ class Verdict(NamedTuple):
     detail: str = ""
 
 
+# The isolation levels, strongest first, and what each keeps programs from. Which one a Sandbox runs at is decided
+# once, when its zygote first starts; it never runs at less than its `isolation` (the weakest level allowed).
+ISOLATION = {
+    "full": "namespaces, the filesystem view and a fresh uid per run: programs see no task data, checkout or host "
+            "files, have no network, see only their own processes, and cannot signal or trace the tests or each other",
+    "userns": "the namespaces and the filesystem view of full, but one uid for every run (a user namespace): a "
+              "program can signal or trace the tests' side and concurrent runs, and so forge its verdicts",
+    "plain": "no namespaces and no view: programs have NETWORK ACCESS and read the whole filesystem (task answers "
+             "included) as far as its permissions allow; only rlimits, and with root a fresh uid per run",
+}
+
+
 class SandboxError(RuntimeError):
     """The sandbox itself failed (not the program): no zygote could start, or a supervisor died."""
+
+
+class IsolationError(SandboxError):
+    """The machine does not allow the isolation level asked for; the message names what is missing and what to do."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -362,10 +381,14 @@ class Sandbox:
     import names programs may import besides the stdlib (those installed here; see SESSION_PACKAGES).
     `default_sandbox()` is the shared one."""
 
-    def __init__(self, uid_base: int | None = None, packages: tuple[str, ...] = ()):
+    def __init__(self, uid_base: int | None = None, packages: tuple[str, ...] = (), isolation: str = "full"):
+        if isolation not in ISOLATION:
+            raise ValueError(f"isolation {isolation!r}: must be one of {', '.join(ISOLATION)}")
         self.uid_base = uid_base if uid_base is not None else 1 << 30 | random.randrange(1 << 14) * UID_RANGE
         self.packages = packages
-        self.mode = None
+        self.isolation = isolation  # the weakest level allowed
+        self.level = None  # the level its programs run at (a key of ISOLATION), fixed by the first start
+        self.mode = None  # the zygote's own account: namespaces or plain, +uids where each run gets its own uid
         self._lock = _thread.allocate_lock()
         self._proc = self._control = None
         self._owner_pid = -1
@@ -439,6 +462,12 @@ class Sandbox:
                 self._stop()
         return True
 
+    def start(self) -> str:
+        """Start the zygote now (otherwise the first job does); the isolation level reached."""
+        with self._lock:
+            self._ensure_started()
+        return self.level
+
     def close(self) -> None:
         with self._lock:
             self._stop()
@@ -467,7 +496,6 @@ class Sandbox:
         if self._owner_pid != os.getpid():  # a forked caller must not share its parent's zygote
             self._proc = self._control = None
         self._stop()
-        log = logging.getLogger("kiln.sandbox")
         # Imported, not run as a script: a script is compiled from source, and that garbage would stay in the heap
         # every fork copies.
         here, name = os.path.split(os.path.abspath(__file__)[:-3])
@@ -476,9 +504,16 @@ class Sandbox:
         ns = ["--net", "--ipc", "--uts", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
               "--propagation", "private"]
         unshare = shutil.which("unshare")
-        attempts = [[unshare, *ns], [unshare, "--user", "--map-root-user", *ns]] if unshare else []
+        levels = list(ISOLATION)
+        # The strongest level first, down to the weakest allowed; a restart must reach the level decided at the start.
+        allowed = [self.level] if self.level else levels[:levels.index(self.isolation) + 1]
+        attempts = {"full": [unshare, *ns], "userns": [unshare, "--user", "--map-root-user", *ns], "plain": []}
         packages = _package_paths(self.packages)
-        for prefix in attempts + [[]]:
+        missing = [] if unshare else ["`unshare` (util-linux) is not on PATH"]
+        for level in allowed:
+            prefix = attempts[level]
+            if level != "plain" and not unshare:
+                continue
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             proc = subprocess.Popen(prefix + python + [str(theirs.fileno()), str(self.uid_base), str(bool(prefix)),
                                                        *packages],
@@ -488,23 +523,60 @@ class Sandbox:
             theirs.close()
             mine.settimeout(60)
             try:
-                self.mode = mine.recv(64).decode()
+                mode = mine.recv(64).decode()
             except OSError:
-                self.mode = ""
-            if self.mode:
+                mode = ""
+            reached = "full" if mode == "namespaces+uids" else "userns" if mode == "namespaces" else "plain"
+            if mode and reached in allowed:
                 proc.stderr.close()
                 mine.settimeout(None)
                 self._proc, self._control, self._owner_pid = proc, mine, os.getpid()
-                notes = ([] if prefix else ["no namespaces: programs have NETWORK ACCESS and see the whole "
-                                                 "filesystem (read-only by permissions)"]) + (
-                    [] if self.mode.endswith("+uids") else ["one uid: runs tracked by process group and marker"])
-                (log.warning if notes else log.info)("sandbox: %s%s", self.mode, "".join("; " + n for n in notes))
+                if self.level is None:
+                    self.level, self.mode = reached, mode
+                    (logging.getLogger("kiln.sandbox").info if reached == "full" else
+                     logging.getLogger("kiln.sandbox").warning)("%s", describe(reached))
                 return
             mine.close()
             proc.kill()
-            log.warning("sandbox: %s failed: %s", " ".join(prefix[:3]) or "python",
-                        proc.communicate()[1].decode()[-300:].strip())
-        raise SandboxError("could not start the sandbox zygote in any mode")
+            missing.append(_missing(level, mode, proc.communicate()[1].decode(errors="replace")))
+        raise IsolationError(_refusal(allowed[-1], self.level is not None, missing))
+
+
+def describe(level: str) -> str:
+    """One line for the log: the level a sandbox runs at and what it protects against."""
+    return f"sandbox isolation: {level} ({ISOLATION[level]})"
+
+
+def _missing(level: str, mode: str, stderr: str) -> str:
+    """Why the zygote's start for `level` fell short: what the machine lacks, and unshare's or Python's last words."""
+    said = " ".join(stderr.strip().splitlines()[-1:])[-300:]
+    if level == "full" and mode == "namespaces":
+        return ("full: root here cannot give each run its own uid (a user namespace maps only part of the uids, or "
+                "CAP_SETUID, CAP_SETGID or CAP_CHOWN is dropped)")
+    if level == "full" and os.geteuid() != 0:
+        return f"full: not root (each run gets its own uid, which needs root); unshare said: {said}"
+    if level == "full" and not _capabilities() >> CAP_SYS_ADMIN & 1:
+        return f"full: no CAP_SYS_ADMIN (namespaces and mounts need it); unshare said: {said}"
+    if level == "userns":
+        return ("userns: user namespaces are not allowed (see /proc/sys/user/max_user_namespaces, "
+                f"kernel.unprivileged_userns_clone, or the container's seccomp profile); unshare said: {said}")
+    return f"{level}: the zygote did not start: {said}"
+
+
+def _capabilities() -> int:
+    """This process's effective capabilities, a bit mask."""
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("CapEff:")).split()[1], 16)
+
+
+def _refusal(weakest: str, restart: bool, missing: list[str]) -> str:
+    if restart:
+        return f"the sandbox's zygote died and a new one cannot reach isolation {weakest} again: " + "; ".join(missing)
+    return (f"the sandbox cannot isolate programs at the level required ({weakest}) on this machine: "
+            + "; ".join(missing) + ". Full isolation needs root with CAP_SYS_ADMIN and util-linux's unshare: in "
+            "Docker --cap-add SYS_ADMIN (plus --security-opt apparmor=unconfined where AppArmor runs), or "
+            "--privileged; in Kubernetes securityContext.capabilities.add: [SYS_ADMIN] (or privileged: true). "
+            "Or name a weaker level (--sandbox-isolation userns or plain); docs/sandbox.md says what each gives up")
 
 
 def _package_paths(names: tuple[str, ...]) -> list[str]:
@@ -525,14 +597,39 @@ def _package_paths(names: tuple[str, ...]) -> list[str]:
 
 _defaults: dict[tuple[str, ...], Sandbox] = {}
 _default_lock = _thread.allocate_lock()
+_required = ["full"]  # the weakest isolation the shared sandboxes may run at (`require`)
 
 
 def default_sandbox(packages: tuple[str, ...] = ()) -> Sandbox:
     """The shared Sandbox whose programs may import `packages` (reward programs: none)."""
     with _default_lock:
         if packages not in _defaults:
-            _defaults[packages] = Sandbox(packages=packages)
+            _defaults[packages] = Sandbox(packages=packages, isolation=_required[0])
         return _defaults[packages]
+
+
+def require(isolation: str, sessions: bool = False) -> str:
+    """Hold the shared sandboxes to at least `isolation` (a key of ISOLATION) and start them now, before expensive
+    work: the reward programs' one, and with `sessions` PythonSession's. Returns the level they run at (`describe`
+    says what it protects against); raises IsolationError, naming what the machine lacks, if it allows less."""
+    if isolation not in ISOLATION:
+        raise ValueError(f"sandbox isolation {isolation!r}: must be one of {', '.join(ISOLATION)}")
+    with _default_lock:
+        if _required[0] != isolation:
+            for box in _defaults.values():
+                box.close()
+            _defaults.clear()
+            _required[0] = isolation
+    for packages in [()] + [SESSION_PACKAGES] * sessions:
+        default_sandbox(packages).start()
+    return isolation_level()
+
+
+def isolation_level() -> str | None:
+    """The level the shared reward sandbox runs at, i.e. that graded every sample it ran (None before it started):
+    what metrics and sample records carry."""
+    box = _defaults.get(())
+    return box.level if box else None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -591,8 +688,10 @@ def _zygote_main(control_fd: str, uid_base: str, namespaces: str, *packages: str
         _package_dirs = [PACKAGES_DIR] if packages else []
     else:
         _package_dirs = list(dict.fromkeys(os.path.dirname(p) for p in packages))
-    # Per-run uids need real root: a user namespace maps a single uid.
-    switch_uids = os.geteuid() == 0 and open("/proc/self/uid_map").read().split()[2] == "4294967295"
+    # Per-run uids need real root (a user namespace maps a single uid) that may change uids and chown (a container
+    # can drop those capabilities).
+    switch_uids = os.geteuid() == 0 and open("/proc/self/uid_map").read().split()[2] == "4294967295" and \
+        _capabilities() & CAPS_TO_SWITCH_UIDS == CAPS_TO_SWITCH_UIDS
     builtins.exit = builtins.quit = sys.exit  # `-S` skips site.py, which defines them; programs call exit()
     sys.set_int_max_str_digits(0)  # contest answers can have more digits than Python 3.11's default allows
     gc.freeze()  # children never collect (hence never copy) the zygote's objects
@@ -693,6 +792,8 @@ _libc = ctypes.CDLL(None, use_errno=True)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
 MNT_DETACH = 2
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET = 0x20000, 0x8000000, 0x40000000
+CAP_SYS_ADMIN = 21
+CAPS_TO_SWITCH_UIDS = 1 << 0 | 1 << 6 | 1 << 7  # CAP_CHOWN, CAP_SETGID, CAP_SETUID
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # glibc has no wrapper
 
 
