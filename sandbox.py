@@ -869,10 +869,16 @@ def _enter_view(packages: tuple[str, ...]) -> None:
         sys.path[:] = [moved + p[len(prefix):] if (p + "/").startswith(prefix + "/") else p for p in sys.path]
 
 
-def _isolate_run(uid: int | None, limits: dict) -> None:
-    """In a freshly forked program (still root): own mount, IPC and network namespaces, and a private tmpfs /tmp
-    that is freed with the last process of the run."""
-    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWNET), "unshare")
+def _isolate_run(uid: int | None, limits: dict, joins: bool) -> None:
+    """In a freshly forked program (still root): its own mount namespace with a private tmpfs /tmp that is freed
+    with the last process of the run; network and IPC namespaces of its own, or with `joins` those of its
+    supervisor's that fds 4 and 5 name (`_namespaces_for_runs`)."""
+    if joins:
+        _check(_libc.setns(4, CLONE_NEWNET), "setns")
+        _check(_libc.setns(5, CLONE_NEWIPC), "setns")
+        os.close(4)
+        os.close(5)
+    _check(_libc.unshare(CLONE_NEWNS | (0 if joins else CLONE_NEWIPC | CLONE_NEWNET)), "unshare")
     owner = "" if uid is None else f",uid={uid},gid={uid}"
     _mount("kiln-run", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
            f"mode=700,size={limits['tmp_mb']}m,nr_inodes=16384{owner}")
@@ -894,6 +900,45 @@ class _RunIds(NamedTuple):
 
 # ----------------------------------------------------------------------------------------------------------
 # Supervisor: root, trusted, one job at a time
+
+_run_namespaces: list[int] = []  # a supervisor's network and IPC namespaces that its programs join (full level)
+
+
+def _namespaces_for_runs() -> list[int]:
+    """Descriptors of the network and IPC namespaces that the supervisor's next program joins: the supervisor's own,
+    made anew whenever a run left anything in them (`_scrub_namespaces`), so each run still starts in empty ones.
+    Making both for every run cost about 3 ms of CPU (the kernel's setup and teardown of a network namespace
+    above all), more than the rest of a run. Only with per-run uids: a program that is root in a user namespace
+    could change a namespace's configuration, which no check here would see."""
+    if not _run_namespaces:
+        if os.path.ismount("/tmp"):  # the message queues of the namespaces given up
+            _check(_libc.umount2(b"/tmp", MNT_DETACH), "umount /tmp")
+        else:  # the supervisor's own mounts, so the zygote's stay as they are
+            _check(_libc.unshare(CLONE_NEWNS), "unshare")
+        _check(_libc.unshare(CLONE_NEWNET | CLONE_NEWIPC), "unshare")
+        _mount("mqueue", "/tmp", "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # to see the POSIX message queues
+        _run_namespaces.extend(os.open(f"/proc/self/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC) for kind in ("net", "ipc"))
+    return [os.dup(fd) for fd in _run_namespaces]
+
+
+def _scrub_namespaces() -> None:
+    """Once a run's processes are gone: give up the runs' namespaces if anything outlived the run in them. A socket
+    can (a descriptor sent and never received keeps it, bound names and all, until the kernel collects it), and
+    SysV IPC objects and POSIX message queues do."""
+    if not _run_namespaces:
+        return
+    left = []
+    for table in ("/proc/self/net/unix", "/proc/sysvipc/shm", "/proc/sysvipc/sem", "/proc/sysvipc/msg"):
+        try:
+            with open(table, "rb") as f:
+                left += f.read().splitlines()[1:]  # after the header line
+        except FileNotFoundError:  # a kernel without SysV IPC
+            pass
+    if left or os.listdir("/tmp"):
+        for fd in _run_namespaces:
+            os.close(fd)
+        _run_namespaces.clear()
+
 
 def _supervisor_main(channel: socket.socket) -> None:
     exits: dict[int, int] = {}  # program pid -> wait status, as the zygote reports them
@@ -982,13 +1027,16 @@ def _serve_session(job: dict, ids: _RunIds, channel: socket.socket, exits: dict,
 
 def _spawn(channel: socket.socket, exits: dict, ids: _RunIds, limits: dict, budget: float,
            fds: list[int]) -> tuple[str | None, int]:
-    """Have the zygote fork the run's program with `fds` as its 0, 1, 2, 3; (its temp dir in plain mode, pid)."""
+    """Have the zygote fork the run's program with `fds` as its 0, 1, 2, 3 (4, 5: the namespaces it joins); (its
+    temp dir in plain mode, pid)."""
     tmp = None
     if not _isolated:  # otherwise the program mounts its own /tmp
         tmp = f"/tmp/kiln-{ids.marker}-{os.urandom(3).hex()}"
         os.mkdir(tmp, 0o700)
         if ids.switch_uids:
             os.chown(tmp, ids.program_uid, ids.program_uid)
+    if _isolated and ids.switch_uids:
+        fds = fds + _namespaces_for_runs()
     _tell(channel, ("spawn", (ids.uid(0), limits, budget, tmp, ids.marker)), fds)
     for fd in fds:
         os.close(fd)
@@ -1088,6 +1136,7 @@ def _kill_run(ids: _RunIds, pid: int, channel: socket.socket, exits: dict, tmp: 
         time.sleep(0.0002 if attempt < 100 else 0.01)
     else:
         raise SandboxError(f"processes of run {ids.index} survived SIGKILL for 30s")
+    _scrub_namespaces()
     if tmp is None:
         return
     leftovers = [tmp]
@@ -1153,7 +1202,7 @@ def _program_main(spec: tuple, fds: list[int]) -> None:
             os.dup2(fd, target)
         os.closerange(len(fds), 1 << 20)
         if cwd is None:
-            _isolate_run(uid, limits)
+            _isolate_run(uid, limits, joins=len(fds) == 6)
             cwd = "/tmp"
         os.chdir(cwd)
         for which, value in ((resource.RLIMIT_AS, limits["memory_mb"] << 20), (resource.RLIMIT_CORE, 0),
