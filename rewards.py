@@ -105,7 +105,7 @@ def _from_verdicts(verdicts: list[sandbox.Verdict], all_or_nothing: bool) -> Rew
     failed = [v.status for v in verdicts if v.status not in ("pass", "not_run")]
     score = float(passed == len(verdicts)) if all_or_nothing else passed / len(verdicts)
     return Reward(score, {"passed": passed, "total": len(verdicts), "verdicts": [list(v) for v in verdicts],
-                          "error": failed[0] if failed else None})
+                          "error": failed[0] if failed else None, "sandbox_isolation": sandbox.isolation_level()})
 
 
 def io_reward(code: str, truth: dict, limits: sandbox.Limits) -> Reward:

@@ -55,6 +55,7 @@ import gc
 import heapq  # noqa: F401
 import io
 import itertools  # noqa: F401
+import marshal
 import math
 import os
 import pickle
@@ -220,9 +221,10 @@ def run_assert_tests(source: str, asserts: list[str], setup: str = "", remote: l
     """
     try:
         modules, before = _free_names(setup, tuple(asserts), remote is None)
+        code = _compiled_tests(setup, tuple(asserts))
     except SyntaxError as e:
         raise ValueError(f"the tests do not parse: {e}") from e
-    suite = {"kind": "assert", "setup": setup, "asserts": asserts, "modules": modules, "before": before,
+    suite = {"kind": "assert", "code": code, "asserts": asserts, "modules": modules, "before": before,
              "after": list(remote or []), "stop": stop_on_failure}
     return _run_suite(source, suite, len(asserts), limits, sandbox)
 
@@ -236,16 +238,21 @@ _ast_lock = _thread.allocate_lock()
 def syntax_error(source: str) -> str | None:
     """The compile error of `source` ("SyntaxError: ... (line N)"), or None if it compiles. The program's compile
     warnings (invalid escapes, `is` with a literal) are not the caller's: they are silenced."""
+    return _compile(source)[1]
+
+
+def _compile(source: str) -> tuple[bytes | None, str | None]:
+    """(the program's code, marshalled, or None; its compile error or None). Programs get the code compiled here:
+    compiling in every fresh program cost more than a millisecond of CPU each (the compiler's memory is new pages)."""
     import warnings
 
     try:
         with _warnings_lock, warnings.catch_warnings():  # catch_warnings is process-wide state
             warnings.simplefilter("ignore")
-            compile(source, "solution.py", "exec", dont_inherit=True)
+            return marshal.dumps(compile(source, "solution.py", "exec", dont_inherit=True)), None
     except (SyntaxError, ValueError, MemoryError, RecursionError) as e:  # ValueError: null bytes
         line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
-        return f"{type(e).__name__}: {getattr(e, 'msg', e)}{line}"
-    return None
+        return None, f"{type(e).__name__}: {getattr(e, 'msg', e)}{line}"
 
 
 def outputs_match(got: str, expected: str, lenient: bool = False) -> bool:
@@ -326,6 +333,13 @@ def _returns_to_exits(source: str) -> str:
 
 
 @functools.lru_cache(maxsize=4096)  # a GRPO group scores the same tests many times
+def _compiled_tests(setup: str, asserts: tuple[str, ...]) -> bytes:
+    """The setup's and each assert's code, marshalled for the supervisor that runs them (compiled once per group)."""
+    return marshal.dumps((compile(setup, "tests_setup.py", "exec"),
+                          tuple(compile(text, f"test_{i}.py", "exec") for i, text in enumerate(asserts))))
+
+
+@functools.lru_cache(maxsize=4096)  # a GRPO group scores the same tests many times
 def _free_names(setup: str, asserts: tuple[str, ...], builtins_may_be_remote: bool) -> tuple[list, list]:
     """(stdlib modules the tests use without importing them, names the program must supply)."""
     import ast
@@ -355,7 +369,7 @@ def _free_names(setup: str, asserts: tuple[str, ...], builtins_may_be_remote: bo
 
 def _run_many(source: str, stdins: list, limits: Limits, sandbox: Sandbox | None) -> list[RunResult | None]:
     stdins = [s.encode() if isinstance(s, str) else bytes(s) for s in stdins]
-    job = {"kind": "run", "source": source, "stdins": stdins, "limits": limits._asdict()}
+    job = {"kind": "run", "source": source, "code": _compile(source)[0], "stdins": stdins, "limits": limits._asdict()}
     budget = min(limits.total_timeout, limits.timeout * limits.wall_factor * len(stdins))
     reply = (sandbox or default_sandbox()).request(job, budget)
     return [None if r is None else RunResult(**r) for r in reply]
@@ -364,9 +378,10 @@ def _run_many(source: str, stdins: list, limits: Limits, sandbox: Sandbox | None
 def _run_suite(source: str, suite: dict, n: int, limits: Limits, sandbox: Sandbox | None) -> list[Verdict]:
     if n == 0:
         return []
-    if error := syntax_error(source):
+    code, error = _compile(source)
+    if error:
         return [Verdict("syntax_error", error)] * n
-    job = {"kind": "suite", "source": source, "limits": limits._asdict(), "n": n, "suite": suite}
+    job = {"kind": "suite", "code": code, "limits": limits._asdict(), "n": n, "suite": suite}
     return [Verdict(*v) for v in (sandbox or default_sandbox()).request(job, _suite_budget(limits._asdict(), n))]
 
 
@@ -974,7 +989,7 @@ def _serve_run(job: dict, ids: _RunIds, channel: socket.socket, exits: dict) -> 
     deadline, results = time.monotonic() + limits["total_timeout"], []
     for stdin in job["stdins"]:
         left = deadline - time.monotonic()
-        results.append(_run_program(job["source"], stdin, limits, ids, min(limits["timeout"], left),
+        results.append(_run_program(job["source"], job["code"], stdin, limits, ids, min(limits["timeout"], left),
                                     min(limits["timeout"] * limits["wall_factor"], left), channel, exits)
                        if left > 0 else None)
     return results
@@ -997,7 +1012,7 @@ def _serve_suite(job: dict, ids: _RunIds, channel: socket.socket, exits: dict) -
         null = os.open(os.devnull, os.O_RDWR)
         tmp, pid = _spawn(channel, exits, ids, limits, deadline - time.monotonic(),
                           [null, os.dup(null), os.dup(null), theirs.detach()])
-        _send(mine, ("serve", job["source"], suite["kind"] == "call"))
+        _send(mine, ("serve", job["code"], suite["kind"] == "call"))
         verdicts += _run_tests(suite, mine, pid, ids.uid(1), len(verdicts), limits, deadline)
         mine.close()
         _kill_run(ids, pid, channel, exits, tmp)
@@ -1043,14 +1058,14 @@ def _spawn(channel: socket.socket, exits: dict, ids: _RunIds, limits: dict, budg
     return tmp, _hear(channel, exits, "pid")[0][1]
 
 
-def _run_program(source: str, stdin: bytes, limits: dict, ids: _RunIds, budget: float, wall: float,
+def _run_program(source: str, code: bytes | None, stdin: bytes, limits: dict, ids: _RunIds, budget: float, wall: float,
                  channel: socket.socket, exits: dict) -> dict:
     """One run: `budget` CPU seconds, `wall` seconds of wall clock."""
     (stdin_r, stdin_w), (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe(), os.pipe()
     mine, theirs = socket.socketpair()
     started = time.monotonic()
     tmp, pid = _spawn(channel, exits, ids, limits, budget, [stdin_r, out_w, err_w, theirs.detach()])
-    _send(mine, ("run", source))
+    _send(mine, ("run", source, code))
     mine.close()
     pumped = _pump(pid, channel, exits, {out_r: "stdout", err_r: "stderr"}, stdin, stdin_w, budget, wall,
                    limits["max_output"])
@@ -1225,7 +1240,7 @@ def _program_main(spec: tuple, fds: list[int]) -> None:
         job = _recv(sock)
         if job[0] == "run":
             sock.close()
-            _exec_program(job[1])
+            _exec_program(job[1], job[2])
         elif job[0] == "session":
             _session_main(sock, job[1])
         else:
@@ -1246,13 +1261,14 @@ def _program_module(leetcode: bool) -> dict:
     return module.__dict__
 
 
-def _exec_program(source: str) -> None:
+def _exec_program(source: str, compiled: bytes | None) -> None:
     """Behave like `python solution.py`: exit status from SystemExit, traceback on stderr, threads joined."""
     code = 0
     try:
         with open("solution.py", "w") as f:  # for the traceback's source lines
             f.write(source)
-        exec(compile(source, "solution.py", "exec", dont_inherit=True), _program_module(False))
+        exec(marshal.loads(compiled) if compiled else compile(source, "solution.py", "exec", dont_inherit=True),
+             _program_module(False))
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0
@@ -1302,7 +1318,7 @@ def _plain_type_ids() -> set[int]:
     return found
 
 
-def _serve_program(sock: socket.socket, source: str, leetcode: bool) -> None:
+def _serve_program(sock: socket.socket, code: bytes, leetcode: bool) -> None:
     """Run the module, then answer the tests' requests until they hang up."""
     objects: dict[int, object] = {}
 
@@ -1322,7 +1338,7 @@ def _serve_program(sock: socket.socket, source: str, leetcode: bool) -> None:
 
     try:
         namespace = _program_module(leetcode)
-        exec(compile(source, "solution.py", "exec", dont_inherit=True), namespace)
+        exec(marshal.loads(code), namespace)
         reply(("ok", None))
     except BaseException as e:
         reply(error(e))
@@ -1627,7 +1643,7 @@ def _classify(e: BaseException) -> str:
 
 def _assert_runner(suite: dict, rpc):
     namespace: dict = {"__name__": "__kiln_tests__"}
-    tests = [compile(text, f"test_{i}.py", "exec") for i, text in enumerate(suite["asserts"])]
+    setup, tests = marshal.loads(suite["code"])
     for name in suite["modules"]:  # the tests' own module, never the program's
         namespace[name] = __import__(name)
 
@@ -1639,7 +1655,6 @@ def _assert_runner(suite: dict, rpc):
                 namespace.pop(name, None)  # no stand-in from the setup (a HumanEval stub): the test must fail
 
     bind(suite["before"])
-    setup = compile(suite["setup"], "tests_setup.py", "exec")
     try:
         exec(setup, namespace)
     except BaseException as e:

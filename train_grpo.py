@@ -31,6 +31,7 @@ import policy
 import rewards
 import rollout
 import runlog
+import sandbox
 import swe_grading
 import tools
 import vision
@@ -163,6 +164,9 @@ class Args:
     dry_run: bool = False
     """print the resolved Args and exit"""
 
+    sandbox_isolation: Literal["full", "userns", "plain"] = "full"
+    """the weakest isolation allowed for reward programs and the python tool (full: namespaces, filesystem view, no
+    network, a uid per run; see docs/sandbox.md); the run stops at start if the machine allows less"""
     tools: Literal["none", "python", "codev", "swe"] = "none"
     """multi-turn agent rollouts with these tools (python: a stateful sandboxed interpreter per trajectory, called with
     <tool_call>; codev: the same on the row's images, called with CodeV's <code> tags; swe: bash, an editor and submit
@@ -315,6 +319,12 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     check_variants(args)
     rank, world, device = policy.init_distributed()
     check_args(args, world)
+    try:  # decided once, before any model loads; every sample is graded at this level
+        isolation = sandbox.require(args.sandbox_isolation, sessions=args.tools in ("python", "codev"))
+    except sandbox.IsolationError as e:
+        raise SystemExit(str(e)) from None
+    if rank == 0:
+        print(sandbox.describe(isolation))
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     tokenizer = policy.load_tokenizer(args.model)

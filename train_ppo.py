@@ -37,6 +37,7 @@ import policy
 import rewards
 import rollout
 import runlog
+import sandbox
 import swe_grading
 from checkpoint import load_checkpoint, load_newest_checkpoint, save_best, save_checkpoint
 
@@ -72,6 +73,9 @@ class Args:
     """generation budget per sample"""
     temperature: float = 1.0
     """sampling temperature; the trainer scores tokens under the same temperature"""
+    sandbox_isolation: Literal["full", "userns", "plain"] = "full"
+    """the weakest isolation allowed for reward programs and the python tool (full: namespaces, filesystem view, no
+    network, a uid per run; see docs/sandbox.md); the run stops at start if the machine allows less"""
     tools: Literal["none", "python", "swe"] = "none"
     """multi-turn agent rollouts with these tools (python: a stateful sandboxed interpreter per trajectory; swe: bash,
     an editor and submit in a Docker container per trajectory, for swebench rows, graded on the container's diff)"""
@@ -258,6 +262,12 @@ def check_args(args: Args, world: int) -> None:
 def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     rank, world, device = policy.init_distributed()
     check_args(args, world)
+    try:  # decided once, before any model loads; every sample is graded at this level
+        isolation = sandbox.require(args.sandbox_isolation, sessions=args.tools == "python")
+    except sandbox.IsolationError as e:
+        raise SystemExit(str(e)) from None
+    if rank == 0:
+        print(sandbox.describe(isolation))
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     tokenizer = policy.load_tokenizer(args.model)
