@@ -588,10 +588,11 @@ def _refusal(weakest: str, restart: bool, missing: list[str]) -> str:
     if restart:
         return f"the sandbox's zygote died and a new one cannot reach isolation {weakest} again: " + "; ".join(missing)
     return (f"the sandbox cannot isolate programs at the level required ({weakest}) on this machine: "
-            + "; ".join(missing) + ". Full isolation needs root with CAP_SYS_ADMIN and util-linux's unshare: in "
-            "Docker --cap-add SYS_ADMIN (plus --security-opt apparmor=unconfined where AppArmor runs), or "
-            "--privileged; in Kubernetes securityContext.capabilities.add: [SYS_ADMIN] (or privileged: true). "
-            "Or name a weaker level (--sandbox-isolation userns or plain); docs/sandbox.md says what each gives up")
+            + "; ".join(missing) + ". Full isolation needs root with CAP_SYS_ADMIN, a seccomp profile that allows "
+            "unshare, mount and pivot_root, and util-linux's unshare: in Docker --cap-add SYS_ADMIN --security-opt "
+            "seccomp=unconfined (and apparmor=unconfined where AppArmor runs); in Kubernetes "
+            "securityContext.capabilities.add: [SYS_ADMIN] with seccompProfile.type: Unconfined. Or name a weaker "
+            "level (--sandbox-isolation userns or plain); docs/sandbox.md says what each gives up")
 
 
 def _package_paths(names: tuple[str, ...]) -> list[str]:
