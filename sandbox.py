@@ -864,6 +864,7 @@ def _enter_view(packages: tuple[str, ...]) -> None:
         bind(f"/proc/self/fd/{fd}", target, is_dir)
         os.close(fd)
     for folder in (f"{stdlib}/site-packages", f"{stdlib}/dist-packages"):  # installed packages: the allow-list only
+        folder = moved + folder[len(prefix):]
         if os.path.isdir(root + folder):
             _mount("kiln-empty", root + folder, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k")
     os.mkdir(root + "/proc")

@@ -1,6 +1,7 @@
 """sandbox.py: program runs, the three test drivers, output comparison, the batch API, zygote restarts."""
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -99,6 +100,20 @@ def test_a_package_under_tmp_is_importable_with_full_isolation(tmp_path, monkeyp
         assert run(source, sandbox=box).stdout == "42 False\n"  # importable, and the host's folder is not there
     finally:
         box.close()
+
+
+def test_an_interpreter_under_tmp_behind_a_symlink_runs_with_full_isolation(tmp_path):
+    """The interpreter's prefix reached through a symlink in a temp dir: its stdlib (lib-dynload included) works in
+    the view, where it sits under /kiln/host, and its site-packages stay hidden."""
+    (tmp_path / "python").symlink_to(sys.base_prefix)
+    python = tmp_path / "python" / "bin" / Path(sys.executable).resolve().name
+    check = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); import sandbox\n"
+             "box = sandbox.Sandbox()\nprint(box.start())\n"
+             "print(sandbox.run('import json, os, sys; site = [p for p in sys.path if p.endswith(\"lib-dynload\")]; '\n"
+             "                  'print(json.dumps(1), os.listdir(site[0].replace(\"lib-dynload\", \"site-packages\")))',\n"
+             "                  sandbox=box).stdout, end='')")
+    out = subprocess.run([str(python), "-c", check], capture_output=True, text=True, timeout=120)
+    assert out.stdout == "full\n1 []\n", out.stderr[-2000:]
 
 
 def test_without_unshare_the_sandbox_refuses_and_runs_plain_only_when_asked(tmp_path, monkeypatch):
