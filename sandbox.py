@@ -241,6 +241,7 @@ def syntax_error(source: str) -> str | None:
     return _compile(source)[1]
 
 
+@functools.lru_cache(maxsize=256)  # a reward checks a program's syntax (syntax_error) before it runs it
 def _compile(source: str) -> tuple[bytes | None, str | None]:
     """(the program's code, marshalled, or None; its compile error or None). Programs get the code compiled here:
     compiling in every fresh program cost more than a millisecond of CPU each (the compiler's memory is new pages)."""

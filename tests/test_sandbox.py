@@ -107,11 +107,16 @@ def test_an_interpreter_under_tmp_behind_a_symlink_runs_with_full_isolation(tmp_
     the view, where it sits under /kiln/host, and its site-packages stay hidden."""
     (tmp_path / "python").symlink_to(sys.base_prefix)
     python = tmp_path / "python" / "bin" / Path(sys.executable).resolve().name
-    check = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); import sandbox\n"
-             "box = sandbox.Sandbox()\nprint(box.start())\n"
-             "print(sandbox.run('import json, os, sys; site = [p for p in sys.path if p.endswith(\"lib-dynload\")]; '\n"
-             "                  'print(json.dumps(1), os.listdir(site[0].replace(\"lib-dynload\", \"site-packages\")))',\n"
-             "                  sandbox=box).stdout, end='')")
+    check = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import sandbox
+        box = sandbox.Sandbox()
+        print(box.start())
+        source = "import json, os, sys; dynload = [p for p in sys.path if p.endswith('lib-dynload')][0]; " \\
+                 "print(json.dumps(1), os.listdir(dynload.replace('lib-dynload', 'site-packages')))"
+        print(sandbox.run(source, sandbox=box).stdout, end="")
+    """)
     out = subprocess.run([str(python), "-c", check], capture_output=True, text=True, timeout=120)
     assert out.stdout == "full\n1 []\n", out.stderr[-2000:]
 
@@ -151,8 +156,15 @@ def test_a_container_without_cap_sys_admin_refuses(tmp_path):
         client.images.get(swe_instances.BASE_IMAGE)
     except docker.errors.ImageNotFound:
         swe_instances.build_base(client, Path(os.environ.get("KILN_SWE_DIR", tmp_path)))
-    check = ("import sys; sys.path.insert(0, '/kiln'); import sandbox\n"
-             "try:\n    print(sandbox.Sandbox().start())\nexcept sandbox.IsolationError as e:\n    print('refused:', e)")
+    check = textwrap.dedent("""
+        import sys
+        sys.path.insert(0, "/kiln")
+        import sandbox
+        try:
+            print(sandbox.Sandbox().start())
+        except sandbox.IsolationError as e:
+            print("refused:", e)
+    """)
     output = client.containers.run(swe_instances.BASE_IMAGE, ["python3", "-B", "-c", check], cap_drop=["ALL"],
                                    network_mode="none", remove=True,
                                    volumes={str(ROOT): {"bind": "/kiln", "mode": "ro"}}).decode()
