@@ -10,10 +10,11 @@ processes (`hidepid=2`). Task data, the caller's rows, the checkout, the venv, /
 are not there. The zygote never looks at jobs; from its own small, clean memory it forks
   - *supervisors* (root, trusted, reused): one job at a time from the caller; they run the tests, enforce the
     time limits and clean up;
-  - one *program* per run, on a supervisor's request: its own mount, IPC and network namespaces (a private tmpfs
-    /tmp of `tmp_mb` as cwd and HOME, which dies with the run; SysV and POSIX IPC and abstract sockets of its own),
-    own session, a fresh unprivileged uid, rlimits (address space, CPU, processes, file size, open files), a
-    minimal environment, stdin always supplied. It receives its source and nothing else.
+  - one *program* per run, on a supervisor's request: its own mount namespace (a private tmpfs /tmp of `tmp_mb`
+    as cwd and HOME, which dies with the run), network and IPC namespaces that no concurrent run shares and that
+    hold nothing from an earlier run (its supervisor's, replaced whenever a run left a socket or an IPC object in
+    them), own session, a fresh unprivileged uid, rlimits (address space, CPU, processes, file size, open files),
+    a minimal environment, stdin always supplied. It receives its code (compiled by the caller) and nothing else.
 Function and assert tests run in the supervisor (as a second fresh uid, under its own address-space and CPU limits),
 which calls the program over a socket: arguments go in, return values come back as plain data (restricted
 unpickling: builtin numbers, str, bytes, containers, Counter/deque/OrderedDict/defaultdict, Decimal, Fraction;
