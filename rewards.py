@@ -105,7 +105,7 @@ def _from_verdicts(verdicts: list[sandbox.Verdict], all_or_nothing: bool) -> Rew
     failed = [v.status for v in verdicts if v.status not in ("pass", "not_run")]
     score = float(passed == len(verdicts)) if all_or_nothing else passed / len(verdicts)
     return Reward(score, {"passed": passed, "total": len(verdicts), "verdicts": [list(v) for v in verdicts],
-                          "error": failed[0] if failed else None})
+                          "error": failed[0] if failed else None, "sandbox_isolation": sandbox.isolation_level()})
 
 
 def io_reward(code: str, truth: dict, limits: sandbox.Limits) -> Reward:
@@ -386,9 +386,10 @@ def for_report(reward: Reward) -> Reward:
 
 
 def batch_metrics(data_sources: Sequence[str], scores: Sequence[float], errors: Sequence[str | None],
-                  response_lengths: Sequence[int]) -> dict:
+                  response_lengths: Sequence[int], isolations: Sequence[str | None] = ()) -> dict:
     """A training batch's scores (critic/score/: mean, std, max, min, pass rate, mean by data source, fraction of each
-    error kind) and response lengths (response_length/: mean, max, min), over every rank's samples; verl's names."""
+    error kind) and response lengths (response_length/: mean, max, min), over every rank's samples; verl's names.
+    `isolations`: the sandbox level that graded each sample (None: no sandbox), as sandbox/graded_<level>_frac."""
     metrics = {"critic/score/mean": statistics.fmean(scores),
                "critic/score/std": statistics.stdev(scores) if len(scores) > 1 else 0.0,
                "critic/score/max": max(scores), "critic/score/min": min(scores),
@@ -402,6 +403,8 @@ def batch_metrics(data_sources: Sequence[str], scores: Sequence[float], errors: 
     metrics |= {f"critic/score/{source}/mean": sum(v) / len(v) for source, v in by_source.items()}
     kinds = Counter(error for error in errors if error)
     metrics["critic/score/grader_errors"] = float(kinds["grader_error"])  # a count, always logged: it should stay 0
+    levels = Counter(level for level in isolations if level)
+    metrics |= {f"sandbox/graded_{level}_frac": n / len(scores) for level, n in levels.items()}
     return metrics | {f"critic/score/error/{kind}": n / len(scores) for kind, n in kinds.items()}
 
 

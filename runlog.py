@@ -114,6 +114,8 @@ def sample_record(step: int, sample) -> dict:
     included)."""
     record = {"step": step, "task_id": data_prep.row_id(sample.row), "reward": sample.reward,
               "completion": sample.text, "error": sample.info.get("error")}
+    if "sandbox_isolation" in sample.info:  # the sandbox level that graded it (sandbox.py's levels)
+        record["sandbox_isolation"] = sample.info["sandbox_isolation"]
     if "messages" in sample.info:
         record["messages"] = sample.info["messages"]
     return record

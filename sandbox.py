@@ -10,10 +10,11 @@ processes (`hidepid=2`). Task data, the caller's rows, the checkout, the venv, /
 are not there. The zygote never looks at jobs; from its own small, clean memory it forks
   - *supervisors* (root, trusted, reused): one job at a time from the caller; they run the tests, enforce the
     time limits and clean up;
-  - one *program* per run, on a supervisor's request: its own mount, IPC and network namespaces (a private tmpfs
-    /tmp of `tmp_mb` as cwd and HOME, which dies with the run; SysV and POSIX IPC and abstract sockets of its own),
-    own session, a fresh unprivileged uid, rlimits (address space, CPU, processes, file size, open files), a
-    minimal environment, stdin always supplied. It receives its source and nothing else.
+  - one *program* per run, on a supervisor's request: its own mount namespace (a private tmpfs /tmp of `tmp_mb`
+    as cwd and HOME, which dies with the run), network and IPC namespaces that no concurrent run shares and that
+    hold nothing from an earlier run (its supervisor's, replaced whenever a run left a socket or an IPC object in
+    them), own session, a fresh unprivileged uid, rlimits (address space, CPU, processes, file size, open files),
+    a minimal environment, stdin always supplied. It receives its code (compiled by the caller) and nothing else.
 Function and assert tests run in the supervisor (as a second fresh uid, under its own address-space and CPU limits),
 which calls the program over a socket: arguments go in, return values come back as plain data (restricted
 unpickling: builtin numbers, str, bytes, containers, Counter/deque/OrderedDict/defaultdict, Decimal, Fraction;
@@ -29,9 +30,12 @@ go on.
 
 Speed: a fork copies the parent's page tables and an exit frees them, so the zygote stays small (modules only
 the caller needs are imported in the functions that use them), and a function/assert suite costs one fork.
-Fallbacks, logged: without root, a user namespace (one uid: runs are tracked by process group and environment
-marker); without namespaces, plain processes with network access that see the whole filesystem read-only (by
-permissions) and the allow-listed packages' folders on sys.path.
+Isolation levels (ISOLATION, docs/sandbox.md): all of the above is `full` and needs root with CAP_SYS_ADMIN. A
+Sandbox never runs at less than its `isolation` (default full) and decides its level once, at its first start: a
+weaker one only when named (`userns`: a user namespace, one uid for every run, tracked by process group and
+environment marker; `plain`: no namespaces, programs with network access that see the whole filesystem by
+permissions and the allow-listed packages' folders on sys.path). Otherwise IsolationError says what is missing.
+`require` holds the shared sandboxes to a level and starts them; `isolation_level` is what graded their samples.
 
 `PythonSession`, the agent's stateful Python tool, is a long-lived program of the same kind (same view, namespaces,
 uid and rlimits), with its working dir holding the input image; closing it kills every process it started.
@@ -52,6 +56,7 @@ import gc
 import heapq  # noqa: F401
 import io
 import itertools  # noqa: F401
+import marshal
 import math
 import os
 import pickle
@@ -79,6 +84,7 @@ UID_RANGE = 65536
 PROC_READER_GID = (1 << 30) - 1
 WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # where plain-mode runs may leave files
 PACKAGES_DIR = "/kiln/packages"  # the allow-listed packages, inside the view
+HOST_DIR = "/kiln/host"  # where the view places an interpreter that lives under a path the view uses itself (/tmp)
 # What the agent's Python tool may import besides the stdlib: images, arrays, plots (and matplotlib's dependencies).
 SESSION_PACKAGES = ("PIL", "numpy", "matplotlib", "contourpy", "cycler", "dateutil", "fontTools", "kiwisolver",
                     "packaging", "pyparsing", "six")
@@ -122,8 +128,24 @@ class Verdict(NamedTuple):
     detail: str = ""
 
 
+# The isolation levels, strongest first, and what each keeps programs from. Which one a Sandbox runs at is decided
+# once, when its zygote first starts; it never runs at less than its `isolation` (the weakest level allowed).
+ISOLATION = {
+    "full": "namespaces, the filesystem view and a fresh uid per run: programs see no task data, checkout or host "
+            "files, have no network, see only their own processes, and cannot signal or trace the tests or each other",
+    "userns": "the namespaces and the filesystem view of full, but one uid for every run (a user namespace): a "
+              "program can signal or trace the tests' side and concurrent runs, and so forge its verdicts",
+    "plain": "no namespaces and no view: programs have NETWORK ACCESS and read the whole filesystem (task answers "
+             "included) as far as its permissions allow; only rlimits, and with root a fresh uid per run",
+}
+
+
 class SandboxError(RuntimeError):
     """The sandbox itself failed (not the program): no zygote could start, or a supervisor died."""
+
+
+class IsolationError(SandboxError):
+    """The machine does not allow the isolation level asked for; the message names what is missing and what to do."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -200,9 +222,10 @@ def run_assert_tests(source: str, asserts: list[str], setup: str = "", remote: l
     """
     try:
         modules, before = _free_names(setup, tuple(asserts), remote is None)
+        code = _compiled_tests(setup, tuple(asserts))
     except SyntaxError as e:
         raise ValueError(f"the tests do not parse: {e}") from e
-    suite = {"kind": "assert", "setup": setup, "asserts": asserts, "modules": modules, "before": before,
+    suite = {"kind": "assert", "code": code, "asserts": asserts, "modules": modules, "before": before,
              "after": list(remote or []), "stop": stop_on_failure}
     return _run_suite(source, suite, len(asserts), limits, sandbox)
 
@@ -216,16 +239,22 @@ _ast_lock = _thread.allocate_lock()
 def syntax_error(source: str) -> str | None:
     """The compile error of `source` ("SyntaxError: ... (line N)"), or None if it compiles. The program's compile
     warnings (invalid escapes, `is` with a literal) are not the caller's: they are silenced."""
+    return _compile(source)[1]
+
+
+@functools.lru_cache(maxsize=256)  # a reward checks a program's syntax (syntax_error) before it runs it
+def _compile(source: str) -> tuple[bytes | None, str | None]:
+    """(the program's code, marshalled, or None; its compile error or None). Programs get the code compiled here:
+    compiling in every fresh program cost more than a millisecond of CPU each (the compiler's memory is new pages)."""
     import warnings
 
     try:
         with _warnings_lock, warnings.catch_warnings():  # catch_warnings is process-wide state
             warnings.simplefilter("ignore")
-            compile(source, "solution.py", "exec", dont_inherit=True)
+            return marshal.dumps(compile(source, "solution.py", "exec", dont_inherit=True)), None
     except (SyntaxError, ValueError, MemoryError, RecursionError) as e:  # ValueError: null bytes
         line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
-        return f"{type(e).__name__}: {getattr(e, 'msg', e)}{line}"
-    return None
+        return None, f"{type(e).__name__}: {getattr(e, 'msg', e)}{line}"
 
 
 def outputs_match(got: str, expected: str, lenient: bool = False) -> bool:
@@ -306,6 +335,13 @@ def _returns_to_exits(source: str) -> str:
 
 
 @functools.lru_cache(maxsize=4096)  # a GRPO group scores the same tests many times
+def _compiled_tests(setup: str, asserts: tuple[str, ...]) -> bytes:
+    """The setup's and each assert's code, marshalled for the supervisor that runs them (compiled once per group)."""
+    return marshal.dumps((compile(setup, "tests_setup.py", "exec"),
+                          tuple(compile(text, f"test_{i}.py", "exec") for i, text in enumerate(asserts))))
+
+
+@functools.lru_cache(maxsize=4096)  # a GRPO group scores the same tests many times
 def _free_names(setup: str, asserts: tuple[str, ...], builtins_may_be_remote: bool) -> tuple[list, list]:
     """(stdlib modules the tests use without importing them, names the program must supply)."""
     import ast
@@ -335,7 +371,7 @@ def _free_names(setup: str, asserts: tuple[str, ...], builtins_may_be_remote: bo
 
 def _run_many(source: str, stdins: list, limits: Limits, sandbox: Sandbox | None) -> list[RunResult | None]:
     stdins = [s.encode() if isinstance(s, str) else bytes(s) for s in stdins]
-    job = {"kind": "run", "source": source, "stdins": stdins, "limits": limits._asdict()}
+    job = {"kind": "run", "source": source, "code": _compile(source)[0], "stdins": stdins, "limits": limits._asdict()}
     budget = min(limits.total_timeout, limits.timeout * limits.wall_factor * len(stdins))
     reply = (sandbox or default_sandbox()).request(job, budget)
     return [None if r is None else RunResult(**r) for r in reply]
@@ -344,9 +380,10 @@ def _run_many(source: str, stdins: list, limits: Limits, sandbox: Sandbox | None
 def _run_suite(source: str, suite: dict, n: int, limits: Limits, sandbox: Sandbox | None) -> list[Verdict]:
     if n == 0:
         return []
-    if error := syntax_error(source):
+    code, error = _compile(source)
+    if error:
         return [Verdict("syntax_error", error)] * n
-    job = {"kind": "suite", "source": source, "limits": limits._asdict(), "n": n, "suite": suite}
+    job = {"kind": "suite", "code": code, "limits": limits._asdict(), "n": n, "suite": suite}
     return [Verdict(*v) for v in (sandbox or default_sandbox()).request(job, _suite_budget(limits._asdict(), n))]
 
 
@@ -361,10 +398,14 @@ class Sandbox:
     import names programs may import besides the stdlib (those installed here; see SESSION_PACKAGES).
     `default_sandbox()` is the shared one."""
 
-    def __init__(self, uid_base: int | None = None, packages: tuple[str, ...] = ()):
+    def __init__(self, uid_base: int | None = None, packages: tuple[str, ...] = (), isolation: str = "full"):
+        if isolation not in ISOLATION:
+            raise ValueError(f"isolation {isolation!r}: must be one of {', '.join(ISOLATION)}")
         self.uid_base = uid_base if uid_base is not None else 1 << 30 | random.randrange(1 << 14) * UID_RANGE
         self.packages = packages
-        self.mode = None
+        self.isolation = isolation  # the weakest level allowed
+        self.level = None  # the level its programs run at (a key of ISOLATION), fixed by the first start
+        self.mode = None  # the zygote's own account: namespaces or plain, +uids where each run gets its own uid
         self._lock = _thread.allocate_lock()
         self._proc = self._control = None
         self._owner_pid = -1
@@ -438,6 +479,12 @@ class Sandbox:
                 self._stop()
         return True
 
+    def start(self) -> str:
+        """Start the zygote now (otherwise the first job does); the isolation level reached."""
+        with self._lock:
+            self._ensure_started()
+        return self.level
+
     def close(self) -> None:
         with self._lock:
             self._stop()
@@ -466,7 +513,6 @@ class Sandbox:
         if self._owner_pid != os.getpid():  # a forked caller must not share its parent's zygote
             self._proc = self._control = None
         self._stop()
-        log = logging.getLogger("kiln.sandbox")
         # Imported, not run as a script: a script is compiled from source, and that garbage would stay in the heap
         # every fork copies.
         here, name = os.path.split(os.path.abspath(__file__)[:-3])
@@ -475,9 +521,16 @@ class Sandbox:
         ns = ["--net", "--ipc", "--uts", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
               "--propagation", "private"]
         unshare = shutil.which("unshare")
-        attempts = [[unshare, *ns], [unshare, "--user", "--map-root-user", *ns]] if unshare else []
+        levels = list(ISOLATION)
+        # The strongest level first, down to the weakest allowed; a restart must reach the level decided at the start.
+        allowed = [self.level] if self.level else levels[:levels.index(self.isolation) + 1]
+        attempts = {"full": [unshare, *ns], "userns": [unshare, "--user", "--map-root-user", *ns], "plain": []}
         packages = _package_paths(self.packages)
-        for prefix in attempts + [[]]:
+        missing = [] if unshare else ["`unshare` (util-linux) is not on PATH"]
+        for level in allowed:
+            prefix = attempts[level]
+            if level != "plain" and not unshare:
+                continue
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             proc = subprocess.Popen(prefix + python + [str(theirs.fileno()), str(self.uid_base), str(bool(prefix)),
                                                        *packages],
@@ -487,23 +540,61 @@ class Sandbox:
             theirs.close()
             mine.settimeout(60)
             try:
-                self.mode = mine.recv(64).decode()
+                mode = mine.recv(64).decode()
             except OSError:
-                self.mode = ""
-            if self.mode:
+                mode = ""
+            reached = "full" if mode == "namespaces+uids" else "userns" if mode == "namespaces" else "plain"
+            if mode and reached in allowed:
                 proc.stderr.close()
                 mine.settimeout(None)
                 self._proc, self._control, self._owner_pid = proc, mine, os.getpid()
-                notes = ([] if prefix else ["no namespaces: programs have NETWORK ACCESS and see the whole "
-                                                 "filesystem (read-only by permissions)"]) + (
-                    [] if self.mode.endswith("+uids") else ["one uid: runs tracked by process group and marker"])
-                (log.warning if notes else log.info)("sandbox: %s%s", self.mode, "".join("; " + n for n in notes))
+                if self.level is None:
+                    self.level, self.mode = reached, mode
+                    (logging.getLogger("kiln.sandbox").info if reached == "full" else
+                     logging.getLogger("kiln.sandbox").warning)("%s", describe(reached))
                 return
             mine.close()
             proc.kill()
-            log.warning("sandbox: %s failed: %s", " ".join(prefix[:3]) or "python",
-                        proc.communicate()[1].decode()[-300:].strip())
-        raise SandboxError("could not start the sandbox zygote in any mode")
+            missing.append(_missing(level, mode, proc.communicate()[1].decode(errors="replace")))
+        raise IsolationError(_refusal(allowed[-1], self.level is not None, missing))
+
+
+def describe(level: str) -> str:
+    """One line for the log: the level a sandbox runs at and what it protects against."""
+    return f"sandbox isolation: {level} ({ISOLATION[level]})"
+
+
+def _missing(level: str, mode: str, stderr: str) -> str:
+    """Why the zygote's start for `level` fell short: what the machine lacks, and unshare's or Python's last words."""
+    said = " ".join(stderr.strip().splitlines()[-1:])[-300:]
+    if level == "full" and mode == "namespaces":
+        return ("full: root here cannot give each run its own uid (a user namespace maps only part of the uids, or "
+                "CAP_SETUID, CAP_SETGID or CAP_CHOWN is dropped)")
+    if level == "full" and os.geteuid() != 0:
+        return f"full: not root (each run gets its own uid, which needs root); unshare said: {said}"
+    if level == "full" and not _capabilities() >> CAP_SYS_ADMIN & 1:
+        return f"full: no CAP_SYS_ADMIN (namespaces and mounts need it); unshare said: {said}"
+    if level == "userns":
+        return ("userns: user namespaces are not allowed (see /proc/sys/user/max_user_namespaces, "
+                f"kernel.unprivileged_userns_clone, or the container's seccomp profile); unshare said: {said}")
+    return f"{level}: the zygote did not start: {said}"
+
+
+def _capabilities() -> int:
+    """This process's effective capabilities, a bit mask."""
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("CapEff:")).split()[1], 16)
+
+
+def _refusal(weakest: str, restart: bool, missing: list[str]) -> str:
+    if restart:
+        return f"the sandbox's zygote died and a new one cannot reach isolation {weakest} again: " + "; ".join(missing)
+    return (f"the sandbox cannot isolate programs at the level required ({weakest}) on this machine: "
+            + "; ".join(missing) + ". Full isolation needs root with CAP_SYS_ADMIN, a seccomp profile that allows "
+            "unshare, mount and pivot_root, and util-linux's unshare: in Docker --cap-add SYS_ADMIN --security-opt "
+            "seccomp=unconfined (and apparmor=unconfined where AppArmor runs); in Kubernetes "
+            "securityContext.capabilities.add: [SYS_ADMIN] with seccompProfile.type: Unconfined. Or name a weaker "
+            "level (--sandbox-isolation userns or plain); docs/sandbox.md says what each gives up")
 
 
 def _package_paths(names: tuple[str, ...]) -> list[str]:
@@ -524,14 +615,39 @@ def _package_paths(names: tuple[str, ...]) -> list[str]:
 
 _defaults: dict[tuple[str, ...], Sandbox] = {}
 _default_lock = _thread.allocate_lock()
+_required = ["full"]  # the weakest isolation the shared sandboxes may run at (`require`)
 
 
 def default_sandbox(packages: tuple[str, ...] = ()) -> Sandbox:
     """The shared Sandbox whose programs may import `packages` (reward programs: none)."""
     with _default_lock:
         if packages not in _defaults:
-            _defaults[packages] = Sandbox(packages=packages)
+            _defaults[packages] = Sandbox(packages=packages, isolation=_required[0])
         return _defaults[packages]
+
+
+def require(isolation: str, sessions: bool = False) -> str:
+    """Hold the shared sandboxes to at least `isolation` (a key of ISOLATION) and start them now, before expensive
+    work: the reward programs' one, and with `sessions` PythonSession's. Returns the level they run at (`describe`
+    says what it protects against); raises IsolationError, naming what the machine lacks, if it allows less."""
+    if isolation not in ISOLATION:
+        raise ValueError(f"sandbox isolation {isolation!r}: must be one of {', '.join(ISOLATION)}")
+    with _default_lock:
+        if _required[0] != isolation:
+            for box in _defaults.values():
+                box.close()
+            _defaults.clear()
+            _required[0] = isolation
+    for packages in [()] + [SESSION_PACKAGES] * sessions:
+        default_sandbox(packages).start()
+    return isolation_level()
+
+
+def isolation_level() -> str | None:
+    """The level the shared reward sandbox runs at, i.e. that graded every sample it ran (None before it started):
+    what metrics and sample records carry."""
+    box = _defaults.get(())
+    return box.level if box else None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -590,8 +706,10 @@ def _zygote_main(control_fd: str, uid_base: str, namespaces: str, *packages: str
         _package_dirs = [PACKAGES_DIR] if packages else []
     else:
         _package_dirs = list(dict.fromkeys(os.path.dirname(p) for p in packages))
-    # Per-run uids need real root: a user namespace maps a single uid.
-    switch_uids = os.geteuid() == 0 and open("/proc/self/uid_map").read().split()[2] == "4294967295"
+    # Per-run uids need real root (a user namespace maps a single uid) that may change uids and chown (a container
+    # can drop those capabilities).
+    switch_uids = os.geteuid() == 0 and open("/proc/self/uid_map").read().split()[2] == "4294967295" and \
+        _capabilities() & CAPS_TO_SWITCH_UIDS == CAPS_TO_SWITCH_UIDS
     builtins.exit = builtins.quit = sys.exit  # `-S` skips site.py, which defines them; programs call exit()
     sys.set_int_max_str_digits(0)  # contest answers can have more digits than Python 3.11's default allows
     gc.freeze()  # children never collect (hence never copy) the zygote's objects
@@ -692,6 +810,8 @@ _libc = ctypes.CDLL(None, use_errno=True)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
 MNT_DETACH = 2
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET = 0x20000, 0x8000000, 0x40000000
+CAP_SYS_ADMIN = 21
+CAPS_TO_SWITCH_UIDS = 1 << 0 | 1 << 6 | 1 << 7  # CAP_CHOWN, CAP_SETGID, CAP_SETUID
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # glibc has no wrapper
 
 
@@ -710,12 +830,28 @@ def _enter_view(packages: tuple[str, ...]) -> None:
     """Make the root of the zygote's mount namespace a new tmpfs holding only what programs may see (the module
     docstring lists it), then pivot_root into it and detach the host's tree, which no process here can reach again."""
     root = "/tmp"  # any mount point does: this namespace's mounts are private
+    multiarch = getattr(sys.implementation, "_multiarch", "")
+    stdlib = os.path.dirname(os.__file__)
+    # From /usr: programs (a shell, coreutils), the shared libraries and the loader, time zones; then a system
+    # Python's stdlib, or a whole pyenv/conda/local prefix (at the path the interpreter knows it by: symlinks in it
+    # are resolved on the host side).
+    wanted = [(path, path) for path in ("/bin", "/lib", "/lib32", "/lib64", "/sbin")
+              if os.path.isdir(path) and not os.path.islink(path)]
+    wanted += [(path, path) for path in ("/usr/bin", f"/usr/lib/{multiarch}", "/usr/lib64", "/usr/share/zoneinfo")
+               if multiarch and os.path.isdir(path)]
+    prefix = stdlib if os.path.realpath(sys.base_prefix) == "/usr" else os.path.abspath(sys.base_prefix)
+    # An interpreter under the view's own /tmp, /dev or /proc (a venv's base in a temp dir) moves out of their way.
+    moved = HOST_DIR + prefix if prefix.split("/")[1] in ("tmp", "dev", "proc") else prefix
+    wanted += [(prefix, moved)] + [(path, f"{PACKAGES_DIR}/{os.path.basename(path)}") for path in packages]
+    # Each source is opened before the view's tmpfs covers /tmp and bound through its descriptor: what lives under
+    # /tmp (a checkout, a venv, the interpreter), behind symlinks or on other mounts stays reachable.
+    held = [(os.open(source, os.O_PATH | os.O_CLOEXEC), os.path.isdir(source), target) for source, target in wanted]
 
-    def bind(source: str, target: str | None = None, read_only: bool = True) -> None:
-        target = root + (target or source)
-        if os.path.isdir(source):
-            os.makedirs(target, exist_ok=True)
-        else:
+    def bind(source: str, target: str, is_dir: bool, read_only: bool = True) -> None:
+        target = root + target
+        if is_dir:
+            os.makedirs(target, exist_ok=True)  # the folders made on the way are 755 (a pyenv under /root, mode
+        else:  # 700, stays reachable for other uids)
             os.makedirs(os.path.dirname(target), exist_ok=True)
             open(target, "w").close()
         _mount(source, target, None, MS_BIND | MS_REC)
@@ -726,28 +862,19 @@ def _enter_view(packages: tuple[str, ...]) -> None:
     for path in ("/bin", "/lib", "/lib32", "/lib64", "/sbin"):
         if os.path.islink(path):  # merged /usr
             os.symlink(os.readlink(path), root + path)
-        elif os.path.isdir(path):
-            bind(path)
-    # From /usr: programs (a shell, coreutils), the shared libraries and the loader, time zones.
-    multiarch = getattr(sys.implementation, "_multiarch", "")
-    for path in ("/usr/bin", f"/usr/lib/{multiarch}", "/usr/lib64", "/usr/share/zoneinfo"):
-        if multiarch and os.path.isdir(path):
-            bind(path)
-    prefix = os.path.realpath(sys.base_prefix)
-    stdlib = os.path.dirname(os.__file__)
-    bind(stdlib if prefix == "/usr" else prefix)  # a system Python's stdlib, or a whole pyenv/conda/local prefix;
-    # the folders made on the way are 755 (a pyenv under /root, mode 700, stays reachable for other uids)
+    for fd, is_dir, target in held:
+        bind(f"/proc/self/fd/{fd}", target, is_dir)
+        os.close(fd)
     for folder in (f"{stdlib}/site-packages", f"{stdlib}/dist-packages"):  # installed packages: the allow-list only
+        folder = moved + folder[len(prefix):]
         if os.path.isdir(root + folder):
             _mount("kiln-empty", root + folder, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k")
-    for path in packages:
-        bind(path, f"{PACKAGES_DIR}/{os.path.basename(path)}")
     os.mkdir(root + "/proc")
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,  # only one's own processes
            f"hidepid=2,gid={PROC_READER_GID}")
     os.mkdir(root + "/dev")
     for name in ("null", "zero", "full", "random", "urandom"):
-        bind("/dev/" + name, read_only=False)
+        bind("/dev/" + name, "/dev/" + name, False, read_only=False)
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                          ("stderr", "/proc/self/fd/2"), ("shm", "/tmp")):  # POSIX shared memory: the run's /tmp
         os.symlink(target, f"{root}/dev/{name}")
@@ -757,12 +884,20 @@ def _enter_view(packages: tuple[str, ...]) -> None:
     _check(_libc.umount2(b".", MNT_DETACH), "detaching the host's root")
     os.chdir("/")
     _mount("none", "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    if moved != prefix:
+        sys.path[:] = [moved + p[len(prefix):] if (p + "/").startswith(prefix + "/") else p for p in sys.path]
 
 
-def _isolate_run(uid: int | None, limits: dict) -> None:
-    """In a freshly forked program (still root): own mount, IPC and network namespaces, and a private tmpfs /tmp
-    that is freed with the last process of the run."""
-    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWNET), "unshare")
+def _isolate_run(uid: int | None, limits: dict, joins: bool) -> None:
+    """In a freshly forked program (still root): its own mount namespace with a private tmpfs /tmp that is freed
+    with the last process of the run; network and IPC namespaces of its own, or with `joins` those of its
+    supervisor's that fds 4 and 5 name (`_namespaces_for_runs`)."""
+    if joins:
+        _check(_libc.setns(4, CLONE_NEWNET), "setns")
+        _check(_libc.setns(5, CLONE_NEWIPC), "setns")
+        os.close(4)
+        os.close(5)
+    _check(_libc.unshare(CLONE_NEWNS | (0 if joins else CLONE_NEWIPC | CLONE_NEWNET)), "unshare")
     owner = "" if uid is None else f",uid={uid},gid={uid}"
     _mount("kiln-run", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
            f"mode=700,size={limits['tmp_mb']}m,nr_inodes=16384{owner}")
@@ -784,6 +919,45 @@ class _RunIds(NamedTuple):
 
 # ----------------------------------------------------------------------------------------------------------
 # Supervisor: root, trusted, one job at a time
+
+_run_namespaces: list[int] = []  # a supervisor's network and IPC namespaces that its programs join (full level)
+
+
+def _namespaces_for_runs() -> list[int]:
+    """Descriptors of the network and IPC namespaces that the supervisor's next program joins: the supervisor's own,
+    made anew whenever a run left anything in them (`_scrub_namespaces`), so each run still starts in empty ones.
+    Making both for every run cost about 3 ms of CPU (the kernel's setup and teardown of a network namespace
+    above all), more than the rest of a run. Only with per-run uids: a program that is root in a user namespace
+    could change a namespace's configuration, which no check here would see."""
+    if not _run_namespaces:
+        if os.path.ismount("/tmp"):  # the message queues of the namespaces given up
+            _check(_libc.umount2(b"/tmp", MNT_DETACH), "umount /tmp")
+        else:  # the supervisor's own mounts, so the zygote's stay as they are
+            _check(_libc.unshare(CLONE_NEWNS), "unshare")
+        _check(_libc.unshare(CLONE_NEWNET | CLONE_NEWIPC), "unshare")
+        _mount("mqueue", "/tmp", "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # to see the POSIX message queues
+        _run_namespaces.extend(os.open(f"/proc/self/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC) for kind in ("net", "ipc"))
+    return [os.dup(fd) for fd in _run_namespaces]
+
+
+def _scrub_namespaces() -> None:
+    """Once a run's processes are gone: give up the runs' namespaces if anything outlived the run in them. A socket
+    can (a descriptor sent and never received keeps it, bound names and all, until the kernel collects it), and
+    SysV IPC objects and POSIX message queues do."""
+    if not _run_namespaces:
+        return
+    left = []
+    for table in ("/proc/self/net/unix", "/proc/sysvipc/shm", "/proc/sysvipc/sem", "/proc/sysvipc/msg"):
+        try:
+            with open(table, "rb") as f:
+                left += f.read().splitlines()[1:]  # after the header line
+        except FileNotFoundError:  # a kernel without SysV IPC
+            pass
+    if left or os.listdir("/tmp"):
+        for fd in _run_namespaces:
+            os.close(fd)
+        _run_namespaces.clear()
+
 
 def _supervisor_main(channel: socket.socket) -> None:
     exits: dict[int, int] = {}  # program pid -> wait status, as the zygote reports them
@@ -819,7 +993,7 @@ def _serve_run(job: dict, ids: _RunIds, channel: socket.socket, exits: dict) -> 
     deadline, results = time.monotonic() + limits["total_timeout"], []
     for stdin in job["stdins"]:
         left = deadline - time.monotonic()
-        results.append(_run_program(job["source"], stdin, limits, ids, min(limits["timeout"], left),
+        results.append(_run_program(job["source"], job["code"], stdin, limits, ids, min(limits["timeout"], left),
                                     min(limits["timeout"] * limits["wall_factor"], left), channel, exits)
                        if left > 0 else None)
     return results
@@ -842,7 +1016,7 @@ def _serve_suite(job: dict, ids: _RunIds, channel: socket.socket, exits: dict) -
         null = os.open(os.devnull, os.O_RDWR)
         tmp, pid = _spawn(channel, exits, ids, limits, deadline - time.monotonic(),
                           [null, os.dup(null), os.dup(null), theirs.detach()])
-        _send(mine, ("serve", job["source"], suite["kind"] == "call"))
+        _send(mine, ("serve", job["code"], suite["kind"] == "call"))
         verdicts += _run_tests(suite, mine, pid, ids.uid(1), len(verdicts), limits, deadline)
         mine.close()
         _kill_run(ids, pid, channel, exits, tmp)
@@ -872,27 +1046,30 @@ def _serve_session(job: dict, ids: _RunIds, channel: socket.socket, exits: dict,
 
 def _spawn(channel: socket.socket, exits: dict, ids: _RunIds, limits: dict, budget: float,
            fds: list[int]) -> tuple[str | None, int]:
-    """Have the zygote fork the run's program with `fds` as its 0, 1, 2, 3; (its temp dir in plain mode, pid)."""
+    """Have the zygote fork the run's program with `fds` as its 0, 1, 2, 3 (4, 5: the namespaces it joins); (its
+    temp dir in plain mode, pid)."""
     tmp = None
     if not _isolated:  # otherwise the program mounts its own /tmp
         tmp = f"/tmp/kiln-{ids.marker}-{os.urandom(3).hex()}"
         os.mkdir(tmp, 0o700)
         if ids.switch_uids:
             os.chown(tmp, ids.program_uid, ids.program_uid)
+    if _isolated and ids.switch_uids:
+        fds = fds + _namespaces_for_runs()
     _tell(channel, ("spawn", (ids.uid(0), limits, budget, tmp, ids.marker)), fds)
     for fd in fds:
         os.close(fd)
     return tmp, _hear(channel, exits, "pid")[0][1]
 
 
-def _run_program(source: str, stdin: bytes, limits: dict, ids: _RunIds, budget: float, wall: float,
+def _run_program(source: str, code: bytes | None, stdin: bytes, limits: dict, ids: _RunIds, budget: float, wall: float,
                  channel: socket.socket, exits: dict) -> dict:
     """One run: `budget` CPU seconds, `wall` seconds of wall clock."""
     (stdin_r, stdin_w), (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe(), os.pipe()
     mine, theirs = socket.socketpair()
     started = time.monotonic()
     tmp, pid = _spawn(channel, exits, ids, limits, budget, [stdin_r, out_w, err_w, theirs.detach()])
-    _send(mine, ("run", source))
+    _send(mine, ("run", source, code))
     mine.close()
     pumped = _pump(pid, channel, exits, {out_r: "stdout", err_r: "stderr"}, stdin, stdin_w, budget, wall,
                    limits["max_output"])
@@ -978,6 +1155,7 @@ def _kill_run(ids: _RunIds, pid: int, channel: socket.socket, exits: dict, tmp: 
         time.sleep(0.0002 if attempt < 100 else 0.01)
     else:
         raise SandboxError(f"processes of run {ids.index} survived SIGKILL for 30s")
+    _scrub_namespaces()
     if tmp is None:
         return
     leftovers = [tmp]
@@ -1043,7 +1221,7 @@ def _program_main(spec: tuple, fds: list[int]) -> None:
             os.dup2(fd, target)
         os.closerange(len(fds), 1 << 20)
         if cwd is None:
-            _isolate_run(uid, limits)
+            _isolate_run(uid, limits, joins=len(fds) == 6)
             cwd = "/tmp"
         os.chdir(cwd)
         for which, value in ((resource.RLIMIT_AS, limits["memory_mb"] << 20), (resource.RLIMIT_CORE, 0),
@@ -1066,7 +1244,7 @@ def _program_main(spec: tuple, fds: list[int]) -> None:
         job = _recv(sock)
         if job[0] == "run":
             sock.close()
-            _exec_program(job[1])
+            _exec_program(job[1], job[2])
         elif job[0] == "session":
             _session_main(sock, job[1])
         else:
@@ -1087,13 +1265,14 @@ def _program_module(leetcode: bool) -> dict:
     return module.__dict__
 
 
-def _exec_program(source: str) -> None:
+def _exec_program(source: str, compiled: bytes | None) -> None:
     """Behave like `python solution.py`: exit status from SystemExit, traceback on stderr, threads joined."""
     code = 0
     try:
         with open("solution.py", "w") as f:  # for the traceback's source lines
             f.write(source)
-        exec(compile(source, "solution.py", "exec", dont_inherit=True), _program_module(False))
+        exec(marshal.loads(compiled) if compiled else compile(source, "solution.py", "exec", dont_inherit=True),
+             _program_module(False))
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0
@@ -1143,7 +1322,7 @@ def _plain_type_ids() -> set[int]:
     return found
 
 
-def _serve_program(sock: socket.socket, source: str, leetcode: bool) -> None:
+def _serve_program(sock: socket.socket, code: bytes, leetcode: bool) -> None:
     """Run the module, then answer the tests' requests until they hang up."""
     objects: dict[int, object] = {}
 
@@ -1163,7 +1342,7 @@ def _serve_program(sock: socket.socket, source: str, leetcode: bool) -> None:
 
     try:
         namespace = _program_module(leetcode)
-        exec(compile(source, "solution.py", "exec", dont_inherit=True), namespace)
+        exec(marshal.loads(code), namespace)
         reply(("ok", None))
     except BaseException as e:
         reply(error(e))
@@ -1468,7 +1647,7 @@ def _classify(e: BaseException) -> str:
 
 def _assert_runner(suite: dict, rpc):
     namespace: dict = {"__name__": "__kiln_tests__"}
-    tests = [compile(text, f"test_{i}.py", "exec") for i, text in enumerate(suite["asserts"])]
+    setup, tests = marshal.loads(suite["code"])
     for name in suite["modules"]:  # the tests' own module, never the program's
         namespace[name] = __import__(name)
 
@@ -1480,7 +1659,6 @@ def _assert_runner(suite: dict, rpc):
                 namespace.pop(name, None)  # no stand-in from the setup (a HumanEval stub): the test must fail
 
     bind(suite["before"])
-    setup = compile(suite["setup"], "tests_setup.py", "exec")
     try:
         exec(setup, namespace)
     except BaseException as e:

