@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: venv test test-fast demo bench test-vllm clean
+.PHONY: venv test test-fast demo demo-agent bench test-vllm clean
 
 venv: $(STAMP)
 
@@ -24,6 +24,9 @@ test-fast: venv
 
 demo: venv
 	$(PY) demo.py
+
+demo-agent: venv
+	$(PY) demo_agent.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -606,16 +606,16 @@ def _run_toy(lines: list[str], inputs: list) -> list | None:
 
 
 
-# calc: arithmetic on 3- and 4-digit numbers, for an agent with a python tool (`make demo-agent`). x starts at a
-# 4-digit number and goes through 1..max_ops operations; the answer is x at the end, an exact number of up to 8 digits
+# calc: arithmetic on 2- and 3-digit numbers, for an agent with a python tool (`make demo-agent`). x starts at a
+# 3-digit number and goes through 1..max_ops operations; the answer is x at the end, an exact number of up to 7 digits
 # that no tiny model can work out or guess, but one tool call computes. As in toy, held-out tasks chain the operations
 # in orders never seen in training. name: (phrase, code line, range of the constant k)
 CALC_OPS = {
-    "add": ("adds {k}", "x = x + {k}", (100, 999)),
-    "sub": ("subtracts {k}", "x = x - {k}", (100, 999)),
+    "add": ("adds {k}", "x = x + {k}", (10, 99)),
+    "sub": ("subtracts {k}", "x = x - {k}", (10, 99)),
     "mul": ("multiplies by {k}", "x = x * {k}", (11, 99)),
-    "div": ("divides by {k} rounding down", "x = x // {k}", (3, 19)),
-    "mod": ("takes the remainder mod {k}", "x = x % {k}", (100, 999)),
+    "div": ("divides by {k} rounding down", "x = x // {k}", (3, 9)),
+    "mod": ("takes the remainder mod {k}", "x = x % {k}", (10, 99)),
 }
 # The careless teacher's wrong lines (as TOY_SLIPS): every calc task's answer differs from what each of them gives.
 CALC_SLIPS = {"sub": "x = {k} - x", "div": "x = x / {k}", "mod": "x = x // {k}"}
@@ -665,13 +665,13 @@ def _calc_split(rng: random.Random, combos: list[tuple[str, ...]], n: int, split
 def _calc_task(rng: random.Random, ops: tuple[str, ...]) -> dict | None:
     """One task for `ops` with a random start and constants, or None when a shortcut gives its answer: a number of the
     question, the chain with one line left out, or with one line replaced by its slip."""
-    start, ks = rng.randint(1000, 9999), [rng.randint(*CALC_OPS[op][2]) for op in ops]
+    start, ks = rng.randint(100, 999), [rng.randint(*CALC_OPS[op][2]) for op in ops]
     lines = [CALC_OPS[op][1].format(k=k) for op, k in zip(ops, ks)]
     answer = calc_output(calc_code(start, lines)).strip()
     shortcuts = [calc_code(start, lines[:i] + lines[i + 1:]) for i in range(len(lines))] + [
         calc_code(start, lines[:i] + [CALC_SLIPS[op].format(k=k)] + lines[i + 1:])
         for i, (op, k) in enumerate(zip(ops, ks)) if op in CALC_SLIPS]
-    if answer in {str(start), *map(str, ks)} or len(answer) > 8 or any(
+    if answer in {str(start), *map(str, ks)} or len(answer) > 7 or any(
             calc_output(code).strip() == answer for code in shortcuts):
         return None
     return {"question": CALC_QUESTION.format(start=start, steps=", then ".join(
