@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -146,6 +147,10 @@ def main(args: Args) -> dict:
     minutes = (time.perf_counter() - start) / 60
     print(f"\nheld-out pass rate: {before['pass_rate']:.1%} before GRPO -> {after['pass_rate']:.1%} after "
           f"({(after['pass_rate'] - before['pass_rate']) * 100:+.1f} points)")
+    wins = sum(a and not b for a, b in zip(after["passed"], before["passed"]))
+    losses = sum(b and not a for a, b in zip(after["passed"], before["passed"]))
+    print(f"held-out tasks GRPO taught: {wins}, unlearnt: {losses}; the chance of a lift this size or more if GRPO "
+          f"changed nothing (one-sided sign test): {sign_test_p(wins, losses):.1e}")
     print(f"held-out tool-call rate: {before['tool_call_rate']:.1%} -> {after['tool_call_rate']:.1%}; tool calls that "
           f"compute the answer: {before['calls_right']:.1%} -> {after['calls_right']:.1%}; calls that run without "
           f"error: {before['calls_ran']:.1%} -> {after['calls_ran']:.1%}")
@@ -155,7 +160,7 @@ def main(args: Args) -> dict:
           f"{out / 'grpo' / 'metrics.jsonl'}, samples {out / 'grpo' / 'samples.jsonl'}, held-out trajectories "
           f"{out / 'held_out_before.jsonl'} and {out / 'held_out_after.jsonl'}, curves {png}, eval report "
           f"{out / 'grpo' / 'eval_report.md'}")
-    return {"before": before["pass_rate"], "after": after["pass_rate"],
+    return {"before": before["pass_rate"], "after": after["pass_rate"], "wins": wins, "losses": losses,
             "tool_call_rate": (before["tool_call_rate"], after["tool_call_rate"]),
             "calls_right": (before["calls_right"], after["calls_right"]), "checked": checked, "drifted": drifted,
             "minutes": minutes}
@@ -193,6 +198,7 @@ def held_out(model: str, rows: list[dict], samples_path: Path) -> dict:
                                                             "truth": s.row["reward_model"]["ground_truth"],
                                                             "error": r.info["error"], "tito": d}) + "\n")
     return {"pass_rate": sum(r.score for r in results) / len(results),
+            "passed": [r.score >= 1.0 for r in results],  # in row order
             "tool_call_rate": sum(s.info["tool_calls"] > 0 for s in samples) / len(samples),
             "calls_ran": 1 - sum(s.info["tool_errors"] for s in samples) / max(calls, 1),
             "calls_right": sum(o == s.row["reward_model"]["ground_truth"] for s, out in zip(samples, outputs)
@@ -200,6 +206,13 @@ def held_out(model: str, rows: list[dict], samples_path: Path) -> dict:
             "drifted": sum(bool(d) for d in drifts),
             "summary": rewards.report({data_prep.row_id(r): r for r in rows}, [data_prep.row_id(s.row) for s in samples],
                                       [rewards.for_report(r) for r in results])}
+
+
+def sign_test_p(wins: int, losses: int) -> float:
+    """P(at least `wins` of the wins + losses tasks that changed outcome turned to a pass) if each change were a fair
+    coin flip: how likely a held-out lift this size is by chance (the exact one-sided sign test, McNemar's)."""
+    n = wins + losses
+    return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2 ** n
 
 
 def held_out_line(when: str, result: dict) -> str:
