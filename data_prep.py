@@ -15,6 +15,7 @@ ground_truth JSON per family (what rewards.py reads):
     swebench: SWE-bench 5.x instance fields {"instance_id", "repo", "version", "base_commit", "image", "eval_script",
                "log_parser", "eval_type", "FAIL_TO_PASS": [...], "PASS_TO_PASS": [...], "test_patch", "patch"}
                (the gold "patch" is for checks only; nothing of ground_truth is ever shown to the policy)
+    calc: the exact answer as plain text (rewards.answer_reward)
     vl_agent family (vision_toy, vstar, chart, ...; rewards.py): the answer as plain text; vision_toy rows also have
                extra_info.target_box [x0, y0, x1, y1], the region of images[0] that holds the answer
 
@@ -606,15 +607,15 @@ def _run_toy(lines: list[str], inputs: list) -> list | None:
 
 
 
-# calc: arithmetic on 2- and 3-digit numbers, for an agent with a python tool (`make demo-agent`). x starts at a
-# 3-digit number and goes through 1..max_ops operations; the answer is x at the end, an exact number of up to 7 digits
-# that no tiny model can work out or guess, but one tool call computes. As in toy, held-out tasks chain the operations
+# calc: arithmetic on 2-digit numbers, for an agent with a python tool (`make demo-agent`). x starts at a 2-digit
+# number and goes through 1..max_ops operations; the answer is x at the end, an exact number of up to 7 digits that no
+# tiny model can work out or guess, but one tool call computes. As in toy, held-out tasks chain the operations
 # in orders never seen in training. name: (phrase, code line, range of the constant k)
 CALC_OPS = {
     "add": ("adds {k}", "x = x + {k}", (10, 99)),
     "sub": ("subtracts {k}", "x = x - {k}", (10, 99)),
     "mul": ("multiplies by {k}", "x = x * {k}", (11, 99)),
-    "div": ("divides by {k} rounding down", "x = x // {k}", (3, 9)),
+    "div": ("divides by {k} rounding down", "x = x // {k}", (2, 9)),
     "mod": ("takes the remainder mod {k}", "x = x % {k}", (10, 99)),
 }
 # The careless teacher's wrong lines (as TOY_SLIPS): every calc task's answer differs from what each of them gives.
@@ -665,7 +666,7 @@ def _calc_split(rng: random.Random, combos: list[tuple[str, ...]], n: int, split
 def _calc_task(rng: random.Random, ops: tuple[str, ...]) -> dict | None:
     """One task for `ops` with a random start and constants, or None when a shortcut gives its answer: a number of the
     question, the chain with one line left out, or with one line replaced by its slip."""
-    start, ks = rng.randint(100, 999), [rng.randint(*CALC_OPS[op][2]) for op in ops]
+    start, ks = rng.randint(10, 99), [rng.randint(*CALC_OPS[op][2]) for op in ops]
     lines = [CALC_OPS[op][1].format(k=k) for op, k in zip(ops, ks)]
     answer = calc_output(calc_code(start, lines)).strip()
     shortcuts = [calc_code(start, lines[:i] + lines[i + 1:]) for i in range(len(lines))] + [

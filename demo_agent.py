@@ -1,6 +1,6 @@
 """`make demo-agent`: watch kiln teach a tiny agent to use its Python tool, on a 2-core CPU in minutes.
 
-1. calc tasks (data_prep.calc_rows): x starts at a 3-digit number and goes through a chain of arithmetic; the exact
+1. calc tasks (data_prep.calc_rows): x starts at a 2-digit number and goes through a chain of arithmetic; the exact
    answer (up to 7 digits) cannot be guessed, one python call computes it. Held-out tasks chain the operations in
    orders never seen in training
 2. a tiny Qwen2 model and byte-level BPE tokenizer, created locally (no downloads)
@@ -66,7 +66,7 @@ class Args:
     """how often the SFT teacher misreads the tool's output (drops its last digit)"""
     sft_steps: int = 600
     """warm-start steps"""
-    sft_batch_size: int = 16
+    sft_batch_size: int = 32
     """conversations per SFT step (the tool signatures make each prompt about 200 tokens)"""
     sft_warmup_steps: int = 50
     """linear warm-up of the SFT learning rate"""
