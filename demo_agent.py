@@ -154,8 +154,9 @@ def main(args: Args) -> dict:
     print(f"held-out tool-call rate: {before['tool_call_rate']:.1%} -> {after['tool_call_rate']:.1%}; tool calls that "
           f"compute the answer: {before['calls_right']:.1%} -> {after['calls_right']:.1%}; calls that run without "
           f"error: {before['calls_ran']:.1%} -> {after['calls_ran']:.1%}")
-    print(f"check_tito: {checked} trajectories checked ({len(train_steps) * trajectories} in training, "
-          f"{2 * len(test)} held-out), {drifted} drifted from the chat template (ids or loss mask)")
+    print(f"check_tito: {checked} trajectories compared with the chat template's rendering (ids and loss mask): "
+          f"{train_drifted} of {len(train_steps) * trajectories} in training drifted (sampled at T=1; the trainer "
+          f"printed each step's first drift above), {before['drifted'] + after['drifted']} of {2 * len(test)} held-out")
     print(f"seed {args.seed}, wall time {minutes:.1f} min, load average {os.getloadavg()[0]:.1f}; metrics "
           f"{out / 'grpo' / 'metrics.jsonl'}, samples {out / 'grpo' / 'samples.jsonl'}, held-out trajectories "
           f"{out / 'held_out_before.jsonl'} and {out / 'held_out_after.jsonl'}, curves {png}, eval report "
@@ -163,6 +164,7 @@ def main(args: Args) -> dict:
     return {"before": before["pass_rate"], "after": after["pass_rate"], "wins": wins, "losses": losses,
             "tool_call_rate": (before["tool_call_rate"], after["tool_call_rate"]),
             "calls_right": (before["calls_right"], after["calls_right"]), "checked": checked, "drifted": drifted,
+            "train_drifted": train_drifted,
             "minutes": minutes}
 
 
