@@ -228,7 +228,7 @@ def smoothed(values: list[float], window: int = 5) -> list[float]:
 
 
 def plot(train: list[dict], before: dict, after: dict, png: Path, seed: int) -> Path:
-    fig = Figure(figsize=(7, 4))  # no pyplot: nothing to display, no backend to pick
+    fig = Figure(figsize=(7, 5))  # no pyplot: nothing to display, no backend to pick
     ax = fig.subplots()
     steps = [m["step"] for m in train]
     for key, label, color in (("critic/score/mean", "train reward (pass rate), sampled at T=1", "C0"),
@@ -244,7 +244,7 @@ def plot(train: list[dict], before: dict, after: dict, png: Path, seed: int) -> 
     ax.set_xlabel("GRPO step (step 0: the SFT warm start)")
     ax.set_ylabel("rate")
     ax.set_ylim(0, 1.05)
-    ax.legend(loc="lower right", fontsize="small")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, fontsize="small")  # below: no curve hidden
     ax.set_title(f"kiln demo-agent: tiny model, calc tasks, python tool, 2 CPU ranks, seed {seed}")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
