@@ -653,7 +653,8 @@ def _calc_split(rng: random.Random, combos: list[tuple[str, ...]], n: int, split
         if task is None or task["question"] in seen:
             continue
         seen.add(task["question"])
-        rows.append({"data_source": "calc", "ability": "tool", "prompt": [{"role": "user", "content": task["question"]}],
+        rows.append({"data_source": "calc", "ability": "tool",
+                     "prompt": [{"role": "user", "content": task["question"]}],
                      "reward_model": {"style": "rule", "ground_truth": task["answer"]},
                      "extra_info": {"index": first_index + len(rows), "split": split,
                                     "difficulty": str(len(task["ops"])), "ops": task["ops"], "start": task["start"],

@@ -116,7 +116,8 @@ def main(args: Args) -> dict:
 
     run(torchrun(args.nproc, "train_sft.py", "--model", str(model_dir), "--data", str(out / "sft.jsonl"),
                  "--output-dir", str(out / "sft"), "--steps", str(args.sft_steps), "--lr", "3e-3",
-                 "--warmup-steps", str(args.sft_warmup_steps), "--batch-size", str(args.sft_batch_size), "--seed", str(args.seed),
+                 "--warmup-steps", str(args.sft_warmup_steps), "--batch-size", str(args.sft_batch_size),
+                 "--seed", str(args.seed),
                  "--overwrite"),
         "SFT warm start")
     before = held_out(str(out / "sft" / "hf"), test, out / "held_out_before.jsonl")
@@ -206,7 +207,8 @@ def held_out(model: str, rows: list[dict], samples_path: Path) -> dict:
             "calls_right": sum(o == s.row["reward_model"]["ground_truth"] for s, out in zip(samples, outputs)
                                for o in out) / max(calls, 1),
             "drifted": sum(bool(d) for d in drifts),
-            "summary": rewards.report({data_prep.row_id(r): r for r in rows}, [data_prep.row_id(s.row) for s in samples],
+            "summary": rewards.report({data_prep.row_id(r): r for r in rows},
+                                      [data_prep.row_id(s.row) for s in samples],
                                       [rewards.for_report(r) for r in results])}
 
 

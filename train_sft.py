@@ -3,9 +3,10 @@
 `torchrun --nproc-per-node 8 train_sft.py --model ... --data conversations.jsonl`. The same masks (assistant
 tokens only), packing, FSDP2 and checkpoints as the RL scripts. A data row is either `{"messages": [...]}`
 (tool turns included; with `"tools": [...]`, the signatures the template renders in the prompt, as OpenAI's
-fine-tuning format has them) or a kiln row whose `extra_info["solution"]` becomes the assistant's answer. A row's `images`
-(bytes, paths, data URLs; one per {"type": "image"} part of its messages, in order, tool and observation turns
-included) go with it into a vision-language model's packed forward (CodeV's cold start), never into the loss mask.
+fine-tuning format has them) or a kiln row whose `extra_info["solution"]` becomes the assistant's answer. A row's
+`images` (bytes, paths, data URLs; one per {"type": "image"} part of its messages, in order, tool and observation
+turns included) go with it into a vision-language model's packed forward (CodeV's cold start), never into the loss
+mask.
 """
 from __future__ import annotations
 
