@@ -22,7 +22,9 @@ import rewards  # noqa: E402
 import tiny  # noqa: E402
 import tools  # noqa: E402
 
-SFT_STEPS, GRPO_STEPS = 600, 20  # the shortened demo
+# The shortened demo: the demo's warm start (it must learn to copy the numbers), half its GRPO steps. On seed 0, 20
+# steps gave 10 held-out tasks of 60 taught and none unlearnt (sign test p = 0.001, too close); 60 steps 25 of 100.
+SFT_STEPS, GRPO_STEPS = 600, 30
 
 
 def test_calc_tasks_hold_out_unseen_chains_and_defeat_shortcuts():
@@ -77,7 +79,7 @@ def test_sign_test_p():
 
 @pytest.mark.slow
 def test_demo_agent_learns_to_use_its_tool(tmp_path):
-    args = demo_agent.Args(output_dir=str(tmp_path), seed=0, n_test=60, sft_steps=SFT_STEPS, grpo_steps=GRPO_STEPS)
+    args = demo_agent.Args(output_dir=str(tmp_path), seed=0, sft_steps=SFT_STEPS, grpo_steps=GRPO_STEPS)
     result = demo_agent.main(args)
 
     # check_tito ran on every trajectory. Its drifts seen so far are all sampled ids that are not the tokenizer's
