@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: venv test test-fast demo bench test-vllm clean
+.PHONY: venv test test-fast demo demo-agent bench test-vllm clean
 
 venv: $(STAMP)
 
@@ -33,6 +33,9 @@ test-fast: venv $(NPM_TOOLS)
 
 demo: venv
 	$(PY) demo.py
+
+demo-agent: venv
+	$(PY) demo_agent.py
 
 clean:
 	rm -rf $(VENV) runs .npm-tools

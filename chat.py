@@ -55,9 +55,11 @@ def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def encode_conversation(tokenizer, messages: list[dict], eot: str | None = None) -> tuple[list[int], list[int]]:
-    """Chat messages -> (ids, loss mask), 1 exactly on assistant tokens (content and its end-of-turn token `eot`,
-    default: end_of_turn's; a code action's end-of-turn token is not the policy's: 0).
+def encode_conversation(tokenizer, messages: list[dict], eot: str | None = None,
+                        tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    """Chat messages (rendered with the tool signatures `tools`, as a rollout's prompt is) -> (ids, loss mask), 1
+    exactly on assistant tokens (content and its end-of-turn token `eot`, default: end_of_turn's; a code action's
+    end-of-turn token is not the policy's: 0).
 
     Each message is tokenized alone as the text the template appends for it (tool output as plain text), so a
     conversation's ids are the concatenation a multi-turn rollout builds turn by turn: the same ids for training and
@@ -69,15 +71,15 @@ def encode_conversation(tokenizer, messages: list[dict], eot: str | None = None)
         if message["role"] == "tool" and messages[i + 1 :] and messages[i + 1]["role"] == "tool":
             continue  # consecutive tool messages share one user turn: rendered together, with the last of them
         if message["role"] == "assistant":
-            header = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            header = render(tokenizer, messages[:i], tools, add_generation_prompt=True)
             glue = tokenizer(header[len(rendered):], add_special_tokens=False)["input_ids"]
             ids += glue
             mask += [0] * len(glue)
             rendered = header
-        text = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        text = render(tokenizer, messages[: i + 1], tools, add_generation_prompt=False)
         if not text.startswith(rendered):
             raise ValueError(f"chat template does not render message {i} as an extension of the ones before it")
-        plain = tool_spans(tokenizer, messages[: i + 1], None, False, text) if is_tool_output(message) else []
+        plain = tool_spans(tokenizer, messages[: i + 1], tools, False, text) if is_tool_output(message) else []
         piece, _ = encode_text(tokenizer, text, plain, start=len(rendered))
         if message["role"] == "assistant":
             # Trained: everything up to and including the end-of-turn token (before it, for a code action: the policy

@@ -15,6 +15,7 @@ ground_truth JSON per family (what rewards.py reads):
     swebench: SWE-bench 5.x instance fields {"instance_id", "repo", "version", "base_commit", "image", "eval_script",
                "log_parser", "eval_type", "FAIL_TO_PASS": [...], "PASS_TO_PASS": [...], "test_patch", "patch"}
                (the gold "patch" is for checks only; nothing of ground_truth is ever shown to the policy)
+    calc: the exact answer as plain text (rewards.answer_reward)
     vl_agent family (vision_toy, vstar, chart, ...; rewards.py): the answer as plain text; vision_toy rows also have
                extra_info.target_box [x0, y0, x1, y1], the region of images[0] that holds the answer
 
@@ -30,6 +31,7 @@ ground_truth JSON per family (what rewards.py reads):
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import gzip
 import io
@@ -602,6 +604,121 @@ def _run_toy(lines: list[str], inputs: list) -> list | None:
         return [namespace["f"](x) for x in inputs]  # every op builds a new value: inputs stay as they were
     except (TypeError, ValueError, IndexError):  # a line for the other type; max() or [-1] of an emptied list
         return None
+
+
+
+# calc: arithmetic on 2-digit numbers, for an agent with a python tool (`make demo-agent`). x starts at a 2-digit
+# number and goes through 1..max_ops operations; the answer is x at the end, an exact number of up to 7 digits that no
+# tiny model can work out or guess, but one tool call computes. As in toy, held-out tasks chain the operations
+# in orders never seen in training. name: (phrase, code line, range of the constant k)
+CALC_OPS = {
+    "add": ("adds {k}", "x = x + {k}", (10, 99)),
+    "sub": ("subtracts {k}", "x = x - {k}", (10, 99)),
+    "mul": ("multiplies by {k}", "x = x * {k}", (11, 99)),
+    "div": ("divides by {k} rounding down", "x = x // {k}", (2, 9)),
+    "mod": ("takes the remainder mod {k}", "x = x % {k}", (10, 99)),
+}
+# The careless teacher's wrong lines (as TOY_SLIPS): every calc task's answer differs from what each of them gives.
+CALC_SLIPS = {"sub": "x = {k} - x", "div": "x = x / {k}", "mod": "x = x // {k}"}
+CALC_QUESTION = "x starts at {start}. It {steps}. What is x? Give it as <answer>x</answer>."
+
+
+def calc_rows(n_train: int, n_test: int, seed: int = 0, max_ops: int = 3,
+              held_out: float = 0.25) -> tuple[list[dict], list[dict]]:
+    """(train, test) calc rows (data_source "calc": ground_truth is the answer; rewards.answer_reward). A `held_out`
+    fraction of the multi-op chains is kept for test only; every single op is in train."""
+    rng = random.Random(seed)
+    chains = [(op,) for op in CALC_OPS]
+    combos = list(chains)
+    for _ in range(max_ops - 1):
+        chains = [c + (op,) for c in chains for op in CALC_OPS if op != c[-1]]
+        combos += chains
+    multi = [c for c in combos if len(c) > 1]
+    test_combos = set(rng.sample(multi, max(1, round(held_out * len(multi))) if n_test else 0))
+    seen: set[str] = set()
+    train = _calc_split(rng, [c for c in combos if c not in test_combos], n_train, "train", 0, seen)
+    test = _calc_split(rng, [c for c in multi if c in test_combos], n_test, "test", n_train, seen)
+    return train, test
+
+
+def _calc_split(rng: random.Random, combos: list[tuple[str, ...]], n: int, split: str, first_index: int,
+                seen: set[str]) -> list[dict]:
+    lengths = sorted({len(c) for c in combos})
+    rows = []
+    for _ in range(200 * n):
+        if len(rows) == n:
+            break
+        length = rng.choice(lengths)  # lengths equally likely, as in toy
+        task = _calc_task(rng, rng.choice([c for c in combos if len(c) == length]))
+        if task is None or task["question"] in seen:
+            continue
+        seen.add(task["question"])
+        rows.append({"data_source": "calc", "ability": "tool",
+                     "prompt": [{"role": "user", "content": task["question"]}],
+                     "reward_model": {"style": "rule", "ground_truth": task["answer"]},
+                     "extra_info": {"index": first_index + len(rows), "split": split,
+                                    "difficulty": str(len(task["ops"])), "ops": task["ops"], "start": task["start"],
+                                    "constants": task["constants"], "code": task["code"]}})
+    if len(rows) < n:
+        raise ValueError(f"calc: made only {len(rows)} distinct {split} tasks of {n}; ask for fewer or raise max_ops")
+    return rows
+
+
+def _calc_task(rng: random.Random, ops: tuple[str, ...]) -> dict | None:
+    """One task for `ops` with a random start and constants, or None when a shortcut gives its answer: a number of the
+    question, the chain with one line left out, or with one line replaced by its slip."""
+    start, ks = rng.randint(10, 99), [rng.randint(*CALC_OPS[op][2]) for op in ops]
+    lines = [CALC_OPS[op][1].format(k=k) for op, k in zip(ops, ks)]
+    answer = calc_output(calc_code(start, lines)).strip()
+    shortcuts = [calc_code(start, lines[:i] + lines[i + 1:]) for i in range(len(lines))] + [
+        calc_code(start, lines[:i] + [CALC_SLIPS[op].format(k=k)] + lines[i + 1:])
+        for i, (op, k) in enumerate(zip(ops, ks)) if op in CALC_SLIPS]
+    if answer in {str(start), *map(str, ks)} or len(answer) > 7 or any(
+            calc_output(code).strip() == answer for code in shortcuts):
+        return None
+    return {"question": CALC_QUESTION.format(start=start, steps=", then ".join(
+                CALC_OPS[op][0].format(k=k) for op, k in zip(ops, ks))),
+            "answer": answer, "ops": list(ops), "start": start, "constants": ks, "code": calc_code(start, lines)}
+
+
+def calc_code(start: int, lines: list[str]) -> str:
+    return f"x = {start}\n" + "".join(f"{line}\n" for line in lines) + "print(x)"
+
+
+def calc_output(code: str) -> str:
+    """What the python tool prints for a calc program (our own generated arithmetic), as the sandbox returns it."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(code, {})  # our own generated code
+    return out.getvalue()
+
+
+def calc_teacher_conversations(rows: list[dict], tools: list[dict], slip_rate: float, skip_rate: float,
+                               misread_rate: float, seed: int = 0) -> list[dict]:
+    """SFT conversations for calc rows by a careless teacher who uses the python tool through its real protocol (a
+    <tool_call>, its output as a tool turn, then <answer>) but slips: with probability `skip_rate` it answers without
+    calling (the start number), each line of an op in CALC_SLIPS is its slip with probability `slip_rate`, and with
+    probability `misread_rate` it misreads the output (drops its last digit). Each conversation carries the tool
+    signatures `tools` (tools.TOOL_SCHEMAS["python"]), so the template renders the prompt the agent is shown."""
+    rng = random.Random(seed)
+    out = []
+    for row in rows:
+        info, prompt = row["extra_info"], list(row["prompt"])
+        if rng.random() < skip_rate:
+            messages = prompt + [{"role": "assistant", "content": f"<answer>{info['start']}</answer>"}]
+        else:
+            lines = [CALC_SLIPS[op].format(k=k) if op in CALC_SLIPS and rng.random() < slip_rate else
+                     CALC_OPS[op][1].format(k=k) for op, k in zip(info["ops"], info["constants"])]
+            code = calc_code(info["start"], lines)
+            output = calc_output(code)
+            answer = output.strip()[:-1] if rng.random() < misread_rate and len(output.strip()) > 1 else output.strip()
+            messages = prompt + [
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "python", "arguments": {"code": code}}}]},
+                {"role": "tool", "content": output},
+                {"role": "assistant", "content": f"<answer>{answer}</answer>"}]
+        out.append({"messages": messages, "tools": tools})
+    return out
 
 
 SWEBENCH_FIELDS = ("instance_id", "repo", "version", "base_commit", "problem_statement", "patch", "test_patch",

@@ -136,6 +136,19 @@ def assert_reward(all_or_nothing: bool) -> Callable:
     return reward
 
 
+# Exact answers (calc, `make demo-agent`'s agent tasks): nothing is run, so a policy gets one right only by working it
+# out, e.g. with its python tool.
+ANSWER_SOURCES = ("calc",)
+
+
+def answer_reward(row: dict, completion: str) -> Reward:
+    """1 when the completion's answer (extract_answer: its last <answer>...</answer>) is ground_truth, as text."""
+    answer, _ = extract_answer(completion)
+    right = answer is not None and answer == row["reward_model"]["ground_truth"].strip()
+    return Reward(float(right), {"answer": answer, "error": None if right else
+                                 ("no_answer" if answer is None else "wrong_answer")})
+
+
 REWARDS: dict[str, Callable[[str, dict, sandbox.Limits], Reward]] = {
     "apps": io_reward, "codecontests": io_reward, "taco": io_reward, "livecodebench": io_reward,
     "humaneval": humaneval_reward,
@@ -333,6 +346,8 @@ def score(row: dict, completion: str, limits: sandbox.Limits = sandbox.Limits(),
     if is_vl_agent(row):
         return vl_agent_reward(row, completion, judge, sample_info or {})
     source = row["data_source"]
+    if source in ANSWER_SOURCES:
+        return answer_reward(row, completion)
     if source == "swebench":  # grading errors raise (never scored -1)
         grade = swe_grading.swebench_reward(json.loads(row["reward_model"]["ground_truth"]),
                                             completion.encode(errors="surrogateescape"), config=swe)
@@ -419,7 +434,8 @@ def refuse_nonfinite(offenders: list[tuple[str, float]], step: int) -> None:
 
 def check_sources(rows: list[dict], where: str) -> None:
     """Refuse rows whose data_source has no reward function, naming the source and `where`, before any work."""
-    unknown = sorted({row["data_source"] for row in rows if not is_vl_agent(row)} - REWARDS.keys() - {"swebench"})
+    unknown = sorted({row["data_source"] for row in rows if not is_vl_agent(row)} - REWARDS.keys() - {"swebench"}
+                     - set(ANSWER_SOURCES))
     if unknown:
         raise ValueError(f"{where}: no reward function for data_source {', '.join(map(repr, unknown))}; known: "
                          f"{', '.join(sorted(REWARDS))} (rewards.REWARDS)")

@@ -2,9 +2,11 @@
 
 `torchrun --nproc-per-node 8 train_sft.py --model ... --data conversations.jsonl`. The same masks (assistant
 tokens only), packing, FSDP2 and checkpoints as the RL scripts. A data row is either `{"messages": [...]}`
-(tool turns included) or a kiln row whose `extra_info["solution"]` becomes the assistant's answer. A row's `images`
-(bytes, paths, data URLs; one per {"type": "image"} part of its messages, in order, tool and observation turns
-included) go with it into a vision-language model's packed forward (CodeV's cold start), never into the loss mask.
+(tool turns included; with `"tools": [...]`, the signatures the template renders in the prompt, as OpenAI's
+fine-tuning format has them) or a kiln row whose `extra_info["solution"]` becomes the assistant's answer. A row's
+`images` (bytes, paths, data URLs; one per {"type": "image"} part of its messages, in order, tool and observation
+turns included) go with it into a vision-language model's packed forward (CodeV's cold start), never into the loss
+mask.
 """
 from __future__ import annotations
 
@@ -102,8 +104,9 @@ def checked_messages(messages, where: str) -> list[dict]:
     return list(messages)
 
 
-def load_conversations(path: str) -> list[tuple[list[dict], list[bytes]]]:
-    """Each row's messages and images (encoded bytes; a relative path is read from the data file's folder)."""
+def load_conversations(path: str) -> list[tuple[list[dict], list[bytes], list[dict] | None]]:
+    """Each row's messages, images (encoded bytes; a relative path is read from the data file's folder) and tool
+    signatures (None without)."""
     if path.endswith(".jsonl"):
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
@@ -116,16 +119,18 @@ def load_conversations(path: str) -> list[tuple[list[dict], list[bytes]]]:
         if len(images) != data_prep.count_image_parts(messages):
             raise ValueError(f"{where}: images: {len(images)} images but the messages have "
                              f"{data_prep.count_image_parts(messages)} image parts")
-        out.append((messages, images))
+        out.append((messages, images, row.get("tools") or None))
     return out
 
 
-def encode(tokenizer, conversations: list[tuple[list[dict], list[bytes]]],
+def encode(tokenizer, conversations: list[tuple[list[dict], list[bytes], list[dict] | None]],
            eot: str) -> list[tuple[list[int], list[int], list[bytes]]]:
     """(ids, loss mask, images) of each conversation: chat.encode_conversation's ids and mask (1 on assistant tokens
-    only: image placeholders and tool/observation turns are 0), its images one per placeholder."""
+    only: image placeholders and tool/observation turns are 0; the prompt with its tool signatures), its images one
+    per placeholder."""
     pad = chat.image_pad_id(tokenizer)
-    encoded = [(*chat.encode_conversation(tokenizer, messages, eot), images) for messages, images in conversations]
+    encoded = [(*chat.encode_conversation(tokenizer, messages, eot, tools), images)
+               for messages, images, tools in conversations]
     for i, (ids, _, images) in enumerate(encoded):
         if images and ids.count(pad) != len(images):
             raise ValueError(f"conversation {i}: {len(images)} images but the chat template renders "
