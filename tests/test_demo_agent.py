@@ -1,15 +1,8 @@
-"""`make demo-agent`'s whole loop, shortened for CI: calc tasks -> tiny model -> SFT on the careless tool-using teacher
--> 2-rank GRPO with the sandboxed python tool, multi-turn, on the demo's default seed. Every trajectory (training and
-held-out) must match the chat template's rendering, ids and loss mask (check_tito), and the held-out pass rate must
-rise by more than chance allows; the full demo's numbers are the benchmark (bench/RESULTS.md).
-
-Also, cheaply: the calc tasks need the tool and hold out unseen chains, the teacher's conversations go through the
-real template and protocol, and the answer reward grades the answer alone."""
-import json
+"""`make demo-agent`'s parts: the calc tasks need the tool and hold out unseen chains, the teacher's conversations go
+through the real template and protocol, the answer reward grades the answer alone, and the demo's sign test. The
+whole loop is not yet in the suite: its warm start alone takes about 10 minutes on 2 cores (bench/RESULTS.md)."""
 import sys
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -21,11 +14,6 @@ import policy  # noqa: E402
 import rewards  # noqa: E402
 import tiny  # noqa: E402
 import tools  # noqa: E402
-
-# The shortened demo: the demo's warm start (it must learn to copy the numbers), half its GRPO steps. On seed 0, 20
-# steps gave 10 held-out tasks of 60 taught and none unlearnt (sign test p = 0.001, too close); 60 steps 25 of 100.
-SFT_STEPS, GRPO_STEPS = 600, 30
-
 
 def test_calc_tasks_hold_out_unseen_chains_and_defeat_shortcuts():
     train, test = data_prep.calc_rows(300, 40, seed=1)
@@ -75,29 +63,3 @@ def test_sign_test_p():
     assert demo_agent.sign_test_p(0, 0) == 1.0
     assert demo_agent.sign_test_p(3, 0) == 1 / 8
     assert demo_agent.sign_test_p(10, 10) > 0.5
-
-
-@pytest.mark.slow
-def test_demo_agent_learns_to_use_its_tool(tmp_path):
-    args = demo_agent.Args(output_dir=str(tmp_path), seed=0, sft_steps=SFT_STEPS, grpo_steps=GRPO_STEPS)
-    result = demo_agent.main(args)
-
-    # check_tito ran on every trajectory. Its drifts seen so far are all sampled ids that are not the tokenizer's
-    # canonical split of their text (a tiny model at T=1 samples such splits; the trainer trains on the sampled ids,
-    # token in, token out); check_tito checks the loss mask of every trajectory whose ids are canonical.
-    trajectories = GRPO_STEPS * args.prompts_per_step * args.group_size + 2 * args.n_test
-    assert result["checked"] == trajectories, result
-    assert result["train_drifted"] <= 0.1 * (trajectories - 2 * args.n_test), result
-    assert result["after"] > result["before"] and demo_agent.sign_test_p(result["wins"], result["losses"]) < 1e-3, \
-        result
-    records = [json.loads(line) for line in open(tmp_path / "grpo" / "metrics.jsonl")]
-    assert [m["step"] for m in records if "tools/calls_mean" in m] == list(range(1, GRPO_STEPS + 1))
-    samples = [json.loads(line) for line in open(tmp_path / "grpo" / "samples.jsonl")]
-    assert samples and all(s["messages"][-1]["role"] == "assistant" for s in samples)
-    held_out = [json.loads(line) for line in open(tmp_path / "held_out_after.jsonl")]
-    findings = [f for h in held_out for f in h["tito"]]
-    assert len(held_out) == args.n_test and not [f for f in findings if f.startswith("loss mask drift")], findings
-    assert sum(bool(h["tito"]) for h in held_out) <= 0.05 * args.n_test, findings
-    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| 0 |" in (tmp_path / "grpo" / "eval_report.md").read_text()
-
