@@ -66,7 +66,7 @@ def run(cmd: list[str], what: str) -> None:
     print(f"\n== {what}\n$ {' '.join(cmd)}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     if subprocess.run(cmd, env=env).returncode != 0:
-        raise RuntimeError(f"demo: {what} failed (command above)")
+        raise RuntimeError(f"{what} failed (command above)")
 
 
 def torchrun(nproc: int, script: str, *args: str) -> list[str]:

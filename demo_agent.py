@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +38,7 @@ import rollout
 import runlog
 import tiny
 import tools
+from demo import run, smoothed, torchrun  # the text demo's steps
 
 
 @dataclass
@@ -85,17 +84,6 @@ class Args:
 # An agent's budget: a call, its output and an answer fit with room to spare.
 LIMITS = rollout.AgentLimits(max_turns=3, max_total_tokens=768, max_tool_response_tokens=64)
 MAX_NEW_TOKENS = 128  # per turn
-
-
-def run(cmd: list[str], what: str) -> None:
-    print(f"\n== {what}\n$ {' '.join(cmd)}", flush=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    if subprocess.run(cmd, env=env).returncode != 0:
-        raise RuntimeError(f"demo-agent: {what} failed (command above)")
-
-
-def torchrun(nproc: int, script: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script, *args]
 
 
 def main(args: Args) -> dict:
@@ -224,11 +212,6 @@ def sign_test_p(wins: int, losses: int) -> float:
 def held_out_line(when: str, result: dict) -> str:
     return (f"held-out {when}: pass rate {result['pass_rate']:.1%}, tool-call rate {result['tool_call_rate']:.1%}, "
             f"tool calls that compute the answer {result['calls_right']:.1%}, check_tito drifts {result['drifted']}")
-
-
-def smoothed(values: list[float], window: int = 5) -> list[float]:
-    """Trailing mean over the last `window` values (fewer at the start): train curves are noisy step to step."""
-    return [sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
 
 
 def plot(train: list[dict], before: dict, after: dict, png: Path, seed: int) -> Path:
