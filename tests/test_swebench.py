@@ -326,8 +326,12 @@ def test_test_infrastructure_hacks_are_dropped_and_reported(docker_client, swe_r
     with_gold = rewards.score(row, hack + truth_of(row)["patch"])  # the fix still counts, the hack is dropped
     assert with_gold.score == 1.0 and with_gold.info["dropped"] == paths
     monkeypatch.setattr(swe_grading, "is_protected", lambda path, test_files: False)
-    unfiltered = rewards.score(row, hack)  # what the filter prevents: the hack alone would be graded resolved
-    assert unfiltered.score == 1.0 and unfiltered.info["dropped"] == []
+    unfiltered = rewards.score(row, hack)  # past the filter, the canaries still see the forged report
+    assert (unfiltered.score, unfiltered.info["error"], unfiltered.info["dropped"]) == (-1.0, "tampered", [])
+    monkeypatch.setattr(swe_grading, "plan_canaries", lambda spec: [])
+    monkeypatch.setattr(swe_grading, "check_canaries", lambda *args: None)
+    forged = rewards.score(row, hack)  # what the filter and the canaries prevent: graded resolved
+    assert forged.score == 1.0 and forged.info["dropped"] == []
 
 
 @pytest.mark.docker
