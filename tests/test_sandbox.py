@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # swe_instances: the offline base image
 
-import containers  # noqa: E402
 import sandbox  # noqa: E402
 import swe_instances  # noqa: E402
+from test_swebench import docker_client  # noqa: E402,F401 -- the fixture (a missing daemon fails under CI=true)
 from sandbox import Limits, outputs_match, run, run_assert_tests, run_batch, run_call_tests, run_stdio_tests  # noqa
 
 FAST = Limits(timeout=2.0, total_timeout=30.0)  # a busy machine stretches CPU limits in wall time
@@ -143,15 +143,10 @@ def test_require_holds_the_shared_sandboxes_and_reports_the_level():
         sandbox.require("partial")
 
 
-def test_a_container_without_cap_sys_admin_refuses(tmp_path):
+def test_a_container_without_cap_sys_admin_refuses(docker_client, tmp_path):
     """Docker's offline base image (python 3.9, which imports sandbox.py: the stdlib only) with every capability
     dropped, the repository mounted read-only: the full level is refused, naming CAP_SYS_ADMIN and what to do."""
-    try:
-        client = containers.connect()
-    except containers.DockerUnavailable as e:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true and no Docker daemon: {e}")
-        pytest.skip(str(e))
+    client = docker_client
     try:
         client.images.get(swe_instances.BASE_IMAGE)
     except docker.errors.ImageNotFound:
