@@ -5,6 +5,10 @@ the browser tests add a few seconds each."""
 import hashlib
 import io
 import json
+import os
+import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +28,10 @@ import tools  # noqa: E402
 import train_grpo  # noqa: E402
 
 pytestmark = pytest.mark.slow
+
+# Screenshots of the main views, kept after the tests (runs/ is ignored by git; CI may collect the folder).
+ARTIFACTS = Path(os.environ.get("KILN_TEST_ARTIFACTS", ROOT / "runs" / "test-artifacts")) / "board"
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
 CALL = '<tool_call>\n{"name": "python", "arguments": {"code": "image.show()"}}\n</tool_call>'
 ANSWER = "```python\ndef f(x):\n    return x + 1\n```"
@@ -63,6 +71,8 @@ def run_dir(tmp_path_factory) -> Path:
     fails, so REINFORCE++'s batch-whitened advantages differ), the python tool on the row's image, every step
     sampled."""
     root = tmp_path_factory.mktemp("board")
+    if os.environ.get("DEV_RUN"):  # DEVONLY
+        shutil.copytree(os.environ["DEV_RUN"], root / "grpo"); shutil.copytree(Path(os.environ["DEV_RUN"]).parent / "model", root / "model"); return root / "grpo"  # DEVONLY
     rows = [data_prep.make_row("toy", "f", {"test_list": [test], "test_setup_code": ""}, {"index": i, "split": "train"})
             | {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Write f."}]}],
                "images": [png(colour)]}
@@ -135,3 +145,138 @@ def test_samples_rotate_and_unnamed_images_go(tmp_path):
     kept = sorted(p.name for p in (tmp_path / runlog.IMAGES_DIR).iterdir())
     assert kept == sorted(r["images"][0].split("/")[1] for r in old + current)
     assert all("_images" not in r for r in old + current)
+
+
+# ---- the board in a real browser ----
+
+
+@pytest.fixture(scope="module")
+def board_url(run_dir):
+    """board.py on a free port of 127.0.0.1, serving the run and (for the comparison) a copy of its metrics."""
+    other = run_dir.parent / "other"
+    other.mkdir(exist_ok=True)
+    with open(other / "metrics.jsonl", "w") as f:  # a second run: the same steps, rewards shifted
+        for line in open(run_dir / "metrics.jsonl"):
+            m = json.loads(line)
+            if "critic/score/mean" in m:
+                f.write(json.dumps(m | {"critic/score/mean": m["critic/score/mean"] + 0.25}) + "\n")
+    process = subprocess.Popen([sys.executable, str(ROOT / "board.py"), str(run_dir), str(other), "--port", "0"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        url = re.search(r"http://\S+", line)
+        assert url, f"board.py did not start: {line!r}"
+        yield url.group(0)
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Debian chromium through chromium-driver (apt-get install chromium chromium-driver). Without them the
+    tests skip, except under CI=true, where they fail."""
+    if not (CHROMIUM and CHROMEDRIVER):
+        message = "chromium and chromium-driver are not installed (apt-get install -y chromium chromium-driver)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1000"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_script_timeout(20)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    yield driver
+    driver.quit()
+
+
+def wait_for(driver, script: str, timeout: float = 15):
+    """The value of a JS expression once it is truthy."""
+    from selenium.webdriver.support.ui import WebDriverWait
+    return WebDriverWait(driver, timeout).until(lambda d: d.execute_script(f"return {script}"))
+
+
+def test_curves_draw_both_runs_on_one_chart(browser, board_url):
+    browser.get(board_url)
+    wait_for(browser, "document.body.dataset.ready")
+    titles = browser.execute_script("return [...document.querySelectorAll('.chart h3')].map(h => h.textContent)")
+    assert {"reward by data source", "train / engine mismatch", "seconds per phase", "entropy"} <= set(titles)
+    reward = browser.execute_script(
+        "const c = [...document.querySelectorAll('.chart')].find(c => c.querySelector('h3').textContent === "
+        "'reward by data source'); return [...c.querySelectorAll('.legend span')].map(s => s.textContent)")
+    assert "— grpo: critic/score/mean" in reward and "— other: critic/score/mean" in reward
+    browser.save_screenshot(str(ARTIFACTS / "curves.png"))
+
+
+def test_a_multi_turn_sample_with_a_tool_image_and_its_mismatch_colouring(browser, board_url, run_dir):
+    browser.get(board_url)
+    wait_for(browser, "document.body.dataset.ready")
+    browser.find_element("id", "tab-samples").click()
+    wait_for(browser, "$('f-step').options.length > 1")
+    from selenium.webdriver.support.ui import Select
+    Select(browser.find_element("id", "f-step")).select_by_value("")  # every step, only samples with tool images
+    browser.find_element("id", "f-toolimages").click()
+    wait_for(browser, "document.querySelector('.sample-item') && $('f-toolimages').checked && "
+                      "$('page').textContent.includes('of')")
+    browser.find_elements("css selector", ".sample-item")[0].click()
+    wait_for(browser, "document.querySelectorAll('#tokens .tok').length > 0 && "
+                      "[...document.querySelectorAll('img.tool-image')].every(i => i.complete && i.naturalWidth > 0)")
+    sample_id = int(browser.execute_script("return document.querySelector('.sample-item.on').dataset.id"))
+    record = records(run_dir)[sample_id]
+    assert any(c["images"] for c in record["tool_calls"])
+    # The tool's image is shown in the conversation, the tool table and among the tokens, from its file.
+    shown = browser.execute_script("return [...document.querySelectorAll('img.tool-image')].map(i => "
+                                   "new URL(i.src).searchParams.get('path'))")
+    assert shown == record["images"][record["prompt_images"]:]
+    assert browser.execute_script("return document.querySelectorAll('#tokens .pad img').length") == len(shown)
+    assert len(browser.find_elements("css selector", "#group .member")) == 2  # the group side by side
+    browser.find_element("id", "mode-mismatch").click()
+    painted = wait_for(browser, "[...document.querySelectorAll('#tokens .tok')].map(s => "
+                                "[s.dataset.value, getComputedStyle(s).backgroundColor])")
+    differences = [abs(t - e) if m else None for t, e, m in
+                   zip(record["trainer_logprobs"], record["engine_logprobs"], record["loss_mask"])]
+    scale = max(d for d in differences if d is not None)
+    assert len(painted) == len(differences)
+    for (value, background), d in zip(painted, differences):
+        if d is None:
+            assert value == "" and background == "rgba(0, 0, 0, 0)"
+            continue
+        assert float(value) == pytest.approx(d, abs=1e-9)
+        alpha = re.match(r"rgba?\(230, 81, 0(?:, ([\d.]+))?\)", background)
+        assert alpha, background
+        assert float(alpha.group(1) or 1) == pytest.approx(d / scale if scale else 0, abs=2e-3)
+    hover = browser.execute_script("return document.querySelector('#tokens .tok[data-value]:not([data-value=\"\"])')"
+                                   ".title")
+    assert "trainer" in hover and "engine" in hover and "|Δ|" in hover
+    browser.set_window_size(1400, 2200)  # the whole sample: conversation, tool calls and coloured tokens
+    browser.save_screenshot(str(ARTIFACTS / "sample.png"))
+    browser.set_window_size(1400, 1000)
+    browser.find_element("id", "mode-advantage").click()
+    advantages = wait_for(browser, "[...document.querySelectorAll('#tokens .tok')].filter(s => s.dataset.value !== '')"
+                                   ".map(s => Number(s.dataset.value))")
+    assert advantages == [pytest.approx(record["advantage"], abs=1e-9)] * sum(record["loss_mask"])
+
+
+def test_evaluation_snapshot_and_live_growth(browser, board_url, run_dir):
+    """The evaluations view reads val-core keys per step; a line appended to metrics.jsonl shows up without a reload
+    of the page (the board follows a live run)."""
+    browser.get(board_url)
+    wait_for(browser, "document.body.dataset.ready")
+    browser.find_element("id", "tab-evals").click()
+    wait_for(browser, "$('eval-table').textContent")
+    assert "no evaluation" in browser.find_element("id", "eval-table").text
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"val-core/all/pass@1": 0.5, "val-core/toy/pass@1": 0.5, "val-core/toy/1/pass@1": 0.75,
+                            "val-aux/all/band/all_pass": 0.25, "step": 2}) + "\n")
+    rows = wait_for(browser, "document.querySelector('#eval') && [...document.querySelectorAll('#eval tr')].map(r => "
+                             "[...r.children].map(c => c.textContent))")
+    header = rows[0]
+    assert header[0] == "data source / difficulty" and "pass@1" in header and "band/all_pass" in header
+    table = {r[0]: dict(zip(header[1:], r[1:])) for r in rows[1:]}
+    assert list(table) == ["all", "toy", "toy/1"]
+    assert table["toy/1"]["pass@1"] == "0.75" and table["all"]["band/all_pass"] == "0.25"
+    browser.save_screenshot(str(ARTIFACTS / "evaluations.png"))
