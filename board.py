@@ -16,7 +16,6 @@ import math
 import re
 import threading
 from dataclasses import dataclass, field
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Annotated
@@ -208,6 +207,8 @@ class Board:
         """(status, content type, body) of one request."""
         if path == "/":
             return 200, "text/html; charset=utf-8", PAGE.encode()
+        if path == "/favicon.ico":
+            return 204, "text/plain", b""
         run = int(query.get("run", "0"))
         if not 0 <= run < len(self.runs):
             return 404, "text/plain", b"no such run"
@@ -290,9 +291,9 @@ def serve(board: Board, host: str, port: int) -> ThreadingHTTPServer:
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format, *args):  # quiet: the console shows where the board is, not every request
-            if args and str(args[1]) != str(HTTPStatus.OK.value):
-                super().log_message(format, *args)
+        def log_request(self, code="-", size="-"):  # quiet: only failed requests are printed
+            if isinstance(code, int) and code >= 400:
+                super().log_request(code, size)
 
     return ThreadingHTTPServer((host, port), Handler)
 
