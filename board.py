@@ -23,12 +23,10 @@ from urllib.parse import parse_qs, urlparse
 
 import tyro
 
-import runlog
+from sample_files import IMAGE_PATH, SAMPLE_FILES
 
-SAMPLE_FILES = ("samples.old.jsonl", "samples.jsonl")  # oldest first: runlog.rotate_samples' two generations
 # Matched at each line's start (re.match): a trainer's record begins with its step; generate.py's have none.
 STEP_HEAD = re.compile(rb'\{"step": (\d+)')
-IMAGE_PATH = re.compile(rf"^{runlog.IMAGES_DIR}/[0-9a-f]{{16}}\.[a-z]+$")
 MIME = {"png": "image/png", "jpeg": "image/jpeg", "gif": "image/gif", "webp": "image/webp", "bmp": "image/bmp"}
 
 
@@ -214,9 +212,10 @@ class Board:
             return 404, "text/plain", b"no such run"
         if path == "/file":
             name = query.get("path", "")
-            if not IMAGE_PATH.match(name) or not (self.runs[run] / name).is_file():
+            if not IMAGE_PATH.fullmatch(name) or not (self.runs[run] / name).is_file():
                 return 404, "text/plain", b"no such image"
-            return 200, MIME.get(name.rsplit(".", 1)[1], "application/octet-stream"), (self.runs[run] / name).read_bytes()
+            kind = MIME.get(name.rsplit(".", 1)[1], "application/octet-stream")
+            return 200, kind, (self.runs[run] / name).read_bytes()
         body = self.api(path, run, query)
         if body is None:
             return 404, "text/plain", b"no such endpoint"
@@ -312,5 +311,7 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    with runlog.one_line_errors():
+    try:
         main(tyro.cli(Args))
+    except FileNotFoundError as e:  # a wrong run directory: one line (runlog.one_line_errors' imports take seconds)
+        raise SystemExit(f"error: {e}") from None

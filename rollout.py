@@ -174,7 +174,8 @@ class Trajectory:
     tool_errors: int = 0
     tool_seconds: float = 0.0
     truncated_responses: int = 0
-    tool_log: list[dict] = field(default_factory=list)  # per call: turn, name, arguments, output, error, seconds, images
+    tool_log: list[dict] = field(default_factory=list)  # per call: turn, name, arguments, output, error, seconds,
+    # images
     finish_reason: str = ""  # "stop", "submit", "length" (a turn ran out of tokens), "max_turns", "max_total_tokens",
     # "max_seconds"
     started: float = field(default_factory=time.monotonic)

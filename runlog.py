@@ -5,12 +5,9 @@ rank's calls do nothing.
 """
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import math
 import os
-import re
 import secrets
 import shutil
 import sys
@@ -22,15 +19,15 @@ from typing import Callable
 
 import tyro
 import wandb
-from PIL import Image
 from tqdm import tqdm
 
 import containers
 import data_prep
+import sample_files
 
 # What a trainer writes into its output dir: --overwrite removes these (and nothing else) before a fresh run.
-RUN_FILES = ("metrics.jsonl", "samples.jsonl", "samples.old.jsonl", "sample_images", "checkpoints", "critic", "best", ".best_tmp", "hf", "eval_report.json",
-             "eval_report.md", "wandb", "wandb_id")
+RUN_FILES = ("metrics.jsonl", *sample_files.SAMPLE_FILES, sample_files.IMAGES_DIR, "checkpoints", "critic", "best",
+             ".best_tmp", "hf", "eval_report.json", "eval_report.md", "wandb", "wandb_id")
 
 
 @dataclass
@@ -38,7 +35,7 @@ class RunLog:
     output_dir: Path
     rank: int
     wandb: bool = False  # mirror every metrics line to the wandb run `start` opened
-    samples_max_bytes: int = 0  # samples.jsonl rotates past half of this (rotate_samples); 0 = never
+    samples_max_bytes: int = 0  # samples.jsonl rotates past half of this (sample_files.rotate); 0 = never
 
     def metrics(self, metrics: dict) -> None:
         """One line of metrics.jsonl, stamped with the wall-clock time (and a wandb log entry at metrics["step"]).
@@ -59,7 +56,7 @@ class RunLog:
             return
         for record in records:
             for name, data in record.pop("_images", {}).items():
-                path = self.output_dir / IMAGES_DIR / name
+                path = self.output_dir / sample_files.IMAGES_DIR / name
                 if not path.exists():
                     path.parent.mkdir(exist_ok=True)
                     tmp = path.with_name(name + ".tmp")
@@ -69,7 +66,7 @@ class RunLog:
         with open(path, "a") as f:
             f.writelines(json.dumps(record) + "\n" for record in records)
         if self.samples_max_bytes and path.stat().st_size > self.samples_max_bytes // 2:
-            rotate_samples(self.output_dir)
+            sample_files.rotate(self.output_dir)
 
     def finish(self) -> None:
         """Close the wandb run here, not at interpreter exit: the trainers leave through policy.exit_distributed."""
@@ -107,7 +104,7 @@ def start(output_dir: str, rank: int, config: dict, wandb_project: str | None, r
             path = log.output_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     else:
-        for name in ("metrics.jsonl", "samples.jsonl", "samples.old.jsonl"):
+        for name in ("metrics.jsonl", *sample_files.SAMPLE_FILES):
             truncate_to_step(log.output_dir / name, resume_step)
     if wandb_project:
         id_file = log.output_dir / "wandb_id"
@@ -142,8 +139,6 @@ def sample_record(step: int, sample) -> dict:
     return record
 
 
-# Where a rich record's images go, beside samples.jsonl; a record names them by this path relative to the run.
-IMAGES_DIR = "sample_images"
 # Rollout info a rich record keeps elsewhere (messages, tool calls, images) or not at all (tool signatures).
 ROLLOUT_ONLY = ("messages", "images", "tools", "tool_log", "completion")
 LOGPROB_DIGITS = 6  # logprobs and advantages are kept to 1e-6
@@ -157,26 +152,27 @@ def rich_sample_record(step: int, sample, tokenizer, trainer_logprobs: list[floa
     and the completion) with each image part naming its file; the completion's token ids, their text one by one, the
     loss mask, the engine's logprobs and the trainer's (`trainer_logprobs`: the policy before this step's update;
     None where it was not computed); the tool calls with their output, error and seconds. The images themselves ride
-    in "_images" ({file name: bytes}), which RunLog.samples writes under IMAGES_DIR and drops from the line."""
+    in "_images" ({file name: bytes}), which RunLog.samples writes under sample_files.IMAGES_DIR and drops from the
+    line."""
     n = len(sample.completion_ids)
     tool_log = sample.info.get("tool_log", [])
-    images = {image_name(data): data for data in [*sample.images, *(d for call in tool_log for d in call["images"])]}
-    paths = [f"{IMAGES_DIR}/{image_name(data)}" for data in sample.images]
+    images = {sample_files.image_name(data): data
+              for data in [*sample.images, *(data for call in tool_log for data in call["images"])]}
+    path = {data: f"{sample_files.IMAGES_DIR}/{name}" for name, data in images.items()}
     messages = sample.info.get("messages") or [*sample.row["prompt"], {"role": "assistant", "content": sample.text}]
     record = sample_record(step, sample) | {
         "data_source": sample.row.get("data_source"), "group": sample.group, "shaped_reward": sample.shaped_reward,
         "advantage": sample.advantage, "finish_reason": sample.finish_reason,
         "info": {k: v for k, v in sample.info.items() if k not in ROLLOUT_ONLY},
-        "messages": with_image_paths(messages, paths),
-        "images": paths, "prompt_tokens": len(sample.prompt_ids),
+        "messages": with_image_paths(messages, [path[data] for data in sample.images]),
+        "images": [path[data] for data in sample.images], "prompt_tokens": len(sample.prompt_ids),
         "prompt_images": len(sample.images) - len(sample.info.get("images", [])),
         "token_ids": list(sample.completion_ids),
         "token_text": tokenizer.batch_decode([[t] for t in sample.completion_ids]),
         "loss_mask": list(sample.loss_mask),
         "engine_logprobs": rounded(sample.engine_logprobs),
         "trainer_logprobs": None if trainer_logprobs is None else rounded(trainer_logprobs[:n]),
-        "tool_calls": [call | {"images": [f"{IMAGES_DIR}/{image_name(d)}" for d in call["images"]]}
-                       for call in tool_log],
+        "tool_calls": [call | {"images": [path[data] for data in call["images"]]} for call in tool_log],
         "_images": images}
     if token_advantages is not None:
         record["token_advantages"] = rounded(token_advantages[:n])
@@ -197,12 +193,6 @@ def rounded(values) -> list[float]:
     return [round(float(v), LOGPROB_DIGITS) for v in values]
 
 
-def image_name(data: bytes) -> str:
-    """An image's file name: its content's sha256 (16 hex digits) and its format's suffix."""
-    kind = Image.open(io.BytesIO(data)).format or "bin"
-    return f"{hashlib.sha256(data).hexdigest()[:16]}.{kind.lower()}"
-
-
 def with_image_paths(messages: list[dict], paths: list[str]) -> list[dict]:
     """Copies of `messages` whose image parts, in order, name the files `paths` ({"type": "image", "image": path})."""
     remaining = iter(paths)
@@ -214,24 +204,6 @@ def with_image_paths(messages: list[dict], paths: list[str]) -> list[dict]:
                        for part in content]
         named.append(message | {"content": content})
     return named
-
-
-IMAGE_REFERENCE = re.compile(rf'"{IMAGES_DIR}/([0-9a-f]{{16}}\.[a-z]+)"')
-
-
-def rotate_samples(output_dir: Path) -> None:
-    """samples.jsonl becomes samples.old.jsonl (replacing the one before), and the images that no kept record names
-    are removed: a run keeps at most two generations of sample records, each about half of --samples-max-mb."""
-    output_dir = Path(output_dir)
-    (output_dir / "samples.jsonl").replace(output_dir / "samples.old.jsonl")
-    named = set()
-    with open(output_dir / "samples.old.jsonl") as f:
-        for line in f:
-            named.update(IMAGE_REFERENCE.findall(line))
-    images = output_dir / IMAGES_DIR
-    for path in images.iterdir() if images.is_dir() else []:
-        if path.name not in named:
-            path.unlink()
 
 
 def announced_eval(evaluate: Callable, run) -> dict:

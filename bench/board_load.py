@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import board  # noqa: E402
-import runlog  # noqa: E402
+import sample_files  # noqa: E402
 
 
 @dataclass
@@ -53,15 +53,16 @@ def synthesize(run: Path, args: Args) -> None:
     buf = io.BytesIO()
     Image.new("RGB", (28, 28), "red").save(buf, format="PNG")
     image = buf.getvalue()
-    name = runlog.image_name(image)
-    (run / runlog.IMAGES_DIR).mkdir(parents=True)
-    (run / runlog.IMAGES_DIR / name).write_bytes(image)
-    path = f"{runlog.IMAGES_DIR}/{name}"
+    name = sample_files.image_name(image)
+    (run / sample_files.IMAGES_DIR).mkdir(parents=True)
+    (run / sample_files.IMAGES_DIR / name).write_bytes(image)
+    path = f"{sample_files.IMAGES_DIR}/{name}"
     with open(run / "samples.jsonl", "w") as f:
         for n in range(args.records):
             mask = [1] * (args.tokens // 2) + [0] * 20 + [1] * (args.tokens - args.tokens // 2 - 20)
             engine = [round(-rng.random() * 3, 6) if m else 0.0 for m in mask]
-            record = {"step": 10 * (n // args.per_step + 1), "task_id": f"toy/{n // 8}", "reward": rng.choice([0.0, 1.0]),
+            record = {"step": 10 * (n // args.per_step + 1), "task_id": f"toy/{n // 8}",
+                      "reward": rng.choice([0.0, 1.0]),
                       "completion": "x" * 400, "error": None, "data_source": "toy", "group": n // 8,
                       "shaped_reward": 0.0, "advantage": rng.gauss(0, 1), "finish_reason": "stop",
                       "info": {"passed": 1, "total": 2, "format": 1.0, "turns": 2, "tool_calls": 1},

@@ -23,9 +23,11 @@ import chat  # noqa: E402
 import data_prep  # noqa: E402
 import policy  # noqa: E402
 import runlog  # noqa: E402
+import sample_files  # noqa: E402
 import tiny  # noqa: E402
 import tools  # noqa: E402
 import train_grpo  # noqa: E402
+import train_ppo  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -71,8 +73,6 @@ def run_dir(tmp_path_factory) -> Path:
     fails, so REINFORCE++'s batch-whitened advantages differ), the python tool on the row's image, every step
     sampled."""
     root = tmp_path_factory.mktemp("board")
-    if os.environ.get("DEV_RUN"):  # DEVONLY
-        shutil.copytree(os.environ["DEV_RUN"], root / "grpo"); shutil.copytree(Path(os.environ["DEV_RUN"]).parent / "model", root / "model"); return root / "grpo"  # DEVONLY
     rows = [data_prep.make_row("toy", "f", {"test_list": [test], "test_setup_code": ""}, {"index": i, "split": "train"})
             | {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Write f."}]}],
                "images": [png(colour)]}
@@ -127,27 +127,54 @@ def test_images_are_files_named_by_their_content_and_placed_in_the_messages(run_
         assert parts == r["images"] and r["prompt_images"] == 1 and parts[1:] == call["images"]
         for path in parts:
             data = (run_dir / path).read_bytes()
-            assert path == f"{runlog.IMAGES_DIR}/{hashlib.sha256(data).hexdigest()[:16]}.png"
+            assert path == f"{sample_files.IMAGES_DIR}/{hashlib.sha256(data).hexdigest()[:16]}.png"
         # The tool image is the row's own, shown by PIL (and scaled up to the least size tools.fit_images allows).
         assert [colour for _, colour in Image.open(run_dir / parts[1]).convert("RGB").getcolors()] == [
             Image.open(run_dir / parts[0]).getpixel((0, 0))]
+
+
+def test_ppo_records_keep_per_token_advantages(run_dir, tmp_path):
+    """PPO's rich records (one step on the same warm-started model and rows): its old logprobs as the trainer's, and
+    GAE's advantages per token, zero off the loss mask. About 20 s."""
+    train_ppo.main(train_ppo.Args(
+        model=str(run_dir.parent / "model"), data=str(run_dir.parent / "train.parquet"), output_dir=str(tmp_path),
+        tools="python", max_turns=2, prompts_per_step=2, group_size=2, max_new_tokens=48, max_total_tokens=1024,
+        max_prompt_tokens=1000, temperature=0.5, total_steps=1, minibatches=1, sample_every=1, rich_samples=True,
+        save_every=0, micro_batch_tokens=4096, seed=1, best_metric=""))
+    lines = records(tmp_path)
+    assert len(lines) == 4
+    for r in lines:
+        mask = r["loss_mask"]
+        assert len(r["token_advantages"]) == len(mask) == len(r["trainer_logprobs"])
+        assert all(a == 0 for a, m in zip(r["token_advantages"], mask) if not m)
+        assert any(a != 0 for a in r["token_advantages"])
+        assert max(abs(t - e) for t, e, m in zip(r["trainer_logprobs"], r["engine_logprobs"], mask) if m) <= 1e-3
 
 
 def test_samples_rotate_and_unnamed_images_go(tmp_path):
     log = runlog.RunLog(tmp_path, rank=0, samples_max_bytes=4000)
     for k in range(14):  # about 380 bytes a line: rotated after the 6th and the 12th
         name = f"{k:016x}.png"
-        log.samples([{"step": k, "images": [f"{runlog.IMAGES_DIR}/{name}"], "pad": "x" * 300,
+        log.samples([{"step": k, "images": [f"{sample_files.IMAGES_DIR}/{name}"], "pad": "x" * 300,
                       "_images": {name: png("red")}}])
     current, old = records(tmp_path), [json.loads(line) for line in open(tmp_path / "samples.old.jsonl")]
     assert [r["step"] for r in old + current] == list(range(6, 14))  # two generations, in order
     assert (tmp_path / "samples.jsonl").stat().st_size + (tmp_path / "samples.old.jsonl").stat().st_size <= 4000
-    kept = sorted(p.name for p in (tmp_path / runlog.IMAGES_DIR).iterdir())
+    kept = sorted(p.name for p in (tmp_path / sample_files.IMAGES_DIR).iterdir())
     assert kept == sorted(r["images"][0].split("/")[1] for r in old + current)
     assert all("_images" not in r for r in old + current)
 
 
 # ---- the board in a real browser ----
+
+
+SWE_RECORD = {"step": 3, "task_id": "swebench/astropy__astropy-12907", "reward": -1.0, "error": None,
+              "completion": "--- a/m.py\n+++ b/m.py\n@@ -1 +1 @@\n-return a\n+return b\n", "data_source": "swebench",
+              "group": 0, "advantage": -1.0, "finish_reason": "submit",
+              "info": {"f2p": [1, 2], "p2p": [1, 1], "status": "RESOLVED_NO", "resolved": False,
+                       "tests": {"f2p": {"passed": ["test_a"], "failed": ["test_b"]},
+                                 "p2p": {"passed": ["test_c"], "failed": []}}},
+              "messages": [{"role": "user", "content": "Fix it."}, {"role": "assistant", "content": "done"}]}
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +187,8 @@ def board_url(run_dir):
             m = json.loads(line)
             if "critic/score/mean" in m:
                 f.write(json.dumps(m | {"critic/score/mean": m["critic/score/mean"] + 0.25}) + "\n")
+    with open(other / "samples.jsonl", "w") as f:  # a swebench record as a rich one holds swe_grading's verdict
+        f.write(json.dumps(SWE_RECORD) + "\n")
     process = subprocess.Popen([sys.executable, str(ROOT / "board.py"), str(run_dir), str(other), "--port", "0"],
                                stdout=subprocess.PIPE, text=True)
     try:
@@ -280,3 +309,41 @@ def test_evaluation_snapshot_and_live_growth(browser, board_url, run_dir):
     assert list(table) == ["all", "toy", "toy/1"]
     assert table["toy/1"]["pass@1"] == "0.75" and table["all"]["band/all_pass"] == "0.25"
     browser.save_screenshot(str(ARTIFACTS / "evaluations.png"))
+
+
+def test_a_swe_sample_shows_its_diff_and_tests(browser, board_url):
+    from selenium.webdriver.support.ui import Select
+    browser.get(board_url)
+    wait_for(browser, "document.body.dataset.ready")
+    browser.find_element("id", "tab-samples").click()
+    wait_for(browser, "$('f-step').options.length > 1")
+    Select(browser.find_element("id", "sample-run")).select_by_visible_text("other")
+    wait_for(browser, "document.querySelector('.sample-item') && $('page').textContent.includes('of 1 ')")
+    browser.find_element("css selector", ".sample-item").click()
+    wait_for(browser, "document.querySelector('#swe')")
+    added = browser.execute_script("return [...document.querySelectorAll('#swe .add')].map(s => s.textContent)")
+    removed = browser.execute_script("return [...document.querySelectorAll('#swe .del')].map(s => s.textContent)")
+    assert added == ["+++ b/m.py\n", "+return b\n"] and removed == ["--- a/m.py\n", "-return a\n"]
+    text = browser.find_element("id", "swe").text
+    assert "F2P: 1 passed, 1 failed" in text and "✗ test_b" in text and "✓ test_a" in text
+    assert "P2P: 1 passed, 0 failed" in text and "✓ test_c" in text
+    browser.save_screenshot(str(ARTIFACTS / "swe.png"))
+
+
+def test_generate_output_and_the_api_page_through_samples(tmp_path):
+    """generate.py's lines (no step, a tool-call count) open as step 0; /api/samples pages and filters by parsing
+    only the chosen step's lines; a partly written last line waits for its end."""
+    import board
+    lines = [{"task_id": f"toy/{k}", "sample": 0, "completion": "x", "finish_reason": "stop" if k % 2 else "length",
+              "completion_tokens": 3, "tool_calls": k} for k in range(7)]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"task_id": "to')
+    app = board.Board.open([str(tmp_path)])
+    assert app.api("/api/steps", 0, {}) == [[0, 7]]
+    page = app.api("/api/samples", 0, {"step": "0", "finish": "stop", "offset": "1", "limit": "2"})
+    assert page["total"] == 3 and [s["task_id"] for s in page["items"]] == ["toy/3", "toy/5"]
+    assert page["items"][0]["tool_calls"] == 3 and page["finish_reasons"] == ["length", "stop"]
+    with open(tmp_path / "samples.jsonl", "a") as f:
+        f.write('y/7", "completion": "z"}\n')
+    assert app.api("/api/steps", 0, {}) == [[0, 8]] and app.api("/api/sample", 0, {"id": "7"})["task_id"] == "toy/7"
+    status, _, _ = app.answer("/file", {"path": "../metrics.jsonl"})
+    assert status == 404  # only sample_images/<hash>.<format> files are served
