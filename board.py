@@ -50,29 +50,27 @@ class SampleIndex:
     lines: list[tuple[int, int, int]] = field(default_factory=list)  # (file number in SAMPLE_FILES, offset, step)
     scanned: dict = field(default_factory=dict)  # file number -> (inode, bytes indexed)
     summaries: dict = field(default_factory=dict)  # line number -> summary()
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def refresh(self) -> None:
-        with self.lock:
-            stats = {k: (self.run / name).stat() for k, name in enumerate(SAMPLE_FILES) if (self.run / name).exists()}
-            for k, (inode, done) in self.scanned.items():
-                if k not in stats or stats[k].st_ino != inode or stats[k].st_size < done:  # rotated or rewritten
-                    self.lines, self.scanned, self.summaries = [], {}, {}
-                    break
-            for k in sorted(stats):
-                done = self.scanned.get(k, (0, 0))[1]
-                if k == 0 and 1 in self.scanned and not done:  # an old generation appeared under the current one
-                    self.lines, self.scanned, self.summaries, done = [], {}, {}, 0
-                with open(self.run / SAMPLE_FILES[k], "rb") as f:
-                    f.seek(done)
-                    data = f.read(stats[k].st_size - done)
-                start = 0
-                while (end := data.find(b"\n", start)) != -1:
-                    if end > start:
-                        head = STEP_HEAD.match(data, start, min(end, start + 32))
-                        self.lines.append((k, done + start, int(head.group(1)) if head else 0))
-                    start = end + 1
-                self.scanned[k] = (stats[k].st_ino, done + start)  # a partly written last line waits
+        """Index the lines written since the last call; start over when a file was rotated (runlog's rotation renames
+        samples.jsonl to samples.old.jsonl) or cut back (a resumed run)."""
+        stats = {k: (self.run / name).stat() for k, name in enumerate(SAMPLE_FILES) if (self.run / name).exists()}
+        for k, (inode, done) in self.scanned.items():
+            if k not in stats or stats[k].st_ino != inode or stats[k].st_size < done:
+                self.lines, self.scanned, self.summaries = [], {}, {}
+                break
+        for k in sorted(stats):
+            done = self.scanned.get(k, (0, 0))[1]
+            with open(self.run / SAMPLE_FILES[k], "rb") as f:
+                f.seek(done)
+                data = f.read(stats[k].st_size - done)
+            start = 0
+            while (end := data.find(b"\n", start)) != -1:
+                if end > start:
+                    head = STEP_HEAD.match(data, start, min(end, start + 32))
+                    self.lines.append((k, done + start, int(head.group(1)) if head else 0))
+                start = end + 1
+            self.scanned[k] = (stats[k].st_ino, done + start)  # a partly written last line waits for its end
 
     def record(self, n: int) -> dict:
         k, offset, _ = self.lines[n]
@@ -132,28 +130,26 @@ class Metrics:
     path: Path
     done: int = 0
     series: dict = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def refresh(self) -> None:
-        with self.lock:
-            if not self.path.exists():
-                return
-            size = self.path.stat().st_size
-            if size < self.done:  # rewritten (a resumed run cut it back)
-                self.done, self.series = 0, {}
-            with open(self.path, "rb") as f:
-                f.seek(self.done)
-                data = f.read(size - self.done)
-            complete = data[: data.rfind(b"\n") + 1]
-            self.done += len(complete)
-            for line in complete.splitlines():
-                if not line.strip():
-                    continue
-                m = json.loads(line)
-                step = m.get("step", 0)
-                for key, value in m.items():
-                    if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
-                        self.series.setdefault(key, []).append([step, value])
+        if not self.path.exists():
+            return
+        size = self.path.stat().st_size
+        if size < self.done:  # rewritten (a resumed run cut it back)
+            self.done, self.series = 0, {}
+        with open(self.path, "rb") as f:
+            f.seek(self.done)
+            data = f.read(size - self.done)
+        complete = data[: data.rfind(b"\n") + 1]
+        self.done += len(complete)
+        for line in complete.splitlines():
+            if not line.strip():
+                continue
+            m = json.loads(line)
+            step = m.get("step", 0)
+            for key, value in m.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                    self.series.setdefault(key, []).append([step, value])
 
     def evals(self) -> dict:
         """Evaluation snapshots: {step: {group: {metric: value}}} from the val-core/val-aux keys (group: all, a data
@@ -190,6 +186,7 @@ class Board:
     runs: list[Path]
     indexes: list[SampleIndex]
     metrics: list[Metrics]
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one request reads or extends the indexes at a time
 
     @classmethod
     def open(cls, dirs: list[str]) -> "Board":
@@ -216,7 +213,8 @@ class Board:
                 return 404, "text/plain", b"no such image"
             kind = MIME.get(name.rsplit(".", 1)[1], "application/octet-stream")
             return 200, kind, (self.runs[run] / name).read_bytes()
-        body = self.api(path, run, query)
+        with self.lock:
+            body = self.api(path, run, query)
         if body is None:
             return 404, "text/plain", b"no such endpoint"
         return 200, "application/json", json.dumps(finite(body)).encode()
@@ -247,7 +245,7 @@ class Board:
             index.refresh()
             n = int(query["id"])
             if not 0 <= n < len(index.lines):
-                return {"error": f"no sample {n}"}
+                raise KeyError(f"no sample {n} (the run has {len(index.lines)})")
             return index.record(n) | {"id": n}
         return None
 

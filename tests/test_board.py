@@ -345,5 +345,7 @@ def test_generate_output_and_the_api_page_through_samples(tmp_path):
     with open(tmp_path / "samples.jsonl", "a") as f:
         f.write('y/7", "completion": "z"}\n')
     assert app.api("/api/steps", 0, {}) == [[0, 8]] and app.api("/api/sample", 0, {"id": "7"})["task_id"] == "toy/7"
+    with pytest.raises(KeyError, match="no sample 8"):
+        app.answer("/api/sample", {"id": "8"})
     status, _, _ = app.answer("/file", {"path": "../metrics.jsonl"})
     assert status == 404  # only sample_images/<hash>.<format> files are served
