@@ -152,11 +152,19 @@ def test_ppo_records_keep_per_token_advantages(run_dir, tmp_path):
 
 
 def test_samples_rotate_and_unnamed_images_go(tmp_path):
+    """A run's sample files stay within --samples-max-mb; the board reads both generations, in order, and starts its
+    index over when the files rotate under it."""
+    import board
     log = runlog.RunLog(tmp_path, rank=0, samples_max_bytes=4000)
     for k in range(14):  # about 380 bytes a line: rotated after the 6th and the 12th
         name = f"{k:016x}.png"
         log.samples([{"step": k, "images": [f"{sample_files.IMAGES_DIR}/{name}"], "pad": "x" * 300,
                       "_images": {name: png("red")}}])
+        if k == 3:
+            app = board.Board.open([str(tmp_path)])
+            assert [s for s, _ in app.api("/api/steps", 0, {})] == [0, 1, 2, 3]
+    assert [s for s, _ in app.api("/api/steps", 0, {})] == list(range(6, 14))
+    assert app.api("/api/sample", 0, {"id": "0"})["step"] == 6
     current, old = records(tmp_path), [json.loads(line) for line in open(tmp_path / "samples.old.jsonl")]
     assert [r["step"] for r in old + current] == list(range(6, 14))  # two generations, in order
     assert (tmp_path / "samples.jsonl").stat().st_size + (tmp_path / "samples.old.jsonl").stat().st_size <= 4000
