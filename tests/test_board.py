@@ -1,7 +1,8 @@
 """The run board end to end: a short real GRPO run (a tiny model warm-started to call the python tool on the row's
 image, then answer) writes rich sample records; they hold what board.py shows, and board.py serves them to a real
-headless chromium. Cost: one in-process GRPO run of 2 steps after a 60-step warm start (about 40 s on 2 idle cores);
-the browser tests add a few seconds each."""
+headless chromium. Cost: one in-process GRPO run of 2 steps after a 60-step warm start (86-95 s of fixture on the shared
+2-core machine at a load average of 7-10; not timed idle), a 1-step PPO run (9-20 s), 2-4 s per browser test; the
+file took 146-147 s there."""
 import hashlib
 import io
 import json
