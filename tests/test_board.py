@@ -1,8 +1,8 @@
 """The run board end to end: a short real GRPO run (a tiny model warm-started to call the python tool on the row's
 image, then answer) writes rich sample records; they hold what board.py shows, and board.py serves them to a real
-headless chromium. Cost: one in-process GRPO run of 2 steps after a 60-step warm start (86-95 s of fixture on the shared
-2-core machine at a load average of 7-10; not timed idle), a 1-step PPO run (9-20 s), 2-4 s per browser test; the
-file took 146-147 s there."""
+headless chromium. Cost: one in-process GRPO run of 2 steps (evaluated before and after) after a 60-step warm start
+(69-95 s of fixture on the shared 2-core machine at a load average of 6-10; not timed idle), a 1-step PPO run (5-20 s),
+2-4 s per browser test; the whole file took 118-147 s there."""
 import hashlib
 import io
 import json
@@ -72,9 +72,10 @@ def warm_start(model_dir: Path, rows: list[dict], steps: int = 60) -> None:
 def run_dir(tmp_path_factory) -> Path:
     """A finished 2-step GRPO run with --rich-samples: two rows (one whose tests the warm-started answer passes, one it
     fails, so REINFORCE++'s batch-whitened advantages differ), the python tool on the row's image, every step
-    sampled."""
+    sampled, the same rows evaluated before and after."""
     root = tmp_path_factory.mktemp("board")
-    rows = [data_prep.make_row("toy", "f", {"test_list": [test], "test_setup_code": ""}, {"index": i, "split": "train"})
+    rows = [data_prep.make_row("toy", "f", {"test_list": [test], "test_setup_code": ""}, {"index": i, "split": "train",
+                                                                                        "difficulty": str(i + 1)})
             | {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Write f."}]}],
                "images": [png(colour)]}
             for i, (test, colour) in enumerate([("assert f(1) == 2", "red"), ("assert f(1) == 3", "blue")])]
@@ -83,7 +84,8 @@ def run_dir(tmp_path_factory) -> Path:
     model = tiny.make_tiny_model(root / "model", corpus, vocab_size=1024, seed=0)
     warm_start(model, rows)
     train_grpo.main(train_grpo.Args(
-        model=str(model), data=str(root / "train.parquet"), output_dir=str(root / "grpo"), tools="python",
+        model=str(model), data=str(root / "train.parquet"), eval_data=str(root / "train.parquet"),
+        output_dir=str(root / "grpo"), tools="python",
         max_turns=2, prompts_per_step=2, group_size=2, max_new_tokens=48, max_total_tokens=1024,
         max_prompt_tokens=1000, temperature=0.5, advantage="reinforce++", total_steps=2, lr=1e-4, sample_every=1,
         rich_samples=True, save_every=0, micro_batch_tokens=4096, seed=1, best_metric=""))
@@ -300,24 +302,40 @@ def test_a_multi_turn_sample_with_a_tool_image_and_its_mismatch_colouring(browse
 
 
 def test_evaluation_snapshot_and_live_growth(browser, board_url, run_dir):
-    """The evaluations view reads val-core keys per step; a line appended to metrics.jsonl shows up without a reload
-    of the page (the board follows a live run)."""
+    """The evaluations view shows the run's evaluations (before and after training) by data source and difficulty; an
+    evaluation appended to metrics.jsonl shows up without reloading the page (the board follows a live run)."""
+    from selenium.webdriver.support.ui import Select
+    evals = [m for m in map(json.loads, open(run_dir / "metrics.jsonl")) if "val-core/all/pass@1" in m]
+    assert [m["step"] for m in evals] == [0, 2]
     browser.get(board_url)
     wait_for(browser, "document.body.dataset.ready")
     browser.find_element("id", "tab-evals").click()
-    wait_for(browser, "$('eval-table').textContent")
-    assert "no evaluation" in browser.find_element("id", "eval-table").text
+    assert wait_for(browser, "document.querySelector('#eval') && [...$('eval-step').options].map(o => o.value)") == [
+        "0", "2"]
+    table = eval_table(browser)
+    assert list(table) == ["all", "toy", "toy/1", "toy/2"]
+    for group in table:
+        for name in ("pass@1", "test_pass_rate"):
+            assert float(table[group][name]) == pytest.approx(evals[1][f"val-core/{group}/{name}"], abs=1e-3)
+    assert float(table["all"]["tasks"]) == 2 and float(table["toy/2"]["tasks"]) == 1
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"val-core/all/pass@1": 0.5, "val-core/toy/pass@1": 0.5, "val-core/toy/1/pass@1": 0.75,
-                            "val-aux/all/band/all_pass": 0.25, "step": 2}) + "\n")
-    rows = wait_for(browser, "document.querySelector('#eval') && [...document.querySelectorAll('#eval tr')].map(r => "
-                             "[...r.children].map(c => c.textContent))")
-    header = rows[0]
-    assert header[0] == "data source / difficulty" and "pass@1" in header and "band/all_pass" in header
-    table = {r[0]: dict(zip(header[1:], r[1:])) for r in rows[1:]}
-    assert list(table) == ["all", "toy", "toy/1"]
+                            "val-aux/all/band/all_pass": 0.25, "step": 3}) + "\n")
+    wait_for(browser, "[...$('eval-step').options].some(o => o.value === '3')")
+    Select(browser.find_element("id", "eval-step")).select_by_value("3")
+    wait_for(browser, "[...document.querySelectorAll('#eval th')].some(h => h.textContent === 'band/all_pass')")
+    table = eval_table(browser)
     assert table["toy/1"]["pass@1"] == "0.75" and table["all"]["band/all_pass"] == "0.25"
+    Select(browser.find_element("id", "eval-step")).select_by_value("2")
     browser.save_screenshot(str(ARTIFACTS / "evaluations.png"))
+
+
+def eval_table(browser) -> dict:
+    """{group: {column: cell text}} of the evaluations view's table."""
+    rows = browser.execute_script("return [...document.querySelectorAll('#eval tr')].map(r => "
+                                  "[...r.children].map(c => c.textContent))")
+    assert rows[0][0] == "data source / difficulty"
+    return {r[0]: dict(zip(rows[0][1:], r[1:])) for r in rows[1:]}
 
 
 def test_a_swe_sample_shows_its_diff_and_tests(browser, board_url):
