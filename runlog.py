@@ -109,6 +109,12 @@ def truncate_to_step(path: Path, step: int) -> None:
     tmp.replace(path)
 
 
+def writes_samples(step: int, sample_every: int, total_steps: int) -> bool:
+    """Whether step `step` (1-based) goes to samples.jsonl: every `sample_every`-th, and the last one, so a run shorter
+    than --sample-every still leaves samples to grade (0: never)."""
+    return sample_every > 0 and (step % sample_every == 0 or step == total_steps)
+
+
 def sample_record(step: int, sample) -> dict:
     """One line of samples.jsonl for a scored rollout.Sample (a multi-turn one keeps its messages, tool output
     included)."""

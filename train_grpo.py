@@ -155,7 +155,7 @@ class Args:
     """evaluation metric (higher is better) that picks the policy kept as a Hugging Face folder in <output_dir>/best
     (e.g. val-core/all/pass@1, val-core/apps/interview/test_pass_rate); "" = keep none"""
     sample_every: int = 10
-    """write sample completions to samples.jsonl every N steps"""
+    """write sample completions to samples.jsonl every N steps and at the last step (0 = never)"""
     resume: bool = False
     """continue from the newest checkpoint in output_dir"""
     overwrite: bool = False
@@ -630,12 +630,12 @@ def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_log
 
 def step_metrics(run: Run, samples: list[rollout.Sample], seconds: dict) -> dict:
     """Phase 9: seconds per phase, sample tokens per second over all ranks, the learning rate; every --sample-every
-    steps every sample of the step (trained on or not) goes to samples.jsonl."""
+    steps (and at the last) every sample of the step (trained on or not) goes to samples.jsonl."""
     metrics = {f"timing_s/{k}": v for k, v in seconds.items()}
     metrics["perf/tokens_per_s"] = (collectives.sum_over_ranks(sum(len(s.ids) for s in samples))
                                     / sum(seconds.values()))
     metrics["actor/lr"] = run.scheduler.get_last_lr()[0]
-    if run.args.sample_every and (run.step + 1) % run.args.sample_every == 0:
+    if runlog.writes_samples(run.step + 1, run.args.sample_every, run.args.total_steps):
         run.log.samples(collectives.gather_objects([runlog.sample_record(run.step + 1, s) for s in samples]))
     return metrics
 

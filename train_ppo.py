@@ -170,7 +170,7 @@ class Args:
     eval_samples: int = 1
     """completions per eval problem (pass@1 = mean pass rate over them)"""
     sample_every: int = 10
-    """write sample completions to samples.jsonl every N steps"""
+    """write sample completions to samples.jsonl every N steps and at the last step (0 = never)"""
     resume: bool = False
     """continue from the newest checkpoint in output_dir"""
     overwrite: bool = False
@@ -449,12 +449,12 @@ def update_epochs(run: Run, exp: Experience) -> dict:
 
 
 def step_metrics(run: Run, samples: list[rollout.Sample], seconds: dict) -> dict:
-    """Phase 9: seconds per phase, sample tokens per second over all ranks; every --sample-every steps every sample
-    of the step goes to samples.jsonl."""
+    """Phase 9: seconds per phase, sample tokens per second over all ranks; every --sample-every steps (and at the
+    last) every sample of the step goes to samples.jsonl."""
     metrics = {f"timing_s/{k}": v for k, v in seconds.items()}
     metrics["perf/tokens_per_s"] = (collectives.sum_over_ranks(sum(len(s.ids) for s in samples))
                                     / sum(seconds.values()))
-    if run.args.sample_every and (run.step + 1) % run.args.sample_every == 0:
+    if runlog.writes_samples(run.step + 1, run.args.sample_every, run.total_steps):
         run.log.samples(collectives.gather_objects([runlog.sample_record(run.step + 1, s) for s in samples]))
     return metrics
 
