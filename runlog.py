@@ -1,5 +1,5 @@
-"""What a training run leaves beside its checkpoints: metrics.jsonl (mirrored to wandb when asked), samples.jsonl, and
-the wall time of each phase of a step; the output-dir policy the trainers share (a fresh run never mixes with an old
+"""What a training run leaves beside its checkpoints: run_config.json (its resolved Args, kiln commit and library
+versions), metrics.jsonl (mirrored to wandb when asked), samples.jsonl, and the wall time of each phase of a step; the output-dir policy the trainers share (a fresh run never mixes with an old
 one, a resumed run continues its files and its wandb run); known errors as one line. Rank 0 writes; every other
 rank's calls do nothing.
 """
@@ -8,12 +8,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import secrets
 import shutil
+import subprocess
 import sys
 import time
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
@@ -26,7 +29,14 @@ import data_prep
 
 # What a trainer writes into its output dir: --overwrite removes these (and nothing else) before a fresh run.
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "checkpoints", "critic", "best", ".best_tmp", "hf", "eval_report.json",
-             "eval_report.md", "wandb", "wandb_id")
+             "eval_report.md", "wandb", "wandb_id", "run_config.json")
+# The Args fields a --resume may change: how long the run goes, what it writes on the way and where (a run folder may
+# be moved). Any other difference from run_config.json (the lr, the group size, the data, ...) would make the resumed
+# run another run.
+MAY_CHANGE_ON_RESUME = ("total_steps", "steps", "resume", "overwrite", "output_dir", "save_every", "keep_checkpoints",
+                        "sample_every", "eval_every", "wandb_project")
+# The libraries whose versions run_config.json records (those installed).
+LIBRARIES = ("torch", "transformers", "tokenizers", "vllm", "tyro", "numpy", "swebench", "wandb")
 
 
 @dataclass
@@ -58,9 +68,11 @@ class RunLog:
             wandb.finish()
 
 
-def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
+def check_output_dir(output_dir: str, resume: bool, overwrite: bool, config: dict | None = None) -> None:
     """Refuse, before anything loads, an output dir that is a file, or that holds an earlier run's files when this run
-    neither resumes it (--resume) nor replaces it (--overwrite). Every rank checks; none writes."""
+    neither resumes it (--resume) nor replaces it (--overwrite); a --resume with nothing to resume (no checkpoint: a
+    typo'd or empty dir); and a --resume whose `config` (the resolved Args) differs from the run's run_config.json in
+    a field not in MAY_CHANGE_ON_RESUME. Every rank checks; none writes."""
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output-dir {output_dir} is a file")
@@ -70,6 +82,45 @@ def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
     if earlier and not resume and not overwrite:
         raise ValueError(f"--output-dir {output_dir} holds an earlier run ({', '.join(earlier)}): pass --resume to "
                          f"continue it, --overwrite to replace it, or another --output-dir")
+    if resume and not any((out / "checkpoints").glob("step_*")):
+        what = "does not exist" if not out.exists() else f"holds no checkpoint ({out / 'checkpoints'} is empty or missing)"
+        raise ValueError(f"--resume: nothing to resume: --output-dir {output_dir} {what}; drop --resume to start a run "
+                         f"there")
+    if resume and config is not None and (out / "run_config.json").is_file():
+        recorded = json.loads((out / "run_config.json").read_text())["args"]
+        changed = {k: (recorded.get(k), v) for k, v in as_json(config).items()
+                   if k not in MAY_CHANGE_ON_RESUME and recorded.get(k) != v}
+        if changed:
+            raise ValueError(f"--resume with other settings than the run in {output_dir} (run_config.json): "
+                             + "; ".join(f"--{k.replace('_', '-')} {new!r} (the run's: {old!r})"
+                                         for k, (old, new) in changed.items())
+                             + f". Only {', '.join('--' + k.replace('_', '-') for k in MAY_CHANGE_ON_RESUME)} may "
+                             f"change on a resume; pass the run's values, or start a new run elsewhere")
+
+
+def as_json(value):
+    """`value` as JSON reads it back (tuples as lists, paths and other objects as strings)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def run_config(config: dict) -> dict:
+    """What run_config.json records: the resolved Args, the kiln commit (with "+dirty" when tracked files differ from
+    it), the Python and library versions, the world size and when it started."""
+    try:
+        commit = subprocess.run(["git", "-C", str(KILN_DIR), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        dirty = subprocess.run(["git", "-C", str(KILN_DIR), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):  # no git: the versions still say a lot
+        commit, dirty = None, ""
+    versions = {"python": platform.python_version()}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return {"args": as_json(config), "kiln_commit": commit and commit + ("+dirty" if dirty else ""),
+            "versions": versions, "world_size": int(os.environ.get("WORLD_SIZE", "1")), "started": time.time()}
 
 
 def start(output_dir: str, rank: int, config: dict, wandb_project: str | None, resume_step: int | None) -> RunLog:
@@ -81,13 +132,22 @@ def start(output_dir: str, rank: int, config: dict, wandb_project: str | None, r
     if rank != 0:
         return log
     log.output_dir.mkdir(parents=True, exist_ok=True)
+    config_file = log.output_dir / "run_config.json"
     if resume_step is None:
         for name in RUN_FILES:
             path = log.output_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        config_file.write_text(json.dumps(run_config(config), indent=1) + "\n")
     else:
         for name in ("metrics.jsonl", "samples.jsonl"):
             truncate_to_step(log.output_dir / name, resume_step)
+        # each resume is recorded with what it may have changed (check_output_dir refused any other change)
+        recorded = json.loads(config_file.read_text()) if config_file.is_file() else run_config(config)
+        now = run_config(config)
+        changed = {k: v for k, v in now["args"].items() if recorded["args"].get(k) != v}
+        recorded.setdefault("resumes", []).append({"step": resume_step, "changed": changed} | {
+            k: now[k] for k in ("kiln_commit", "versions", "world_size", "started")})
+        config_file.write_text(json.dumps(recorded, indent=1) + "\n")
     if wandb_project:
         id_file = log.output_dir / "wandb_id"
         if not id_file.is_file():

@@ -308,7 +308,7 @@ def check_args(args: Args, world: int) -> None:
     check_best_metric(args.best_metric)
     if args.agent_cmd is not None:
         agent_server.check_agent_cmd(args.agent_cmd)
-    runlog.check_output_dir(args.output_dir, args.resume, args.overwrite)
+    runlog.check_output_dir(args.output_dir, args.resume, args.overwrite, dataclasses.asdict(args))
     policy.check_model_path(args.model)
     policy.check_attention(args.model, args.attn_implementation)
     engines.check_engine(args.engine)

@@ -266,7 +266,7 @@ def check_args(args: Args, world: int) -> None:
     if args.kl_target is not None and args.kl_coef <= 0:
         raise ValueError("--kl-target needs a starting --kl-coef > 0")
     check_best_metric(args.best_metric)
-    runlog.check_output_dir(args.output_dir, args.resume, args.overwrite)
+    runlog.check_output_dir(args.output_dir, args.resume, args.overwrite, dataclasses.asdict(args))
     policy.check_model_path(args.model)
     if args.critic_model:
         policy.check_model_path(args.critic_model, "--critic-model")
