@@ -21,13 +21,16 @@ from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import Callable
 from urllib.parse import urlparse
 
 import requests
 import tyro
-from requests.adapters import HTTPAdapter
+import urllib3
 from urllib3.exceptions import MaxRetryError
 from urllib3.util.retry import Retry
+
+import runlog
 
 EQUIVALENCE_SYSTEM = (
     "You grade answers to questions. The reference answer is correct. Decide whether the student's final answer "
@@ -144,10 +147,28 @@ def image_part(data: bytes) -> dict:
     return {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{base64.b64encode(data).decode()}"}}
 
 
+class ReportingRetry(Retry):
+    """urllib3's Retry that tells `report` what each retry follows ("HTTP 500", "ProtocolError"), as it happens: a
+    deadline that passes while a request is still being retried can then name what the server did."""
+
+    def __init__(self, *args, report: Callable[[str], None] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.report = report
+
+    def new(self, **kw) -> "ReportingRetry":
+        return super().new(**({"report": self.report} | kw))
+
+    def increment(self, method=None, url=None, response=None, error=None, _pool=None, _stacktrace=None):
+        if self.report is not None:
+            self.report(f"HTTP {response.status}" if response is not None and response.status else type(error).__name__)
+        return super().increment(method, url, response, error, _pool, _stacktrace)
+
+
 class Judge:
-    """A thread-safe client: every call runs on a pool of `max_concurrency` workers (each with its own HTTP session),
-    is retried by urllib3 on connection errors and 408/429/5xx (Retry-After respected, exponential backoff with
-    jitter) and bounded by a wall deadline of `timeout_s` (retries included). Requests are deterministic (temperature
+    """A thread-safe client: every call runs on a pool of `max_concurrency` workers sharing one urllib3 connection
+    pool (requests' per-call overhead, about 1 ms of CPU, held a burst back), is retried by urllib3 on connection
+    errors and 408/429/5xx (Retry-After respected, exponential backoff with jitter) and bounded by a wall deadline of
+    `timeout_s` (retries included; a deadline that passes mid-retry names what the server answered). Requests are deterministic (temperature
     0, a fixed seed), so identical requests share one answer through an LRU cache that also holds calls in flight.
 
     Construction checks the server: GET <base_url>/models must answer, and gives the model name unless `model` is set;
@@ -160,19 +181,24 @@ class Judge:
         self.max_concurrency, self.timeout_s, self.max_tokens, self.seed = max_concurrency, timeout_s, max_tokens, seed
         api_key = api_key or os.environ.get("KILN_JUDGE_API_KEY")  # not an Args field: Args land in logs and wandb
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.retry = Retry(total=retries, backoff_factor=0.5, backoff_jitter=0.5, backoff_max=8,
+        self.retry = ReportingRetry(total=retries, backoff_factor=0.5, backoff_jitter=0.5, backoff_max=8,
                            retry_after_max=max(1, int(timeout_s)), status_forcelist=(408, 429, 500, 502, 503, 504),
                            allowed_methods={"GET", "POST"},  # urllib3 leaves POST out by default
                            respect_retry_after_header=True, raise_on_status=False)
         self.cache_size = cache_size if cache else 0
         self._cache: OrderedDict[str, Future] = OrderedDict()
-        self._local = threading.local()
+        self._retrying: dict[str, tuple[str, int]] = {}  # per call in flight: what its last retry followed, and count
         self._lock = threading.Lock()
         self._counts: Counter = Counter()
         self._error_kinds: Counter = Counter()
         self._last_error: str | None = None
         self._latencies: list[float] = []
         self.model = self._check_server(model)
+        # Proxies from the environment, resolved once as requests resolves them (HTTP_PROXY, NO_PROXY, ...).
+        proxy = requests.utils.get_environ_proxies(self.base_url).get(urlparse(self.base_url).scheme)
+        pool_options = {"maxsize": max_concurrency, "block": True, "headers": {"Content-Type": "application/json"}
+                        | self.headers}
+        self._http = urllib3.ProxyManager(proxy, **pool_options) if proxy else urllib3.PoolManager(**pool_options)
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="judge")
 
     # ------------------------------------------------------------------------------------------------- questions
@@ -227,6 +253,7 @@ class Judge:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._http.clear()
 
     # -------------------------------------------------------------------------------------------------- transport
 
@@ -235,7 +262,8 @@ class Judge:
         start = time.monotonic()
         payload = {"model": self.model, "messages": messages, "temperature": 0.0, "seed": self.seed,
                    "max_tokens": self.max_tokens}
-        key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()  # images are inside, hashed
+        body = json.dumps(payload).encode()  # built the same way every time: the same question, the same bytes
+        key = hashlib.sha256(body).hexdigest()  # images are inside, hashed
         with self._lock:
             self._counts["calls"] += 1
             future = self._cache.get(key)
@@ -243,7 +271,7 @@ class Judge:
                 self._counts["cache_hits"] += 1
                 self._cache.move_to_end(key)
             else:
-                future = self._pool.submit(self._post, payload)
+                future = self._pool.submit(self._post, body, key)
                 if self.cache_size:
                     self._cache[key] = future
                     while len(self._cache) > self.cache_size:
@@ -252,7 +280,10 @@ class Judge:
             return future.result(timeout=max(0.0, self.timeout_s - (time.monotonic() - start))), None
         except FutureTimeout:
             future.cancel()
-            failure = CallFailed("timeout", f"no reply within {self.timeout_s:g}s")
+            with self._lock:
+                retrying = self._retrying.get(key)
+            failure = CallFailed("timeout", f"no reply within {self.timeout_s:g}s" + (
+                f" (still retrying after {retrying[0]}, {retrying[1]} retries so far)" if retrying else ""))
         except CallFailed as e:
             failure = e
         with self._lock:
@@ -263,39 +294,41 @@ class Judge:
             self._last_error = str(failure)
         return None, f"judge {self.base_url}: {failure}"
 
-    def _post(self, payload: dict) -> str:
-        session = self._session()
+    def _post(self, body: bytes, key: str) -> str:
         start = time.monotonic()
         self._count(requests=1)
+
+        def report(what: str) -> None:
+            with self._lock:
+                self._retrying[key] = (what, self._retrying.get(key, ("", 0))[1] + 1)
+
         try:
-            response = session.post(f"{self.base_url}/chat/completions", json=payload, headers=self.headers,
-                                    timeout=(5, self.timeout_s))
-        except requests.exceptions.RequestException as e:
-            if e.args and isinstance(e.args[0], MaxRetryError):  # every retry was spent on it
+            response = self._http.request("POST", f"{self.base_url}/chat/completions", body=body,
+                                          retries=self.retry.new(report=report),
+                                          timeout=urllib3.Timeout(connect=5, read=self.timeout_s))
+        except urllib3.exceptions.HTTPError as e:
+            reason = e.reason if isinstance(e, MaxRetryError) else e
+            if isinstance(e, MaxRetryError):  # every retry was spent on it
                 self._count(retries=self.retry.total)
-            raise CallFailed("timeout" if isinstance(e, requests.exceptions.Timeout) else "connection", str(e)) from e
-        retries = response.raw.retries
+            kind = "timeout" if isinstance(reason, urllib3.exceptions.TimeoutError) else "connection"
+            raise CallFailed(kind, str(e)) from e
+        finally:
+            with self._lock:
+                self._retrying.pop(key, None)
+        retries = response.retries
         self._count(retries=len(retries.history) if retries is not None else 0)
-        if response.status_code != 200:
-            raise CallFailed(f"http_{response.status_code}", response.text[:200])
+        text = response.data.decode(errors="replace")
+        if response.status != 200:
+            raise CallFailed(f"http_{response.status}", text[:200])
         try:
-            text = response.json()["choices"][0]["message"]["content"]
+            reply = json.loads(text)["choices"][0]["message"]["content"]
         except (ValueError, KeyError, IndexError, TypeError) as e:
-            raise CallFailed("malformed", f"{type(e).__name__}: {response.text[:200]!r}") from e
-        if not isinstance(text, str):
-            raise CallFailed("malformed", f"content is {type(text).__name__}")
+            raise CallFailed("malformed", f"{type(e).__name__}: {text[:200]!r}") from e
+        if not isinstance(reply, str):
+            raise CallFailed("malformed", f"content is {type(reply).__name__}")
         with self._lock:
             self._latencies.append(time.monotonic() - start)
-        return text
-
-    def _session(self) -> requests.Session:
-        session = getattr(self._local, "session", None)
-        if session is None:
-            session = self._local.session = requests.Session()
-            adapter = HTTPAdapter(max_retries=self.retry, pool_connections=1, pool_maxsize=1)
-            session.mount("http://", adapter)
-            session.mount("https://", adapter)
-        return session
+        return reply
 
     def _check_server(self, model: str | None) -> str:
         url = f"{self.base_url}/models"
@@ -349,7 +382,8 @@ class CheckArgs:
 
 
 def check(args: CheckArgs) -> dict:
-    """Probe a judge: health check, one equivalence and one rubric question; print replies and stats."""
+    """Probe a judge: health check, one equivalence and one rubric question; print replies and stats. RuntimeError
+    (exit status 1 from the command line) when either question got no answer, naming what went wrong."""
     judge = Judge(args.base_url, model=args.model, timeout_s=args.timeout_s)
     print(f"judge {judge.base_url}: model {judge.model}")
     verdict = judge.equivalent("What is 6 times 7?", "42", "forty-two")
@@ -360,8 +394,13 @@ def check(args: CheckArgs) -> dict:
     stats = judge.stats()
     judge.close()
     print(json.dumps(metrics([stats]), indent=2))
+    failures = [f"{what}: {error}" for what, error in (("equivalence", verdict.error), ("rubric", score.error))
+                if error]
+    if failures:
+        raise RuntimeError(f"judge check failed ({len(failures)} of 2 questions): " + "; ".join(failures))
     return stats
 
 
 if __name__ == "__main__":
-    check(tyro.extras.subcommand_cli_from_dict({"check": CheckArgs}))
+    with runlog.one_line_errors():
+        check(tyro.extras.subcommand_cli_from_dict({"check": CheckArgs}))

@@ -78,7 +78,8 @@ def check_output_dir(output_dir: str, resume: bool, overwrite: bool, config: dic
         raise ValueError(f"--output-dir {output_dir} is a file")
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other")
-    earlier = [name for name in RUN_FILES if (out / name).exists()]
+    # run_config.json alone is a run that stopped before its first record: nothing of it is lost by starting again
+    earlier = [name for name in RUN_FILES if name != "run_config.json" and (out / name).exists()]
     if earlier and not resume and not overwrite:
         raise ValueError(f"--output-dir {output_dir} holds an earlier run ({', '.join(earlier)}): pass --resume to "
                          f"continue it, --overwrite to replace it, or another --output-dir")

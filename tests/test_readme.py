@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import demo  # noqa: E402
+import rewards  # noqa: E402
 import train_sft  # noqa: E402
 
 README = (ROOT / "README.md").read_text()
@@ -32,3 +33,19 @@ def test_readme_sft_command_redoes_the_demos_warm_start():
     assert readme.output_dir != demos.output_dir  # a fresh folder: the demo's own SFT run stays
     readme.output_dir = demos.output_dir
     assert readme == demos
+
+
+
+def expanded(name: str) -> list[str]:
+    """`a/{x,y}` -> a/x, a/y."""
+    match = re.search(r"\{([^}]*)\}", name)
+    if not match:
+        return [name]
+    return [n for part in match.group(1).split(",") for n in expanded(name[:match.start()] + part + name[match.end():])]
+
+
+def test_judge_component_metrics_are_named_as_logged():
+    """docs/judge.md names the vl_agent reward components' metrics as rewards.component_metrics logs them."""
+    logged = rewards.component_metrics(["vl_agent"], [{"acc_by": "judge", "acc": 1.0, "format": 1.0, "tool": 0.5}])
+    named = re.search(r"in the metrics as `([^`]+)`", (ROOT / "docs" / "judge.md").read_text()).group(1)
+    assert sorted(n.replace("<source>", "vl_agent") for n in expanded(named)) == sorted(logged)
