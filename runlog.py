@@ -273,7 +273,21 @@ def _exit_with(message: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:  # torchrun stops every rank once one exits: rank 0, failing alike, reports and ends this one first
         time.sleep(5)
-    print(f"error: {message}" if rank == 0 else f"error (rank {rank}): {message}", file=sys.stderr)
+    line = f"error: {message}" if rank == 0 else f"error (rank {rank}): {message}"
+    print(line, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # under torchrun: its failure report ends with this line
+        record_for_torchrun(os.environ["TORCHELASTIC_ERROR_FILE"], line)
     os._exit(1)  # not the interpreter's teardown: gloo threads may hold the process group (policy.exit_distributed)
+
+
+def record_for_torchrun(error_file: str, line: str) -> None:
+    """`line` in the error file torchrun reads when a rank fails (the layout of torch.distributed.elastic's
+    ErrorHandler.record_exception, with the line in place of a traceback): torchrun's report of the failed ranks, which
+    it prints after everything the ranks printed, then ends with the line instead of "To enable traceback see ..."."""
+    record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        Path(error_file).write_text(json.dumps(record))
+    except OSError:  # the line is on stderr already
+        pass

@@ -355,10 +355,12 @@ def test_a_known_error_under_torchrun_is_one_line(toy, tmp_path):
         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: {root / 'one.parquet'}: 1 eval rows for 2 ranks; need at least one each"], \
-        result.stderr
-    # No rank's traceback: what follows the line is torchrun's own report of the failed ranks.
+    error = f"error: {root / 'one.parquet'}: 1 eval rows for 2 ranks; need at least one each"
+    assert errors == [error], result.stderr
+    # No rank's traceback: what follows the line is torchrun's own report of the failed ranks, which ends with it.
     assert 'train_grpo.py", line' not in result.stderr and result.stderr.count("Traceback") <= 1
+    last = [line.strip() for line in result.stderr.splitlines() if line.strip().strip("=")][-1]
+    assert last == f"traceback : {error}", result.stderr[-2000:]
     assert not (tmp_path / "out").exists()
 
 
