@@ -1,5 +1,5 @@
 """SWE-bench rewards and containers against the real Docker daemon and real SWE-bench instances built offline
-(tests/swe_instances.py): the verdicts, the hacks that must not pay, and commands that must be contained.
+(swe_instances.py): the verdicts, the hacks that must not pay, and commands that must be contained.
 
 Without a daemon the docker tests skip, except under CI=true, where a missing daemon fails them: CI must run them.
 The instances are built once per session; KILN_SWE_DIR keeps their downloads and rows between sessions, and images
