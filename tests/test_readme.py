@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 import tyro
 
@@ -14,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import demo  # noqa: E402
+import policy  # noqa: E402
 import rewards  # noqa: E402
 import train_grpo  # noqa: E402
 import train_sft  # noqa: E402
@@ -97,3 +99,18 @@ def test_readme_vision_recipe_runs_as_written(tmp_path):
     assert {s["step"] for s in samples} == {1, 2} and all(s["messages"][-1]["role"] == "assistant" for s in samples)
     assert json.loads((run / "run_config.json").read_text())["args"]["tools"] == "codev"
     assert "\\ufffd" not in result.stdout + result.stderr  # check_tito's lines are escaped
+
+
+def test_gpu_quick_start_fetches_the_model_it_trains(tmp_path, monkeypatch):
+    """kiln never downloads a model: the GPU quick start fetches each hub model it names before using it, and a
+    model that is not fetched is refused with the command that fetches it."""
+    block = (ROOT / "docs" / "gpu.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = block.splitlines()
+    for i, line in enumerate(lines):
+        for name in re.findall(r"--model (\S+/\S+)", line):
+            if not name.startswith(("runs/", "data/", ".", "/")):
+                assert any(earlier.startswith(f"hf download {name}") for earlier in lines[:i]), name
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache
+    with pytest.raises(ValueError, match=r"--model Qwen/Qwen2.5-Coder-7B-Instruct: .*`hf download "
+                                         r"Qwen/Qwen2.5-Coder-7B-Instruct`"):
+        policy.check_model_path("Qwen/Qwen2.5-Coder-7B-Instruct")
