@@ -98,7 +98,7 @@ def test_readme_vision_recipe_runs_as_written(tmp_path):
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {1, 2} and all(s["messages"][-1]["role"] == "assistant" for s in samples)
     assert json.loads((run / "run_config.json").read_text())["args"]["tools"] == "codev"
-    assert "\\ufffd" not in result.stdout + result.stderr  # check_tito's lines are escaped
+    assert "\ufffd" not in result.stdout + result.stderr  # check_tito's lines are escaped: no raw replacement char
 
 
 def test_gpu_quick_start_fetches_the_model_it_trains(tmp_path, monkeypatch):
