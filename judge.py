@@ -18,7 +18,7 @@ import statistics
 import threading
 import time
 from collections import Counter, OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Callable
@@ -147,28 +147,44 @@ def image_part(data: bytes) -> dict:
     return {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{base64.b64encode(data).decode()}"}}
 
 
-class ReportingRetry(Retry):
-    """urllib3's Retry that tells `report` what each retry follows ("HTTP 500", "ProtocolError"), as it happens: a
-    deadline that passes while a request is still being retried can then name what the server did."""
+class DeadlinePassed(Exception):
+    """A retry would start, or its backoff end, after the call's deadline."""
 
-    def __init__(self, *args, report: Callable[[str], None] | None = None, **kwargs):
+
+class ReportingRetry(Retry):
+    """urllib3's Retry that tells `report` what each retry follows ("HTTP 500", "ProtocolError"), as it happens, and
+    starts no retry (nor a backoff or Retry-After wait) that would end past `deadline` (time.monotonic()): a call keeps
+    its deadline and names what the server did."""
+
+    def __init__(self, *args, report: Callable[[str], None] | None = None, deadline: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.report = report
+        self.report, self.deadline = report, deadline
 
     def new(self, **kw) -> "ReportingRetry":
-        return super().new(**({"report": self.report} | kw))
+        return super().new(**({"report": self.report, "deadline": self.deadline} | kw))
 
     def increment(self, method=None, url=None, response=None, error=None, _pool=None, _stacktrace=None):
         if self.report is not None:
             self.report(f"HTTP {response.status}" if response is not None and response.status else type(error).__name__)
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise DeadlinePassed()
         return super().increment(method, url, response, error, _pool, _stacktrace)
+
+    def sleep(self, response=None) -> None:
+        after = self.get_retry_after(response) if response is not None and self.respect_retry_after_header else None
+        wait = after if after is not None else self.get_backoff_time()
+        if self.deadline is not None and time.monotonic() + wait >= self.deadline:
+            raise DeadlinePassed()
+        super().sleep(response)
 
 
 class Judge:
-    """A thread-safe client: every call runs on a pool of `max_concurrency` workers sharing one urllib3 connection
-    pool (requests' per-call overhead, about 1 ms of CPU, held a burst back), is retried by urllib3 on connection
-    errors and 408/429/5xx (Retry-After respected, exponential backoff with jitter) and bounded by a wall deadline of
-    `timeout_s` (retries included; a deadline that passes mid-retry names what the server answered). Requests are deterministic (temperature
+    """A thread-safe client: every call sends its request from the caller's thread through one urllib3 connection
+    pool of `max_concurrency` connections (at most that many requests in flight; no hop to a worker thread, and none
+    of requests' per-call overhead: a burst's requests queue for the GIL behind that work), is retried by urllib3 on
+    connection errors and 408/429/5xx (Retry-After respected, exponential backoff with jitter) and bounded by a wall
+    deadline of `timeout_s`: waiting for a connection, each attempt's reply and retries never start past it (a
+    deadline that passes mid-retry names what the server answered). Requests are deterministic (temperature
     0, a fixed seed), so identical requests share one answer through an LRU cache that also holds calls in flight.
 
     Construction checks the server: GET <base_url>/models must answer, and gives the model name unless `model` is set;
@@ -187,7 +203,6 @@ class Judge:
                            respect_retry_after_header=True, raise_on_status=False)
         self.cache_size = cache_size if cache else 0
         self._cache: OrderedDict[str, Future] = OrderedDict()
-        self._retrying: dict[str, tuple[str, int]] = {}  # per call in flight: what its last retry followed, and count
         self._lock = threading.Lock()
         self._counts: Counter = Counter()
         self._error_kinds: Counter = Counter()
@@ -199,7 +214,6 @@ class Judge:
         pool_options = {"maxsize": max_concurrency, "block": True, "headers": {"Content-Type": "application/json"}
                         | self.headers}
         self._http = urllib3.ProxyManager(proxy, **pool_options) if proxy else urllib3.PoolManager(**pool_options)
-        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="judge")
 
     # ------------------------------------------------------------------------------------------------- questions
 
@@ -252,14 +266,14 @@ class Judge:
         return stats
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.clear()
 
     # -------------------------------------------------------------------------------------------------- transport
 
     def _complete(self, messages: list[dict]) -> tuple[str | None, str | None]:
-        """(reply text, None) or (None, error). The deadline covers waiting for a worker, retries and backoff."""
-        start = time.monotonic()
+        """(reply text, None) or (None, error). The first caller of a question sends it; identical calls meanwhile
+        wait for its answer (each within its own deadline)."""
+        deadline = time.monotonic() + self.timeout_s
         payload = {"model": self.model, "messages": messages, "temperature": 0.0, "seed": self.seed,
                    "max_tokens": self.max_tokens}
         body = json.dumps(payload).encode()  # built the same way every time: the same question, the same bytes
@@ -267,23 +281,25 @@ class Judge:
         with self._lock:
             self._counts["calls"] += 1
             future = self._cache.get(key)
-            if future is not None:
-                self._counts["cache_hits"] += 1
-                self._cache.move_to_end(key)
-            else:
-                future = self._pool.submit(self._post, body, key)
+            sender = future is None
+            if sender:
+                future = Future()
                 if self.cache_size:
                     self._cache[key] = future
                     while len(self._cache) > self.cache_size:
                         self._cache.popitem(last=False)
+            else:
+                self._counts["cache_hits"] += 1
+                self._cache.move_to_end(key)
+        if sender:
+            try:
+                future.set_result(self._post(body, deadline))
+            except BaseException as e:  # CallFailed, or a bug: the callers waiting on it learn at once
+                future.set_exception(e)
         try:
-            return future.result(timeout=max(0.0, self.timeout_s - (time.monotonic() - start))), None
+            return future.result(timeout=max(0.0, deadline - time.monotonic())), None
         except FutureTimeout:
-            future.cancel()
-            with self._lock:
-                retrying = self._retrying.get(key)
-            failure = CallFailed("timeout", f"no reply within {self.timeout_s:g}s" + (
-                f" (still retrying after {retrying[0]}, {retrying[1]} retries so far)" if retrying else ""))
+            failure = CallFailed("timeout", f"no reply within {self.timeout_s:g}s")
         except CallFailed as e:
             failure = e
         with self._lock:
@@ -294,27 +310,34 @@ class Judge:
             self._last_error = str(failure)
         return None, f"judge {self.base_url}: {failure}"
 
-    def _post(self, body: bytes, key: str) -> str:
+    def _post(self, body: bytes, deadline: float) -> str:
         start = time.monotonic()
-        self._count(requests=1)
+        retried = ["", 0]  # what the last failed try got, and how many tries failed
 
         def report(what: str) -> None:
-            with self._lock:
-                self._retrying[key] = (what, self._retrying.get(key, ("", 0))[1] + 1)
+            retried[:] = [what, retried[1] + 1]
 
+        def timed_out() -> CallFailed:
+            return CallFailed("timeout", f"no reply within {self.timeout_s:g}s" + (
+                f" (the last of {retried[1]} tries got {retried[0]})" if retried[1] else ""))
+
+        self._count(requests=1)
+        remaining = max(0.001, deadline - start)
         try:
             response = self._http.request("POST", f"{self.base_url}/chat/completions", body=body,
-                                          retries=self.retry.new(report=report),
-                                          timeout=urllib3.Timeout(connect=5, read=self.timeout_s))
+                                          retries=self.retry.new(report=report, deadline=deadline),
+                                          timeout=urllib3.Timeout(connect=min(5.0, remaining), read=remaining),
+                                          pool_timeout=remaining)
+        except DeadlinePassed:
+            self._count(retries=retried[1] - 1)
+            raise timed_out() from None
         except urllib3.exceptions.HTTPError as e:
             reason = e.reason if isinstance(e, MaxRetryError) else e
             if isinstance(e, MaxRetryError):  # every retry was spent on it
                 self._count(retries=self.retry.total)
-            kind = "timeout" if isinstance(reason, urllib3.exceptions.TimeoutError) else "connection"
-            raise CallFailed(kind, str(e)) from e
-        finally:
-            with self._lock:
-                self._retrying.pop(key, None)
+            if isinstance(reason, urllib3.exceptions.TimeoutError) or isinstance(e, urllib3.exceptions.EmptyPoolError):
+                raise timed_out() from e
+            raise CallFailed("connection", str(e)) from e
         retries = response.retries
         self._count(retries=len(retries.history) if retries is not None else 0)
         text = response.data.decode(errors="replace")
