@@ -174,6 +174,8 @@ class Trajectory:
     tool_errors: int = 0
     tool_seconds: float = 0.0
     truncated_responses: int = 0
+    tool_log: list[dict] = field(default_factory=list)  # per call: turn, name, arguments, output, error, seconds,
+    # images
     finish_reason: str = ""  # "stop", "submit", "length" (a turn ran out of tokens), "max_turns", "max_total_tokens",
     # "max_seconds"
     started: float = field(default_factory=time.monotonic)
@@ -232,7 +234,7 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
                 m["content"] for m in traj.messages[len(traj.row["prompt"]):] if m["role"] == "assistant")),
             info={"messages": traj.messages, "images": traj.images[traj.prompt_images:], "tools": traj.box.schemas,
                   "turns": traj.turns, "tool_calls": traj.tool_calls, "tool_errors": traj.tool_errors,
-                  "agent_seconds": traj.seconds} | traj.box.info,
+                  "agent_seconds": traj.seconds, "tool_log": traj.tool_log} | traj.box.info,
             images=traj.images))
         check_images(samples[-1], pad_id)
     seconds = time.perf_counter() - start
@@ -313,13 +315,17 @@ def _agent_turn(engine: Engine, tokenizer, live: list[Trajectory], sampling: Sam
         elif traj.seconds >= limits.max_seconds:
             traj.finish_reason = "max_seconds"
         else:
-            pending.append((traj, [pool.submit(call_tool, traj.box, call) for call in calls]))
-    for traj, futures in pending:
+            pending.append((traj, calls, [pool.submit(call_tool, traj.box, call) for call in calls]))
+    for traj, calls, futures in pending:
         results, submitted = [], False
-        for future in futures:
+        for call, future in zip(calls, futures):
             result, seconds = future.result()
             submitted |= result.stop
             result.text, cut = chat.truncate_tool_text(tokenizer, result.text, limits.max_tool_response_tokens)
+            traj.tool_log.append({"turn": traj.turns, "name": call["name"] if isinstance(call, dict) else None,
+                                  "arguments": call["arguments"] if isinstance(call, dict) else call,
+                                  "output": result.text, "error": result.error, "seconds": seconds,
+                                  "images": result.images})
             results.append(result)
             traj.tool_calls += 1
             traj.tool_errors += result.error

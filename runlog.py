@@ -26,15 +26,16 @@ from tqdm import tqdm
 
 import containers
 import data_prep
+import sample_files
 
 # What a trainer writes into its output dir: --overwrite removes these (and nothing else) before a fresh run.
-RUN_FILES = ("metrics.jsonl", "samples.jsonl", "checkpoints", "critic", "best", ".best_tmp", "hf", "eval_report.json",
-             "eval_report.md", "wandb", "wandb_id", "run_config.json")
+RUN_FILES = ("metrics.jsonl", *sample_files.SAMPLE_FILES, sample_files.IMAGES_DIR, "checkpoints", "critic", "best",
+             ".best_tmp", "hf", "eval_report.json", "eval_report.md", "wandb", "wandb_id", "run_config.json")
 # The Args fields a --resume may change: how long the run goes, what it writes on the way and where (a run folder may
 # be moved). Any other difference from run_config.json (the lr, the group size, the data, ...) would make the resumed
 # run another run.
 MAY_CHANGE_ON_RESUME = ("total_steps", "steps", "resume", "overwrite", "output_dir", "save_every", "keep_checkpoints",
-                        "sample_every", "eval_every", "wandb_project")
+                        "sample_every", "rich_samples", "samples_max_mb", "eval_every", "wandb_project")
 # The libraries whose versions run_config.json records (those installed).
 LIBRARIES = ("torch", "transformers", "tokenizers", "vllm", "tyro", "numpy", "swebench", "wandb")
 
@@ -44,6 +45,7 @@ class RunLog:
     output_dir: Path
     rank: int
     wandb: bool = False  # mirror every metrics line to the wandb run `start` opened
+    samples_max_bytes: int = 0  # samples.jsonl rotates past half of this (sample_files.rotate); 0 = never
 
     def metrics(self, metrics: dict) -> None:
         """One line of metrics.jsonl, stamped with the wall-clock time (and a wandb log entry at metrics["step"]).
@@ -57,10 +59,24 @@ class RunLog:
             wandb.log(record, step=metrics["step"])
 
     def samples(self, records: list[dict]) -> None:
-        """Lines of samples.jsonl: every rank's `sample_record`s, gathered by the caller."""
-        if self.rank == 0:
-            with open(self.output_dir / "samples.jsonl", "a") as f:
-                f.writelines(json.dumps(record) + "\n" for record in records)
+        """Lines of samples.jsonl: every rank's `sample_record`s, gathered by the caller. The images a rich record
+        carries (its "_images") go to sample_images/ under their content hash, once. Past half of samples_max_bytes
+        the file rotates."""
+        if self.rank != 0:
+            return
+        for record in records:
+            for name, data in record.pop("_images", {}).items():
+                path = self.output_dir / sample_files.IMAGES_DIR / name
+                if not path.exists():
+                    path.parent.mkdir(exist_ok=True)
+                    tmp = path.with_name(name + ".tmp")
+                    tmp.write_bytes(data)
+                    tmp.replace(path)
+        path = self.output_dir / "samples.jsonl"
+        with open(path, "a") as f:
+            f.writelines(json.dumps(record) + "\n" for record in records)
+        if self.samples_max_bytes and path.stat().st_size > self.samples_max_bytes // 2:
+            sample_files.rotate(self.output_dir)
 
     def finish(self) -> None:
         """Close the wandb run here, not at interpreter exit: the trainers leave through policy.exit_distributed."""
@@ -124,12 +140,14 @@ def run_config(config: dict) -> dict:
             "versions": versions, "world_size": int(os.environ.get("WORLD_SIZE", "1")), "started": time.time()}
 
 
-def start(output_dir: str, rank: int, config: dict, wandb_project: str | None, resume_step: int | None) -> RunLog:
+def start(output_dir: str, rank: int, config: dict, wandb_project: str | None, resume_step: int | None,
+          samples_max_mb: float = 0) -> RunLog:
     """The RunLog of a run, on rank 0 with the output dir made. A fresh run (`resume_step` None) removes an earlier
     run's files (check_output_dir let it only with --overwrite). A resumed run cuts metrics.jsonl and samples.jsonl
     back to its checkpoint's step, so the steps after it are not recorded twice, and reopens its wandb run by the id
     kept in <output_dir>/wandb_id (WANDB_MODE=offline works without network)."""
-    log = RunLog(Path(output_dir), rank, wandb=wandb_project is not None)
+    log = RunLog(Path(output_dir), rank, wandb=wandb_project is not None,
+                 samples_max_bytes=int(samples_max_mb * 2**20))
     if rank != 0:
         return log
     log.output_dir.mkdir(parents=True, exist_ok=True)
@@ -140,7 +158,7 @@ def start(output_dir: str, rank: int, config: dict, wandb_project: str | None, r
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         config_file.write_text(json.dumps(run_config(config), indent=1) + "\n")
     else:
-        for name in ("metrics.jsonl", "samples.jsonl"):
+        for name in ("metrics.jsonl", *sample_files.SAMPLE_FILES):
             truncate_to_step(log.output_dir / name, resume_step)
         # each resume is recorded with what it may have changed (check_output_dir refused any other change)
         recorded = json.loads(config_file.read_text()) if config_file.is_file() else run_config(config)
@@ -186,6 +204,73 @@ def sample_record(step: int, sample) -> dict:
     if "messages" in sample.info:
         record["messages"] = sample.info["messages"]
     return record
+
+
+# Rollout info a rich record keeps elsewhere (messages, tool calls, images) or not at all (tool signatures).
+ROLLOUT_ONLY = ("messages", "images", "tools", "tool_log", "completion")
+LOGPROB_DIGITS = 6  # logprobs and advantages are kept to 1e-6
+
+
+def rich_sample_record(step: int, sample, tokenizer, trainer_logprobs: list[float] | None,
+                       token_advantages: list[float] | None = None) -> dict:
+    """sample_record plus what board.py shows of a sample: its data source, group, advantage (a scalar, or PPO's per
+    token), shaped reward, finish reason and everything else the rollout and the reward put in its info (reward
+    components, test counts, judge verdicts, turn and tool counts); its messages (a single-turn sample's: the prompt
+    and the completion) with each image part naming its file; the completion's token ids, their text one by one, the
+    loss mask, the engine's logprobs and the trainer's (`trainer_logprobs`: the policy before this step's update;
+    None where it was not computed); the tool calls with their output, error and seconds. The images themselves ride
+    in "_images" ({file name: bytes}), which RunLog.samples writes under sample_files.IMAGES_DIR and drops from the
+    line."""
+    n = len(sample.completion_ids)
+    tool_log = sample.info.get("tool_log", [])
+    images = {sample_files.image_name(data): data
+              for data in [*sample.images, *(data for call in tool_log for data in call["images"])]}
+    path = {data: f"{sample_files.IMAGES_DIR}/{name}" for name, data in images.items()}
+    messages = sample.info.get("messages") or [*sample.row["prompt"], {"role": "assistant", "content": sample.text}]
+    record = sample_record(step, sample) | {
+        "data_source": sample.row.get("data_source"), "group": sample.group, "shaped_reward": sample.shaped_reward,
+        "advantage": sample.advantage, "finish_reason": sample.finish_reason,
+        "info": {k: v for k, v in sample.info.items() if k not in ROLLOUT_ONLY},
+        "messages": with_image_paths(messages, [path[data] for data in sample.images]),
+        "images": [path[data] for data in sample.images], "prompt_tokens": len(sample.prompt_ids),
+        "prompt_images": len(sample.images) - len(sample.info.get("images", [])),
+        "token_ids": list(sample.completion_ids),
+        "token_text": tokenizer.batch_decode([[t] for t in sample.completion_ids]),
+        "loss_mask": list(sample.loss_mask),
+        "engine_logprobs": rounded(sample.engine_logprobs),
+        "trainer_logprobs": None if trainer_logprobs is None else rounded(trainer_logprobs[:n]),
+        "tool_calls": [call | {"images": [path[data] for data in call["images"]]} for call in tool_log],
+        "_images": images}
+    if token_advantages is not None:
+        record["token_advantages"] = rounded(token_advantages[:n])
+    return record
+
+
+def sample_records(step: int, samples: list, tokenizer=None, trainer_logprobs=None, token_advantages=None) -> list:
+    """This rank's lines of samples.jsonl for a step: rich ones (rich_sample_record) with a tokenizer, else
+    sample_record's. trainer_logprobs, token_advantages: [B, T] tensors whose rows are the samples' (or None)."""
+    if tokenizer is None:
+        return [sample_record(step, s) for s in samples]
+    logprobs = [None] * len(samples) if trainer_logprobs is None else trainer_logprobs.tolist()
+    advantages = [None] * len(samples) if token_advantages is None else token_advantages.tolist()
+    return [rich_sample_record(step, s, tokenizer, lp, adv) for s, lp, adv in zip(samples, logprobs, advantages)]
+
+
+def rounded(values) -> list[float]:
+    return [round(float(v), LOGPROB_DIGITS) for v in values]
+
+
+def with_image_paths(messages: list[dict], paths: list[str]) -> list[dict]:
+    """Copies of `messages` whose image parts, in order, name the files `paths` ({"type": "image", "image": path})."""
+    remaining = iter(paths)
+    named = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, list):
+            content = [part | {"image": next(remaining, None)} if part.get("type") == "image" else part
+                       for part in content]
+        named.append(message | {"content": content})
+    return named
 
 
 def announced_eval(evaluate: Callable, run) -> dict:

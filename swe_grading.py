@@ -333,7 +333,9 @@ def _verdict(spec: TestSpec, report: dict, info: dict, config: SweConfig, tamper
     error "tampered" and the reason when check_canaries distrusts the report."""
     info |= {"f2p": [len(report[FAIL_TO_PASS]["success"]), len(spec.FAIL_TO_PASS)],
              "p2p": [len(report[PASS_TO_PASS]["success"]), len(spec.PASS_TO_PASS)],
-             "status": get_resolution_status(report)}
+             "status": get_resolution_status(report),
+             "tests": {kind: {"passed": report[key]["success"], "failed": report[key]["failure"]}
+                       for kind, key in (("f2p", FAIL_TO_PASS), ("p2p", PASS_TO_PASS))}}
     if tampered:
         return Grade(-1.0, info | {"resolved": False, "error": "tampered", "reason": tampered})
     f2p_ok = not report[FAIL_TO_PASS]["failure"] and info["f2p"][0] == info["f2p"][1]

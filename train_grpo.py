@@ -156,6 +156,11 @@ class Args:
     (e.g. val-core/all/pass@1, val-core/apps/interview/test_pass_rate); "" = keep none"""
     sample_every: int = 10
     """write sample completions to samples.jsonl every N steps and at the last step (0 = never)"""
+    rich_samples: bool = False
+    """samples.jsonl also keeps each sample's tokens, loss mask, engine and trainer logprobs, advantage, group, reward
+    components, tool calls and images (sample_images/), for board.py (docs/board.md: its cost per sample)"""
+    samples_max_mb: float = 1024.0
+    """samples.jsonl rotates to samples.old.jsonl past half of this, so the two stay within it (0 = never)"""
     resume: bool = False
     """continue from the newest checkpoint in output_dir"""
     overwrite: bool = False
@@ -384,7 +389,7 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
         if rank == 0:
             print(f"resumed from {checkpoint} at step {step}")
     log = runlog.start(args.output_dir, rank, dataclasses.asdict(args), args.wandb_project,
-                       resume_step=step if args.resume else None)
+                       resume_step=step if args.resume else None, samples_max_mb=args.samples_max_mb)
     return Run(args=args, rank=rank, world=world, model=model, ref_model=ref_model, optimizer=optimizer,
                scheduler=scheduler, engine=engine, tokenizer=tokenizer, sampling=sampling, limits=limits, rows=rows,
                eval_rows=eval_rows, score_fn=score_fn, log=log, step=step, data_pos=data_pos,
@@ -401,11 +406,12 @@ def train_step(run: Run) -> dict:
     # 7. Old and reference logprobs (no grad) where the loss needs them.
     with runlog.timed(seconds, "old_ref_logprobs"):
         old_logprobs, ref_logprobs = old_and_ref_logprobs(run, batch)
+        recorded_logprobs = logprobs_to_record(run, samples)
     # 8. Minibatch updates: per micro-batch packed forward -> policy loss (+ KL) -> backward; then clip -> step.
     with runlog.timed(seconds, "update"):
         update_metrics = update_epochs(run, batch, old_logprobs, ref_logprobs)
     # 9. Throughput, timings and sample records.
-    return metrics | advantage_metrics | update_metrics | step_metrics(run, samples, seconds)
+    return metrics | advantage_metrics | update_metrics | step_metrics(run, samples, seconds, recorded_logprobs)
 
 
 def collect_batch(run: Run, seconds: dict) -> tuple[list[rollout.Sample], list[rollout.Sample], dict]:
@@ -564,6 +570,20 @@ def old_and_ref_logprobs(run: Run, batch: list[rollout.Sample]) -> tuple[torch.T
     return old_logprobs, ref_logprobs
 
 
+def sample_step(run: Run) -> bool:
+    """Whether this step's samples go to samples.jsonl (every --sample-every steps, and the last step)."""
+    return runlog.writes_samples(run.step + 1, run.args.sample_every, run.args.total_steps)
+
+
+def logprobs_to_record(run: Run, samples: list[rollout.Sample]) -> torch.Tensor | None:
+    """With --rich-samples on a sample step: [B, T] logprobs of all the step's samples under the policy before this
+    step's update (one more forward without grad), which the sample records set beside the engine's. Collective."""
+    if not (run.args.rich_samples and sample_step(run)):
+        return None
+    return policy.completion_logprobs_no_grad(run.model, samples, run.args.micro_batch_tokens, run.args.temperature,
+                                              run.args.logprob_chunk_size)
+
+
 def update_epochs(run: Run, batch: list[rollout.Sample], old_logprobs: torch.Tensor | None,
                   ref_logprobs: torch.Tensor | None) -> dict:
     """Phase 8: --epochs-per-step passes of --minibatches optimizer steps (`update_policy`, right below), then the
@@ -628,15 +648,18 @@ def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_log
     return collectives.sum_dicts_over_ranks(stats) | policy.step_if_finite(run.optimizer, grad_norm, "actor")
 
 
-def step_metrics(run: Run, samples: list[rollout.Sample], seconds: dict) -> dict:
+def step_metrics(run: Run, samples: list[rollout.Sample], seconds: dict,
+                 recorded_logprobs: torch.Tensor | None = None) -> dict:
     """Phase 9: seconds per phase, sample tokens per second over all ranks, the learning rate; every --sample-every
-    steps (and at the last) every sample of the step (trained on or not) goes to samples.jsonl."""
+    steps (and at the last) every sample of the step (trained on or not) goes to samples.jsonl (with --rich-samples, with
+    `recorded_logprobs`)."""
     metrics = {f"timing_s/{k}": v for k, v in seconds.items()}
     metrics["perf/tokens_per_s"] = (collectives.sum_over_ranks(sum(len(s.ids) for s in samples))
                                     / sum(seconds.values()))
     metrics["actor/lr"] = run.scheduler.get_last_lr()[0]
-    if runlog.writes_samples(run.step + 1, run.args.sample_every, run.args.total_steps):
-        run.log.samples(collectives.gather_objects([runlog.sample_record(run.step + 1, s) for s in samples]))
+    if sample_step(run):
+        rich = dict(tokenizer=run.tokenizer, trainer_logprobs=recorded_logprobs) if run.args.rich_samples else {}
+        run.log.samples(collectives.gather_objects(runlog.sample_records(run.step + 1, samples, **rich)))
     return metrics
 
 

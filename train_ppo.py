@@ -171,6 +171,11 @@ class Args:
     """completions per eval problem (pass@1 = mean pass rate over them)"""
     sample_every: int = 10
     """write sample completions to samples.jsonl every N steps and at the last step (0 = never)"""
+    rich_samples: bool = False
+    """samples.jsonl also keeps each sample's tokens, loss mask, engine and trainer logprobs, advantage, group, reward
+    components, tool calls and images (sample_images/), for board.py (docs/board.md: its cost per sample)"""
+    samples_max_mb: float = 1024.0
+    """samples.jsonl rotates to samples.old.jsonl past half of this, so the two stay within it (0 = never)"""
     resume: bool = False
     """continue from the newest checkpoint in output_dir"""
     overwrite: bool = False
@@ -341,7 +346,7 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     elif rank == 0:
         print(f"resumed from {checkpoint} at step {state['step']}")
     log = runlog.start(args.output_dir, rank, dataclasses.asdict(args), args.wandb_project,
-                       resume_step=state["step"] if args.resume else None)
+                       resume_step=state["step"] if args.resume else None, samples_max_mb=args.samples_max_mb)
     return Run(args=args, rank=rank, world=world, total_steps=total_steps, model=model, value_model=value_model,
                ref_model=ref_model, optimizer=optimizer, critic_optimizer=critic_optimizer, engine=engine,
                tokenizer=tokenizer, sampling=sampling, limits=limits, rows=rows, eval_rows=eval_rows,
@@ -361,7 +366,7 @@ def train_step(run: Run) -> dict:
     with runlog.timed(seconds, "update"):
         update_metrics = update_epochs(run, exp)
     # 9. Throughput, timings and sample records.
-    return metrics | experience_metrics | update_metrics | step_metrics(run, samples, seconds)
+    return metrics | experience_metrics | update_metrics | step_metrics(run, exp, seconds)
 
 
 def collect_samples(run: Run, seconds: dict) -> tuple[list[rollout.Sample], dict]:
@@ -448,14 +453,18 @@ def update_epochs(run: Run, exp: Experience) -> dict:
     return metrics
 
 
-def step_metrics(run: Run, samples: list[rollout.Sample], seconds: dict) -> dict:
+def step_metrics(run: Run, exp: Experience, seconds: dict) -> dict:
     """Phase 9: seconds per phase, sample tokens per second over all ranks; every --sample-every steps (and at the
-    last) every sample of the step goes to samples.jsonl."""
+    last) every sample of the step goes to samples.jsonl (with --rich-samples, its old logprobs and per-token
+    advantages too)."""
+    samples = exp.samples
     metrics = {f"timing_s/{k}": v for k, v in seconds.items()}
     metrics["perf/tokens_per_s"] = (collectives.sum_over_ranks(sum(len(s.ids) for s in samples))
                                     / sum(seconds.values()))
     if runlog.writes_samples(run.step + 1, run.args.sample_every, run.total_steps):
-        run.log.samples(collectives.gather_objects([runlog.sample_record(run.step + 1, s) for s in samples]))
+        rich = dict(tokenizer=run.tokenizer, trainer_logprobs=exp.old_logprobs,
+                    token_advantages=exp.advantages) if run.args.rich_samples else {}
+        run.log.samples(collectives.gather_objects(runlog.sample_records(run.step + 1, samples, **rich)))
     return metrics
 
 

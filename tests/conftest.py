@@ -1,0 +1,21 @@
+"""Test-session settings shared by every test file."""
+import os
+
+# `make test` runs two workers on two cores. PyTorch sizes its intra-op pool to the machine's cores, so two workers
+# training in-process would run four spinning OpenMP threads on two cores; one thread each keeps both cores busy
+# without that contention (subprocesses such as torchrun ranks inherit it).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# The workers take a file at a time (pytest-xdist --dist loadfile --no-loadscope-reorder), handed out in collection
+# order: the longest files go first, so that no long file starts last and runs alone while the other worker idles.
+# Their order is by the durations of a `make test` run on 2 cores (bench/RESULTS.md); files not listed keep pytest's
+# order.
+LONGEST_FIRST = ["test_demo.py", "test_grpo.py", "test_swebench.py", "test_swe_agent.py", "test_ppo.py",
+                 "test_merge.py", "test_policy.py", "test_board.py", "test_swe_instances.py", "test_mini_swe_agent.py",
+                 "test_qwen_code.py", "test_reward_grading.py", "test_rewards.py", "test_agent_server.py"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: the rest stay in order
