@@ -274,6 +274,12 @@ def truncate_tool_text(tokenizer, text: str, max_tokens: int) -> tuple[str, bool
     return tokenizer.decode(ids[:max_tokens]) + f"\n[... truncated {len(ids) - max_tokens} tokens]", True
 
 
+def shown(tokenizer, ids: list[int]) -> str:
+    """Token ids and their text for a console line: the text as ASCII (escapes for control characters, the partial
+    UTF-8 of a byte-level token and any other non-ASCII), so a drift report never writes raw bytes to a terminal."""
+    return f"{ids} {ascii(tokenizer.decode(ids))}"
+
+
 def check_tito(tokenizer, sample, messages: list[dict], tools: list[dict] | None = None,
                eot: str | None = None, open_turns=()) -> list[str]:
     """Drift between a trajectory (a rollout.Sample, or anything with its ids, prompt_ids and loss_mask) and the chat
@@ -297,8 +303,7 @@ def check_tito(tokenizer, sample, messages: list[dict], tools: list[dict] | None
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
     if first < max(len(got), len(want)):
         findings.append(f"ids drift at token {first} of {len(got)} (template: {len(want)} tokens): trajectory "
-                        f"{tokenizer.decode(got[first:first + 8])!r} vs template "
-                        f"{tokenizer.decode(want[first:first + 8])!r}")
+                        f"{shown(tokenizer, got[first:first + 8])} vs template {shown(tokenizer, want[first:first + 8])}")
         return findings
     spans = []  # character spans of each assistant turn: content + the end-of-turn token if the policy sampled it
     for i, m in enumerate(messages):
@@ -314,6 +319,6 @@ def check_tito(tokenizer, sample, messages: list[dict], tools: list[dict] | None
     wrong = [i for i, (a, b) in enumerate(zip(mask, want_mask)) if a != b]
     if wrong:
         findings.append(f"loss mask drift at {len(wrong)} tokens, first {wrong[0]} "
-                        f"({tokenizer.decode(got[wrong[0]:wrong[0] + 1])!r}: mask {mask[wrong[0]]}, "
+                        f"({shown(tokenizer, got[wrong[0]:wrong[0] + 1])}: mask {mask[wrong[0]]}, "
                         f"want {want_mask[wrong[0]]})")
     return findings

@@ -286,7 +286,7 @@ def history_free_image(client: docker.DockerClient, image: str) -> str:
         image_id = client.images.get(image).id.split(":")[-1]
     except docker.errors.ImageNotFound:
         raise ImageMissing(f"image {image!r} is not on this Docker host; `docker load` it (or build the offline "
-                           "test instances with tests/swe_instances.py)") from None
+                           "test instances with swe_instances.py)") from None
     tag = f"{HISTORY_FREE_REPO}:{image_id[:32]}"
     with _HISTORY_FREE_LOCKS[image_id]:
         if image_id in _HISTORY_FREE:
@@ -317,7 +317,7 @@ class Container:
             client.images.get(image)
         except docker.errors.ImageNotFound:
             raise ImageMissing(f"image {image!r} is not on this Docker host; `docker load` it (or build the offline "
-                               "test instances with tests/swe_instances.py)") from None
+                               "test instances with swe_instances.py)") from None
         self.limits, self.workdir, self.image, self.retries = limits, workdir, image, 0
         start = uuid.uuid4().hex
         labels = {OWNER: owner_label(), RUN: run, ROLE: role, EXPIRES: str(int(time.time() + limits.ttl)),

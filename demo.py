@@ -73,6 +73,13 @@ def torchrun(nproc: int, script: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script, *args]
 
 
+def sft_flags(args: Args, model_dir: Path, out: Path) -> list[str]:
+    """train_sft.py's flags for the warm start (the README's command to redo it gives the same)."""
+    return ["--model", str(model_dir), "--data", str(out / "sft.jsonl"), "--output-dir", str(out / "sft"),
+            "--steps", str(args.sft_steps), "--lr", "3e-3", "--warmup-steps", str(args.sft_warmup_steps),
+            "--batch-size", "32", "--seed", str(args.seed)]
+
+
 def main(args: Args) -> dict:
     start = time.perf_counter()
     out = Path(args.output_dir)
@@ -90,11 +97,7 @@ def main(args: Args) -> dict:
                                        num_layers=args.num_layers)
     print(f"tiny model and tokenizer: {model_dir}")
 
-    run(torchrun(args.nproc, "train_sft.py", "--model", str(model_dir), "--data", str(out / "sft.jsonl"),
-                 "--output-dir", str(out / "sft"), "--steps", str(args.sft_steps), "--lr", "3e-3",
-                 "--warmup-steps", str(args.sft_warmup_steps), "--batch-size", "32", "--seed", str(args.seed),
-                 "--overwrite"),
-        "SFT warm start")
+    run(torchrun(args.nproc, "train_sft.py", *sft_flags(args, model_dir, out), "--overwrite"), "SFT warm start")
     run(torchrun(args.nproc, "train_grpo.py", "--model", str(out / "sft" / "hf"), "--data", str(out / "train.parquet"),
                  "--eval-data", str(out / "test.parquet"), "--output-dir", str(out / "grpo"),
                  "--total-steps", str(args.grpo_steps), "--lr", str(args.grpo_lr), "--eval-every", str(args.eval_every),

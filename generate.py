@@ -84,8 +84,11 @@ def check_generate_args(args: GenerateArgs) -> None:
     if args.n_samples > 1 and args.temperature <= 0:
         raise ValueError(f"--n-samples {args.n_samples} with --temperature {args.temperature}: greedy samples of a "
                          "row are all the same; sample with a temperature > 0 (e.g. 0.8) for pass@k")
-    if not Path(args.out).resolve().parent.is_dir():
-        raise ValueError(f"--out {args.out}: its folder does not exist")
+    out = Path(args.out)
+    if out.is_dir():
+        raise ValueError(f"--out {args.out} is a directory; name the JSONL file to write")
+    if any(parent.exists() and not parent.is_dir() for parent in out.resolve().parents):
+        raise ValueError(f"--out {args.out}: a folder on its path is a file")
 
 
 def is_checkpoint(path) -> bool:
@@ -156,6 +159,8 @@ def generate(args: GenerateArgs) -> Path:
     """Samples of args.model for every row of args.data in args.out (rank 0 writes it, once everything is done)."""
     check_generate_args(args)
     rank, world, device = policy.init_distributed()
+    if rank == 0:  # made before the model loads: a folder that cannot be made fails now, not after generating
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed + rank)
     seconds = {}
     start = time.perf_counter()

@@ -18,16 +18,19 @@ import statistics
 import threading
 import time
 from collections import Counter, OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import Callable
 from urllib.parse import urlparse
 
 import requests
 import tyro
-from requests.adapters import HTTPAdapter
+import urllib3
 from urllib3.exceptions import MaxRetryError
 from urllib3.util.retry import Retry
+
+import runlog
 
 EQUIVALENCE_SYSTEM = (
     "You grade answers to questions. The reference answer is correct. Decide whether the student's final answer "
@@ -144,10 +147,44 @@ def image_part(data: bytes) -> dict:
     return {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{base64.b64encode(data).decode()}"}}
 
 
+class DeadlinePassed(Exception):
+    """A retry would start, or its backoff end, after the call's deadline."""
+
+
+class ReportingRetry(Retry):
+    """urllib3's Retry that tells `report` what each retry follows ("HTTP 500", "ProtocolError"), as it happens, and
+    starts no retry (nor a backoff or Retry-After wait) that would end past `deadline` (time.monotonic()): a call keeps
+    its deadline and names what the server did."""
+
+    def __init__(self, *args, report: Callable[[str], None] | None = None, deadline: float | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.report, self.deadline = report, deadline
+
+    def new(self, **kw) -> "ReportingRetry":
+        return super().new(**({"report": self.report, "deadline": self.deadline} | kw))
+
+    def increment(self, method=None, url=None, response=None, error=None, _pool=None, _stacktrace=None):
+        if self.report is not None:
+            self.report(f"HTTP {response.status}" if response is not None and response.status else type(error).__name__)
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise DeadlinePassed()
+        return super().increment(method, url, response, error, _pool, _stacktrace)
+
+    def sleep(self, response=None) -> None:
+        after = self.get_retry_after(response) if response is not None and self.respect_retry_after_header else None
+        wait = after if after is not None else self.get_backoff_time()
+        if self.deadline is not None and time.monotonic() + wait >= self.deadline:
+            raise DeadlinePassed()
+        super().sleep(response)
+
+
 class Judge:
-    """A thread-safe client: every call runs on a pool of `max_concurrency` workers (each with its own HTTP session),
-    is retried by urllib3 on connection errors and 408/429/5xx (Retry-After respected, exponential backoff with
-    jitter) and bounded by a wall deadline of `timeout_s` (retries included). Requests are deterministic (temperature
+    """A thread-safe client: every call sends its request from the caller's thread through one urllib3 connection
+    pool of `max_concurrency` connections (at most that many requests in flight; no hop to a worker thread, and none
+    of requests' per-call overhead: a burst's requests queue for the GIL behind that work), is retried by urllib3 on
+    connection errors and 408/429/5xx (Retry-After respected, exponential backoff with jitter) and bounded by a wall
+    deadline of `timeout_s`: waiting for a connection, each attempt's reply and retries never start past it (a
+    deadline that passes mid-retry names what the server answered). Requests are deterministic (temperature
     0, a fixed seed), so identical requests share one answer through an LRU cache that also holds calls in flight.
 
     Construction checks the server: GET <base_url>/models must answer, and gives the model name unless `model` is set;
@@ -160,20 +197,23 @@ class Judge:
         self.max_concurrency, self.timeout_s, self.max_tokens, self.seed = max_concurrency, timeout_s, max_tokens, seed
         api_key = api_key or os.environ.get("KILN_JUDGE_API_KEY")  # not an Args field: Args land in logs and wandb
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.retry = Retry(total=retries, backoff_factor=0.5, backoff_jitter=0.5, backoff_max=8,
+        self.retry = ReportingRetry(total=retries, backoff_factor=0.5, backoff_jitter=0.5, backoff_max=8,
                            retry_after_max=max(1, int(timeout_s)), status_forcelist=(408, 429, 500, 502, 503, 504),
                            allowed_methods={"GET", "POST"},  # urllib3 leaves POST out by default
                            respect_retry_after_header=True, raise_on_status=False)
         self.cache_size = cache_size if cache else 0
         self._cache: OrderedDict[str, Future] = OrderedDict()
-        self._local = threading.local()
         self._lock = threading.Lock()
         self._counts: Counter = Counter()
         self._error_kinds: Counter = Counter()
         self._last_error: str | None = None
         self._latencies: list[float] = []
         self.model = self._check_server(model)
-        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="judge")
+        # Proxies from the environment, resolved once as requests resolves them (HTTP_PROXY, NO_PROXY, ...).
+        proxy = requests.utils.get_environ_proxies(self.base_url).get(urlparse(self.base_url).scheme)
+        pool_options = {"maxsize": max_concurrency, "block": True, "headers": {"Content-Type": "application/json"}
+                        | self.headers}
+        self._http = urllib3.ProxyManager(proxy, **pool_options) if proxy else urllib3.PoolManager(**pool_options)
 
     # ------------------------------------------------------------------------------------------------- questions
 
@@ -226,32 +266,39 @@ class Judge:
         return stats
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._http.clear()
 
     # -------------------------------------------------------------------------------------------------- transport
 
     def _complete(self, messages: list[dict]) -> tuple[str | None, str | None]:
-        """(reply text, None) or (None, error). The deadline covers waiting for a worker, retries and backoff."""
-        start = time.monotonic()
+        """(reply text, None) or (None, error). The first caller of a question sends it; identical calls meanwhile
+        wait for its answer (each within its own deadline)."""
+        deadline = time.monotonic() + self.timeout_s
         payload = {"model": self.model, "messages": messages, "temperature": 0.0, "seed": self.seed,
                    "max_tokens": self.max_tokens}
-        key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()  # images are inside, hashed
+        body = json.dumps(payload).encode()  # built the same way every time: the same question, the same bytes
+        key = hashlib.sha256(body).hexdigest()  # images are inside, hashed
         with self._lock:
             self._counts["calls"] += 1
             future = self._cache.get(key)
-            if future is not None:
-                self._counts["cache_hits"] += 1
-                self._cache.move_to_end(key)
-            else:
-                future = self._pool.submit(self._post, payload)
+            sender = future is None
+            if sender:
+                future = Future()
                 if self.cache_size:
                     self._cache[key] = future
                     while len(self._cache) > self.cache_size:
                         self._cache.popitem(last=False)
+            else:
+                self._counts["cache_hits"] += 1
+                self._cache.move_to_end(key)
+        if sender:
+            try:
+                future.set_result(self._post(body, deadline))
+            except BaseException as e:  # CallFailed, or a bug: the callers waiting on it learn at once
+                future.set_exception(e)
         try:
-            return future.result(timeout=max(0.0, self.timeout_s - (time.monotonic() - start))), None
+            return future.result(timeout=max(0.0, deadline - time.monotonic())), None
         except FutureTimeout:
-            future.cancel()
             failure = CallFailed("timeout", f"no reply within {self.timeout_s:g}s")
         except CallFailed as e:
             failure = e
@@ -263,39 +310,48 @@ class Judge:
             self._last_error = str(failure)
         return None, f"judge {self.base_url}: {failure}"
 
-    def _post(self, payload: dict) -> str:
-        session = self._session()
+    def _post(self, body: bytes, deadline: float) -> str:
         start = time.monotonic()
+        retried = ["", 0]  # what the last failed try got, and how many tries failed
+
+        def report(what: str) -> None:
+            retried[:] = [what, retried[1] + 1]
+
+        def timed_out() -> CallFailed:
+            return CallFailed("timeout", f"no reply within {self.timeout_s:g}s" + (
+                f" (the last of {retried[1]} tries got {retried[0]})" if retried[1] else ""))
+
         self._count(requests=1)
+        remaining = max(0.001, deadline - start)
         try:
-            response = session.post(f"{self.base_url}/chat/completions", json=payload, headers=self.headers,
-                                    timeout=(5, self.timeout_s))
-        except requests.exceptions.RequestException as e:
-            if e.args and isinstance(e.args[0], MaxRetryError):  # every retry was spent on it
+            response = self._http.request("POST", f"{self.base_url}/chat/completions", body=body,
+                                          retries=self.retry.new(report=report, deadline=deadline),
+                                          timeout=urllib3.Timeout(connect=min(5.0, remaining), read=remaining),
+                                          pool_timeout=remaining)
+        except DeadlinePassed:
+            self._count(retries=retried[1] - 1)
+            raise timed_out() from None
+        except urllib3.exceptions.HTTPError as e:
+            reason = e.reason if isinstance(e, MaxRetryError) else e
+            if isinstance(e, MaxRetryError):  # every retry was spent on it
                 self._count(retries=self.retry.total)
-            raise CallFailed("timeout" if isinstance(e, requests.exceptions.Timeout) else "connection", str(e)) from e
-        retries = response.raw.retries
+            if isinstance(reason, urllib3.exceptions.TimeoutError) or isinstance(e, urllib3.exceptions.EmptyPoolError):
+                raise timed_out() from e
+            raise CallFailed("connection", str(e)) from e
+        retries = response.retries
         self._count(retries=len(retries.history) if retries is not None else 0)
-        if response.status_code != 200:
-            raise CallFailed(f"http_{response.status_code}", response.text[:200])
+        text = response.data.decode(errors="replace")
+        if response.status != 200:
+            raise CallFailed(f"http_{response.status}", text[:200])
         try:
-            text = response.json()["choices"][0]["message"]["content"]
+            reply = json.loads(text)["choices"][0]["message"]["content"]
         except (ValueError, KeyError, IndexError, TypeError) as e:
-            raise CallFailed("malformed", f"{type(e).__name__}: {response.text[:200]!r}") from e
-        if not isinstance(text, str):
-            raise CallFailed("malformed", f"content is {type(text).__name__}")
+            raise CallFailed("malformed", f"{type(e).__name__}: {text[:200]!r}") from e
+        if not isinstance(reply, str):
+            raise CallFailed("malformed", f"content is {type(reply).__name__}")
         with self._lock:
             self._latencies.append(time.monotonic() - start)
-        return text
-
-    def _session(self) -> requests.Session:
-        session = getattr(self._local, "session", None)
-        if session is None:
-            session = self._local.session = requests.Session()
-            adapter = HTTPAdapter(max_retries=self.retry, pool_connections=1, pool_maxsize=1)
-            session.mount("http://", adapter)
-            session.mount("https://", adapter)
-        return session
+        return reply
 
     def _check_server(self, model: str | None) -> str:
         url = f"{self.base_url}/models"
@@ -349,7 +405,8 @@ class CheckArgs:
 
 
 def check(args: CheckArgs) -> dict:
-    """Probe a judge: health check, one equivalence and one rubric question; print replies and stats."""
+    """Probe a judge: health check, one equivalence and one rubric question; print replies and stats. RuntimeError
+    (exit status 1 from the command line) when either question got no answer, naming what went wrong."""
     judge = Judge(args.base_url, model=args.model, timeout_s=args.timeout_s)
     print(f"judge {judge.base_url}: model {judge.model}")
     verdict = judge.equivalent("What is 6 times 7?", "42", "forty-two")
@@ -360,8 +417,13 @@ def check(args: CheckArgs) -> dict:
     stats = judge.stats()
     judge.close()
     print(json.dumps(metrics([stats]), indent=2))
+    failures = [f"{what}: {error}" for what, error in (("equivalence", verdict.error), ("rubric", score.error))
+                if error]
+    if failures:
+        raise RuntimeError(f"judge check failed ({len(failures)} of 2 questions): " + "; ".join(failures))
     return stats
 
 
 if __name__ == "__main__":
-    check(tyro.extras.subcommand_cli_from_dict({"check": CheckArgs}))
+    with runlog.one_line_errors():
+        check(tyro.extras.subcommand_cli_from_dict({"check": CheckArgs}))

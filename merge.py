@@ -2,6 +2,9 @@
 
     python merge.py runs/grpo/checkpoints/step_00000100 runs/grpo/hf [--dtype bfloat16]
 
+The weights are written in the run's dtype (the checkpoint's hf/config.json: bfloat16 for a Qwen2.5 hub model, float32
+for a tiny one) unless --dtype says otherwise.
+
 Reads only the model part of the checkpoint (never the optimizer), restores it in fp32 into a model built from the
 checkpoint's hf/ config, and writes safetensors shards + index, config, generation config and the tokenizer files
 (chat template included). Then it loads the written folder back with `from_pretrained` and compares its logits on a
@@ -11,6 +14,7 @@ include one with an image.
 """
 from __future__ import annotations
 
+import json
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -48,8 +52,8 @@ class Args:
     """a checkpoint folder: <output_dir>/checkpoints/step_XXXXXXXX (DCP files + hf/)"""
     out: tyro.conf.Positional[Path]
     """where to write the Hugging Face folder"""
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """dtype of the written weights"""
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    """dtype of the written weights (default: the run's, as its model's config.json names it)"""
     max_shard_size: str = "5GB"
     """largest safetensors file (bigger models are split, with an index)"""
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
@@ -141,16 +145,26 @@ def prompt_logits(model, tokenizer, device: str) -> list[torch.Tensor]:
     return out
 
 
+def run_dtype(checkpoint: Path) -> str:
+    """The dtype the run's model came in: its config's `dtype` (`torch_dtype` in older folders), float32 if none."""
+    config = json.loads((checkpoint / "hf" / "config.json").read_text())
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if dtype not in RELATIVE_TOLERANCE:
+        raise ValueError(f"{checkpoint}/hf/config.json: dtype {dtype!r}; pass --dtype bfloat16, float16 or float32")
+    return dtype
+
+
 def merge(args: Args) -> float:
     """Writes args.out and returns the max abs logit difference to the checkpoint (RuntimeError past tolerance)."""
     state = read_model_state(args.checkpoint)
+    dtype = args.dtype or run_dtype(args.checkpoint)
     model = restore_model(args.checkpoint, state)
     del state
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint / "hf")
     reference = prompt_logits(model, tokenizer, args.device)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    model.to(getattr(torch, args.dtype)).save_pretrained(args.out, max_shard_size=args.max_shard_size)
+    model.to(getattr(torch, dtype)).save_pretrained(args.out, max_shard_size=args.max_shard_size)
     del model
     for path in (args.checkpoint / "hf").iterdir():
         if path.is_file() and path.name not in WRITTEN_BY_SAVE:
@@ -161,10 +175,10 @@ def merge(args: Args) -> float:
     logits = prompt_logits(merged, AutoTokenizer.from_pretrained(args.out), args.device)
     diff = max((a - b).abs().max().item() for a, b in zip(reference, logits))
     scale = max(1.0, max(r.abs().max().item() for r in reference))
-    tolerance = args.tolerance if args.tolerance is not None else RELATIVE_TOLERANCE[args.dtype] * scale
+    tolerance = args.tolerance if args.tolerance is not None else RELATIVE_TOLERANCE[dtype] * scale
     agree = sum((a.argmax(-1) == b.argmax(-1)).sum().item() for a, b in zip(reference, logits))
     total = sum(r.shape[0] for r in reference)
-    print(f"max abs logit difference vs the checkpoint: {diff:.3g} (tolerance {tolerance:.3g} for {args.dtype}); "
+    print(f"max abs logit difference vs the checkpoint: {diff:.3g} (tolerance {tolerance:.3g} for {dtype}); "
           f"greedy next token agrees at {agree}/{total} positions")
     if diff > tolerance:
         raise RuntimeError(f"{args.out}: logits differ from the checkpoint by {diff:.3g} > {tolerance:.3g}")

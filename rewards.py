@@ -441,11 +441,19 @@ def check_sources(rows: list[dict], where: str) -> None:
                          f"{', '.join(sorted(REWARDS))} (rewards.REWARDS)")
 
 
-def read_samples(path: str, rows_by_id: dict[str, dict]) -> tuple[list[str], list[str]]:
-    """(task ids, completions) of a JSONL of kiln samples ({"task_id", "completion"}) or SWE-bench predictions
-    ({"instance_id", "model_patch", "model_name_or_path"}: task "swebench/<instance_id>", the patch its completion; a
-    null patch is an empty one); lines of both kinds may mix. Every task must be among the rows."""
-    task_ids, completions = [], []
+def read_samples(path: str, rows_by_id: dict[str, dict],
+                 step: int | None = None) -> tuple[list[str], list[str], list[int | None]]:
+    """(task ids, completions, training steps) of a JSONL of kiln samples ({"task_id", "completion"}, and "step" in a
+    trainer's samples.jsonl; None without) or SWE-bench predictions ({"instance_id", "model_patch",
+    "model_name_or_path"}: task "swebench/<instance_id>", the patch its completion; a null patch is an empty one);
+    lines of both kinds may mix. Every task must be among the rows. `step`: only the samples of that training step."""
+    if not Path(path).is_file():
+        run = Path(path).parent
+        if (run / "metrics.jsonl").is_file():
+            raise ValueError(f"{path} does not exist: the run in {run} has written no samples (a trainer writes "
+                             f"samples.jsonl every --sample-every steps, 10 by default, and at its last step)")
+        raise ValueError(f"{path}: no such samples file")
+    task_ids, completions, steps, seen_steps = [], [], [], set()
     with open(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -470,11 +478,20 @@ def read_samples(path: str, rows_by_id: dict[str, dict]) -> tuple[list[str], lis
                     raise ValueError(f"{path} line {number}: instance {sample['instance_id']!r} is not among the "
                                      f"{swe} swebench rows of --data")
                 raise ValueError(f"{path} line {number}: unknown task id {task_id!r} (not in the --data rows)")
+            sample_step = sample.get("step") if not prediction else None
+            seen_steps.add(sample_step)
+            if step is not None and sample_step != step:
+                continue
             task_ids.append(task_id)
             completions.append(completion)
+            steps.append(sample_step)
     if not task_ids:
+        if step is not None:
+            known = sorted(s for s in seen_steps if s is not None)
+            raise ValueError(f"{path}: no samples of step {step} (steps in the file: "
+                             f"{', '.join(map(str, known)) or 'none'})")
         raise ValueError(f"{path}: no samples")
-    return task_ids, completions
+    return task_ids, completions, steps
 
 
 @dataclass
@@ -501,6 +518,9 @@ class ScoreArgs:
     """the judge's model name (default: the first one the server lists)"""
     official: bool = False
     """swebench rows: grade with swebench's own run_instance instead of kiln's grader (same verdicts, slower)"""
+    step: int | None = None
+    """grade only the samples of this training step (the `step` of a trainer's samples.jsonl); without it, samples
+    of several steps are reported step by step as well as pooled"""
 
 
 def main(args: ScoreArgs) -> dict:
@@ -518,7 +538,7 @@ def main(args: ScoreArgs) -> dict:
     rows = data_prep.load_rows(args.data)
     check_sources(rows, args.data)
     rows_by_id = {data_prep.row_id(r): r for r in rows}
-    task_ids, completions = read_samples(args.samples, rows_by_id)
+    task_ids, completions, steps = read_samples(args.samples, rows_by_id, args.step)
     swe_truths = [json.loads(rows_by_id[t]["reward_model"]["ground_truth"]) for t in sorted(set(task_ids))
                   if rows_by_id[t]["data_source"] == "swebench"]
     if args.official and not swe_truths:
@@ -541,15 +561,23 @@ def main(args: ScoreArgs) -> dict:
             print(f"{len(failed)} samples not graded (the judge failed), left out of the report; first: "
                   f"{failed[0][0]}: {failed[0][1].info['judge_error']}")
         judge.close()
-    graded = [(t, r) for t, r in zip(task_ids, results) if not judge_failed(r.info)]
+    graded = [(t, r, s) for t, r, s in zip(task_ids, results, steps) if not judge_failed(r.info)]
     if not graded:
         raise RuntimeError("no sample could be graded")
-    task_ids, results = [t for t, _ in graded], [r for _, r in graded]
+    task_ids, results, steps = [t for t, _, _ in graded], [r for _, r, _ in graded], [s for _, _, s in graded]
     summary = eval_report.report(rows_by_id, task_ids, results) | {"seconds": seconds, "samples_per_s": len(results) / seconds}
+    if len(set(steps)) > 1:  # a changing policy: the pooled pass@k mixes them, so each step is reported too
+        summary["by_step"] = by_step(rows_by_id, task_ids, results, steps)
     if swe_truths:
         summary["swe"] = swe_grading.swe_metrics([r.info for t, r in zip(task_ids, results)
                                                   if rows_by_id[t]["data_source"] == "swebench"])
     eval_report.print_report(summary)
+    if "by_step" in summary:
+        print(f"\nthe samples come from {len(summary['by_step'])} training steps, pooled above; by step (or pass "
+              "--step N):")
+        for step, row in summary["by_step"].items():
+            print(f"step {step:>6}: {row['samples']:>5} samples, pass@1 {row['pass@1']:.3f}, mean reward "
+                  f"{row['mean_reward']:.3f}")
     if args.out:  # replaced whole, never mixed with a concurrent run's
         data_prep.write_atomically(args.out, ({"task_id": task_id, "score": r.score, "info": r.info}
                                               for task_id, r in zip(task_ids, results)))
@@ -561,6 +589,18 @@ def main(args: ScoreArgs) -> dict:
     if args.plot:
         eval_report.plot_report(summary, args.plot, f"{Path(args.samples).name}: test pass rate (passed / total tests)")
     return summary
+
+
+def by_step(rows_by_id: dict[str, dict], task_ids: list[str], results: list[Reward],
+            steps: list[int | None]) -> dict:
+    """Per training step (None: lines without one, last): its sample count, pass@1 and mean reward."""
+    table = {}
+    for step in sorted(set(steps), key=lambda s: (s is None, s or 0)):
+        picked = [i for i, s in enumerate(steps) if s == step]
+        part = eval_report.report(rows_by_id, [task_ids[i] for i in picked], [results[i] for i in picked])
+        table[str(step)] = {"samples": part["samples"], "pass@1": part["pass"]["all"]["pass@1"],
+                            "mean_reward": part["mean_reward"]}
+    return table
 
 
 @dataclass

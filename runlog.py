@@ -1,5 +1,5 @@
-"""What a training run leaves beside its checkpoints: metrics.jsonl (mirrored to wandb when asked), samples.jsonl, and
-the wall time of each phase of a step; the output-dir policy the trainers share (a fresh run never mixes with an old
+"""What a training run leaves beside its checkpoints: run_config.json (its resolved Args, kiln commit and library
+versions), metrics.jsonl (mirrored to wandb when asked), samples.jsonl, and the wall time of each phase of a step; the output-dir policy the trainers share (a fresh run never mixes with an old
 one, a resumed run continues its files and its wandb run); known errors as one line. Rank 0 writes; every other
 rank's calls do nothing.
 """
@@ -8,12 +8,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import secrets
 import shutil
+import subprocess
 import sys
 import time
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
@@ -27,7 +30,14 @@ import sample_files
 
 # What a trainer writes into its output dir: --overwrite removes these (and nothing else) before a fresh run.
 RUN_FILES = ("metrics.jsonl", *sample_files.SAMPLE_FILES, sample_files.IMAGES_DIR, "checkpoints", "critic", "best",
-             ".best_tmp", "hf", "eval_report.json", "eval_report.md", "wandb", "wandb_id")
+             ".best_tmp", "hf", "eval_report.json", "eval_report.md", "wandb", "wandb_id", "run_config.json")
+# The Args fields a --resume may change: how long the run goes, what it writes on the way and where (a run folder may
+# be moved). Any other difference from run_config.json (the lr, the group size, the data, ...) would make the resumed
+# run another run.
+MAY_CHANGE_ON_RESUME = ("total_steps", "steps", "resume", "overwrite", "output_dir", "save_every", "keep_checkpoints",
+                        "sample_every", "rich_samples", "samples_max_mb", "eval_every", "wandb_project")
+# The libraries whose versions run_config.json records (those installed).
+LIBRARIES = ("torch", "transformers", "tokenizers", "vllm", "tyro", "numpy", "swebench", "wandb")
 
 
 @dataclass
@@ -74,18 +84,60 @@ class RunLog:
             wandb.finish()
 
 
-def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
+def check_output_dir(output_dir: str, resume: bool, overwrite: bool, config: dict | None = None) -> None:
     """Refuse, before anything loads, an output dir that is a file, or that holds an earlier run's files when this run
-    neither resumes it (--resume) nor replaces it (--overwrite). Every rank checks; none writes."""
+    neither resumes it (--resume) nor replaces it (--overwrite); a --resume with nothing to resume (no checkpoint: a
+    typo'd or empty dir); and a --resume whose `config` (the resolved Args) differs from the run's run_config.json in
+    a field not in MAY_CHANGE_ON_RESUME. Every rank checks; none writes."""
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output-dir {output_dir} is a file")
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other")
-    earlier = [name for name in RUN_FILES if (out / name).exists()]
+    # run_config.json alone is a run that stopped before its first record: nothing of it is lost by starting again
+    earlier = [name for name in RUN_FILES if name != "run_config.json" and (out / name).exists()]
     if earlier and not resume and not overwrite:
         raise ValueError(f"--output-dir {output_dir} holds an earlier run ({', '.join(earlier)}): pass --resume to "
                          f"continue it, --overwrite to replace it, or another --output-dir")
+    if resume and not any((out / "checkpoints").glob("step_*")):
+        what = "does not exist" if not out.exists() else f"holds no checkpoint ({out / 'checkpoints'} is empty or missing)"
+        raise ValueError(f"--resume: nothing to resume: --output-dir {output_dir} {what}; drop --resume to start a run "
+                         f"there")
+    if resume and config is not None and (out / "run_config.json").is_file():
+        recorded = json.loads((out / "run_config.json").read_text())["args"]
+        changed = {k: (recorded.get(k), v) for k, v in as_json(config).items()
+                   if k not in MAY_CHANGE_ON_RESUME and recorded.get(k) != v}
+        if changed:
+            raise ValueError(f"--resume with other settings than the run in {output_dir} (run_config.json): "
+                             + "; ".join(f"--{k.replace('_', '-')} {new!r} (the run's: {old!r})"
+                                         for k, (old, new) in changed.items())
+                             + f". Only {', '.join('--' + k.replace('_', '-') for k in MAY_CHANGE_ON_RESUME)} may "
+                             f"change on a resume; pass the run's values, or start a new run elsewhere")
+
+
+def as_json(value):
+    """`value` as JSON reads it back (tuples as lists, paths and other objects as strings)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def run_config(config: dict) -> dict:
+    """What run_config.json records: the resolved Args, the kiln commit (with "+dirty" when tracked files differ from
+    it), the Python and library versions, the world size and when it started."""
+    try:
+        commit = subprocess.run(["git", "-C", str(KILN_DIR), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        dirty = subprocess.run(["git", "-C", str(KILN_DIR), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):  # no git: the versions still say a lot
+        commit, dirty = None, ""
+    versions = {"python": platform.python_version()}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return {"args": as_json(config), "kiln_commit": commit and commit + ("+dirty" if dirty else ""),
+            "versions": versions, "world_size": int(os.environ.get("WORLD_SIZE", "1")), "started": time.time()}
 
 
 def start(output_dir: str, rank: int, config: dict, wandb_project: str | None, resume_step: int | None,
@@ -99,13 +151,22 @@ def start(output_dir: str, rank: int, config: dict, wandb_project: str | None, r
     if rank != 0:
         return log
     log.output_dir.mkdir(parents=True, exist_ok=True)
+    config_file = log.output_dir / "run_config.json"
     if resume_step is None:
         for name in RUN_FILES:
             path = log.output_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        config_file.write_text(json.dumps(run_config(config), indent=1) + "\n")
     else:
         for name in ("metrics.jsonl", *sample_files.SAMPLE_FILES):
             truncate_to_step(log.output_dir / name, resume_step)
+        # each resume is recorded with what it may have changed (check_output_dir refused any other change)
+        recorded = json.loads(config_file.read_text()) if config_file.is_file() else run_config(config)
+        now = run_config(config)
+        changed = {k: v for k, v in now["args"].items() if recorded["args"].get(k) != v}
+        recorded.setdefault("resumes", []).append({"step": resume_step, "changed": changed} | {
+            k: now[k] for k in ("kiln_commit", "versions", "world_size", "started")})
+        config_file.write_text(json.dumps(recorded, indent=1) + "\n")
     if wandb_project:
         id_file = log.output_dir / "wandb_id"
         if not id_file.is_file():
@@ -125,6 +186,12 @@ def truncate_to_step(path: Path, step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(kept))
     tmp.replace(path)
+
+
+def writes_samples(step: int, sample_every: int, total_steps: int) -> bool:
+    """Whether step `step` (1-based) goes to samples.jsonl: every `sample_every`-th, and the last one, so a run shorter
+    than --sample-every still leaves samples to grade (0: never)."""
+    return sample_every > 0 and (step % sample_every == 0 or step == total_steps)
 
 
 def sample_record(step: int, sample) -> dict:
@@ -291,7 +358,21 @@ def _exit_with(message: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:  # torchrun stops every rank once one exits: rank 0, failing alike, reports and ends this one first
         time.sleep(5)
-    print(f"error: {message}" if rank == 0 else f"error (rank {rank}): {message}", file=sys.stderr)
+    line = f"error: {message}" if rank == 0 else f"error (rank {rank}): {message}"
+    print(line, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # under torchrun: its failure report ends with this line
+        record_for_torchrun(os.environ["TORCHELASTIC_ERROR_FILE"], line)
     os._exit(1)  # not the interpreter's teardown: gloo threads may hold the process group (policy.exit_distributed)
+
+
+def record_for_torchrun(error_file: str, line: str) -> None:
+    """`line` in the error file torchrun reads when a rank fails (the layout of torch.distributed.elastic's
+    ErrorHandler.record_exception, with the line in place of a traceback): torchrun's report of the failed ranks, which
+    it prints after everything the ranks printed, then ends with the line instead of "To enable traceback see ..."."""
+    record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        Path(error_file).write_text(json.dumps(record))
+    except OSError:  # the line is on stderr already
+        pass

@@ -1,4 +1,11 @@
-"""Tiny models built locally, for tests, the demo and the benches: nothing is downloaded.
+"""Tiny models built locally, for tests, the demo, the benches and the CPU recipes: nothing is downloaded.
+
+    python tiny.py model --out runs/tiny-model --data ROWS [--max-position-embeddings 8192]
+    python tiny.py vlm --out runs/tiny-vlm --data ROWS
+
+build one whose tokenizer is trained on the text of ROWS (kiln rows or conversations, .parquet or .jsonl: every
+message's text and every solution), so their prompts tokenize into few tokens. Untrained: it shows the pipeline run,
+not learning (`make demo` warm-starts one with SFT).
 
 `make_tiny_model` trains a byte-level BPE tokenizer on a corpus (Qwen2.5's pre-tokenization, its special tokens and a
 Qwen2.5-style chat template with tool calls and image placeholders, or a Llama-3-style one) and builds a small Qwen2
@@ -6,15 +13,21 @@ model from a config, saved together as a Hugging Face folder that every kiln scr
 `make_tiny_vlm` does the same for a Qwen2.5-VL (vision tower, mrope, image processor config, Qwen2.5-VL's chat
 template).
 """
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import pyarrow.parquet as pq
 import torch
+import tyro
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (GenerationConfig, PreTrainedTokenizerFast, Qwen2_5_VLConfig,
                           Qwen2_5_VLForConditionalGeneration, Qwen2Config, Qwen2ForCausalLM)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_SPLIT_REGEX
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+import runlog
 
 # Ids 0..5 in every tiny tokenizer; the agent tokens are ordinary (non-special) added tokens, as in Qwen2.5.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
@@ -196,3 +209,67 @@ def make_tiny_vlm(out_dir, corpus: list[str], vocab_size: int = 512, hidden_size
     model.generation_config = GenerationConfig(bos_token_id=pad, eos_token_id=[eos, pad], pad_token_id=pad)
     model.save_pretrained(out)
     return out
+
+
+def corpus_of(path) -> list[str]:
+    """The text of a data file (.parquet or .jsonl of kiln rows or conversations): each message's text (text parts of
+    multimodal content) and each row's extra_info.solution, one string per row."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--data {path}: no such file")
+    if path.suffix == ".jsonl":
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    elif path.suffix == ".parquet":
+        records = pq.read_table(path).to_pylist()
+    else:
+        raise ValueError(f"--data {path}: expected .parquet or .jsonl")
+    corpus = []
+    for record in records:
+        texts = []
+        messages = record.get("prompt") or record.get("messages") or []
+        if isinstance(messages, str):  # kiln's parquet stores a prompt with image parts as JSON text
+            messages = json.loads(messages)
+        for message in messages:
+            content = message.get("content")
+            texts += [content] if isinstance(content, str) else [p.get("text") or "" for p in content or []]
+        texts.append((record.get("extra_info") or {}).get("solution") or "")
+        corpus.append("\n".join(t for t in texts if t))
+    if not any(corpus):
+        raise ValueError(f"--data {path}: no text to train a tokenizer on")
+    return corpus
+
+
+@dataclass
+class ModelArgs:
+    out: str
+    """the Hugging Face folder to write"""
+    data: str
+    """rows or conversations (.parquet / .jsonl) whose text trains the tokenizer"""
+    hidden_size: int = 64
+    """model width"""
+    num_layers: int = 2
+    """decoder layers"""
+    max_position_embeddings: int = 4096
+    """context length (SWE-bench prompts and trajectories want 8192)"""
+    seed: int = 0
+    """initialisation seed"""
+
+
+@dataclass
+class VlmArgs(ModelArgs):
+    """A tiny Qwen2.5-VL (vision tower, image processor config) instead of a Qwen2."""
+
+
+def main(args: ModelArgs) -> Path:
+    corpus = corpus_of(args.data)
+    build = make_tiny_vlm if isinstance(args, VlmArgs) else make_tiny_model
+    out = build(args.out, corpus, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                max_position_embeddings=args.max_position_embeddings, seed=args.seed)
+    print(f"tiny {'vision-language ' if isinstance(args, VlmArgs) else ''}model and tokenizer in {out} (tokenizer "
+          f"trained on {len(corpus)} rows of {args.data})")
+    return out
+
+
+if __name__ == "__main__":
+    with runlog.one_line_errors():
+        main(tyro.extras.subcommand_cli_from_dict({"model": ModelArgs, "vlm": VlmArgs}))

@@ -155,7 +155,7 @@ class Args:
     """evaluation metric (higher is better) that picks the policy kept as a Hugging Face folder in <output_dir>/best
     (e.g. val-core/all/pass@1, val-core/apps/interview/test_pass_rate); "" = keep none"""
     sample_every: int = 10
-    """write sample completions to samples.jsonl every N steps"""
+    """write sample completions to samples.jsonl every N steps and at the last step (0 = never)"""
     rich_samples: bool = False
     """samples.jsonl also keeps each sample's tokens, loss mask, engine and trainer logprobs, advantage, group, reward
     components, tool calls and images (sample_images/), for board.py (docs/board.md: its cost per sample)"""
@@ -313,7 +313,7 @@ def check_args(args: Args, world: int) -> None:
     check_best_metric(args.best_metric)
     if args.agent_cmd is not None:
         agent_server.check_agent_cmd(args.agent_cmd)
-    runlog.check_output_dir(args.output_dir, args.resume, args.overwrite)
+    runlog.check_output_dir(args.output_dir, args.resume, args.overwrite, dataclasses.asdict(args))
     policy.check_model_path(args.model)
     policy.check_attention(args.model, args.attn_implementation)
     engines.check_engine(args.engine)
@@ -571,8 +571,8 @@ def old_and_ref_logprobs(run: Run, batch: list[rollout.Sample]) -> tuple[torch.T
 
 
 def sample_step(run: Run) -> bool:
-    """Whether this step's samples go to samples.jsonl (every --sample-every steps)."""
-    return bool(run.args.sample_every) and (run.step + 1) % run.args.sample_every == 0
+    """Whether this step's samples go to samples.jsonl (every --sample-every steps, and the last step)."""
+    return runlog.writes_samples(run.step + 1, run.args.sample_every, run.args.total_steps)
 
 
 def logprobs_to_record(run: Run, samples: list[rollout.Sample]) -> torch.Tensor | None:
@@ -651,7 +651,7 @@ def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_log
 def step_metrics(run: Run, samples: list[rollout.Sample], seconds: dict,
                  recorded_logprobs: torch.Tensor | None = None) -> dict:
     """Phase 9: seconds per phase, sample tokens per second over all ranks, the learning rate; every --sample-every
-    steps every sample of the step (trained on or not) goes to samples.jsonl (with --rich-samples, with
+    steps (and at the last) every sample of the step (trained on or not) goes to samples.jsonl (with --rich-samples, with
     `recorded_logprobs`)."""
     metrics = {f"timing_s/{k}": v for k, v in seconds.items()}
     metrics["perf/tokens_per_s"] = (collectives.sum_over_ranks(sum(len(s.ids) for s in samples))

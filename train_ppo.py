@@ -170,7 +170,7 @@ class Args:
     eval_samples: int = 1
     """completions per eval problem (pass@1 = mean pass rate over them)"""
     sample_every: int = 10
-    """write sample completions to samples.jsonl every N steps"""
+    """write sample completions to samples.jsonl every N steps and at the last step (0 = never)"""
     rich_samples: bool = False
     """samples.jsonl also keeps each sample's tokens, loss mask, engine and trainer logprobs, advantage, group, reward
     components, tool calls and images (sample_images/), for board.py (docs/board.md: its cost per sample)"""
@@ -271,7 +271,7 @@ def check_args(args: Args, world: int) -> None:
     if args.kl_target is not None and args.kl_coef <= 0:
         raise ValueError("--kl-target needs a starting --kl-coef > 0")
     check_best_metric(args.best_metric)
-    runlog.check_output_dir(args.output_dir, args.resume, args.overwrite)
+    runlog.check_output_dir(args.output_dir, args.resume, args.overwrite, dataclasses.asdict(args))
     policy.check_model_path(args.model)
     if args.critic_model:
         policy.check_model_path(args.critic_model, "--critic-model")
@@ -454,13 +454,14 @@ def update_epochs(run: Run, exp: Experience) -> dict:
 
 
 def step_metrics(run: Run, exp: Experience, seconds: dict) -> dict:
-    """Phase 9: seconds per phase, sample tokens per second over all ranks; every --sample-every steps every sample
-    of the step goes to samples.jsonl (with --rich-samples, its old logprobs and per-token advantages too)."""
+    """Phase 9: seconds per phase, sample tokens per second over all ranks; every --sample-every steps (and at the
+    last) every sample of the step goes to samples.jsonl (with --rich-samples, its old logprobs and per-token
+    advantages too)."""
     samples = exp.samples
     metrics = {f"timing_s/{k}": v for k, v in seconds.items()}
     metrics["perf/tokens_per_s"] = (collectives.sum_over_ranks(sum(len(s.ids) for s in samples))
                                     / sum(seconds.values()))
-    if run.args.sample_every and (run.step + 1) % run.args.sample_every == 0:
+    if runlog.writes_samples(run.step + 1, run.args.sample_every, run.total_steps):
         rich = dict(tokenizer=run.tokenizer, trainer_logprobs=exp.old_logprobs,
                     token_advantages=exp.advantages) if run.args.rich_samples else {}
         run.log.samples(collectives.gather_objects(runlog.sample_records(run.step + 1, samples, **rich)))

@@ -10,6 +10,7 @@ mask.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,7 +145,7 @@ def main(args: Args) -> dict:
         raise ValueError(f"--batch-size {args.batch_size} must be > 0 and divide by the world size {world}")
     if args.steps < 0:
         raise ValueError(f"--steps must be >= 0, got {args.steps}")
-    runlog.check_output_dir(args.output_dir, args.resume, args.overwrite)
+    runlog.check_output_dir(args.output_dir, args.resume, args.overwrite, dataclasses.asdict(args))
     policy.check_model_path(args.model)
     torch.manual_seed(args.seed)
     tokenizer = policy.load_tokenizer(args.model)
@@ -167,7 +168,8 @@ def main(args: Args) -> dict:
         scheduler.load_state_dict(state["scheduler"])
         step = state["step"]
     out = Path(args.output_dir)
-    log = runlog.start(args.output_dir, rank, {}, None, resume_step=step if args.resume else None)
+    log = runlog.start(args.output_dir, rank, dataclasses.asdict(args), None,
+                       resume_step=step if args.resume else None)
     per_rank = args.batch_size // world
     metrics = {}
     bar = tqdm(total=args.steps, initial=step, desc="sft", disable=rank != 0)

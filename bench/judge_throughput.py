@@ -4,7 +4,11 @@
 
 1. `questions` distinct equivalence questions from `concurrency` threads: achieved / ideal throughput, where ideal is
    concurrency / latency (the server is never the bottleneck: a thread per request). Goal >= 0.9, nothing lost.
-2. A GRPO-like batch through rewards.score_batch: `prompts` vl_agent rows x `group` samples whose final answers repeat
+2. A burst: `burst` distinct questions (two waves of `concurrency`) asked at once, as a training step's rewards
+   are, `bursts` times: to a fresh Judge each time (its start-up: threads, connections) and to part 1's warm one (a
+   trainer's Judge lives across steps). Achieved / ideal per burst (ideal: the waves x latency), median, min and max.
+   Goal >= 0.85.
+3. A GRPO-like batch through rewards.score_batch: `prompts` vl_agent rows x `group` samples whose final answers repeat
    within a group (a few distinct answers each) while the reasoning differs: the accuracy questions hit the cache, the
    rubric questions (whole trajectories) do not. Prints the cache hit rate and achieved / ideal over the requests sent.
 """
@@ -34,6 +38,10 @@ class Args:
     """judge requests in flight (Judge.max_concurrency and the callers' threads)"""
     questions: int = 640
     """distinct questions of part 1"""
+    burst: int = 64
+    """distinct questions of one burst in part 2"""
+    bursts: int = 10
+    """bursts of part 2, each on a fresh Judge and as many on a warm one"""
     prompts: int = 32
     """GRPO-like batch of part 2: prompts ..."""
     group: int = 8
@@ -82,6 +90,24 @@ def measure(args: Args, url: str) -> dict:
     results["distinct"] = {"requests": stats["requests"], "seconds": seconds, "per_s": args.questions / seconds,
                            "ideal_per_s": ideal, "achieved_over_ideal": args.questions / seconds / ideal,
                            "lost": lost, "latency_p50_s": judge_lib.metrics([stats])["judge/latency_p50_s"]}
+
+    ideal_s = -(-args.burst // args.concurrency) * args.latency_s
+    for part, fresh in (("burst_fresh", True), ("burst_warm", False)):  # a new Judge each burst, or part 1's
+        ratios, lost = [], 0
+        for b in range(args.bursts):
+            client = judge_lib.Judge(url, max_concurrency=args.concurrency, timeout_s=30) if fresh else judge
+            start = time.perf_counter()
+            with ThreadPoolExecutor(args.burst) as pool:  # every question asked at once
+                verdicts = list(pool.map(lambda i: client.equivalent(f"{part} {b} question {i}", "red", f"answer {i}"),
+                                         range(args.burst)))
+            ratios.append(ideal_s / (time.perf_counter() - start))
+            lost += sum(v.ok is not True for v in verdicts)
+            if fresh:
+                client.close()
+        ratios.sort()
+        results[part] = {"questions": args.burst * args.bursts, "lost": lost, "median": ratios[len(ratios) // 2],
+                         "min": ratios[0], "max": ratios[-1]}
+    judge.stats(reset=True)
 
     rng = random.Random(args.seed)
     rows, completions = [], []

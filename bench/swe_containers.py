@@ -7,7 +7,7 @@ containers from a child process, SIGKILLs it once all run, then times containers
 
     .venv/bin/python bench/swe_containers.py [--sizes 8 32 64 --execs 3 --image IMAGE]
 
-Needs the Docker daemon and an instance image (default: the offline marshmallow-1359 one, tests/swe_instances.py).
+Needs the Docker daemon and an instance image (default: the offline marshmallow-1359 one, swe_instances.py).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ graders; medians are reported. Throughput: `--batch` gold gradings at concurrenc
 
     .venv/bin/python bench/swe_grading.py [--rows runs/swe-instances/rows.parquet --rounds 3 --concurrency 4]
 
-Needs the Docker daemon and the offline instances (`python tests/swe_instances.py --out DIR`).
+Needs the Docker daemon and the offline instances (`python swe_instances.py --out DIR`).
 """
 from __future__ import annotations
 

@@ -107,11 +107,17 @@ def make_handler(model: str, answer):
     return Handler
 
 
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    # socketserver's default backlog of 5 drops connections in a burst of 32 (each then waits ~1 s for the SYN to be
+    # sent again); vLLM's server (uvicorn) listens with 2048.
+    request_queue_size = 128
+
+
 @contextmanager
 def serve(handler):
     """Run a threading HTTP server with `handler` on a free 127.0.0.1 port; yields its /v1 base URL."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
+    server = Server(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

@@ -81,8 +81,12 @@ def test_samples_in_row_order_that_score_accepts(toy, tmp_path, one_rank):
                                                                                rows)
     with pytest.raises(ValueError, match="greedy samples of a row are all the same"):
         generate.generate(args_for(root, model, tmp_path / "x.jsonl", n_samples=2))
-    with pytest.raises(ValueError, match="its folder does not exist"):
-        generate.generate(args_for(root, model, tmp_path / "missing" / "x.jsonl"))
+    # --out in folders that do not exist yet (the docs' runs/eval/samples.jsonl on a fresh clone): made
+    nested = generate.generate(args_for(root, model, tmp_path / "runs" / "eval" / "x.jsonl"))
+    assert [line["completion"] for line in read_lines(nested)] == [line["completion"] for line in read_lines(greedy)]
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="a folder on its path is a file"):
+        generate.generate(args_for(root, model, tmp_path / "file" / "x.jsonl"))
 
 
 def test_a_kiln_checkpoint_generates_its_own_weights(toy, tmp_path, one_rank):

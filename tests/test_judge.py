@@ -5,7 +5,9 @@ import base64
 import io
 import json
 import math
+import re
 import socket
+import subprocess
 import sys
 import time
 import zlib
@@ -150,6 +152,22 @@ def test_check_cli_probes_a_server(capsys):
     assert stats["calls"] == 2 and stats["errors"] == 0 and script.count(kind="verdict") == 1
     assert f"judge {url}: model scripted" in printed and "-> True" in printed and "rubric -> 0.75" in printed
     assert '"judge/calls": 2.0' in printed
+
+
+def test_check_cli_fails_when_the_judge_fails_and_names_its_status():
+    """`judge.py check` against a judge that answers every question with HTTP 500: exit status 1, and the last line
+    names the status, whether the deadline passed mid-retry or the retries ran out (with --timeout-s 60)."""
+    script = Script(default={"verdict": ("status", 500), "rubric": ("status", 500)})
+    with scripted_judge(script) as url:
+        proc = subprocess.run([sys.executable, str(ROOT / "judge.py"), "check", "--base-url", url, "--timeout-s", "1.5"],
+                              capture_output=True, text=True, timeout=120)
+        last = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode == 1 and last.startswith("error: judge check failed (2 of 2 questions): equivalence: ")
+        assert len(re.findall(r"no reply within 1.5s \(the last of \d+ tries got HTTP 500\)", last)) == 2, last
+        judge = judge_lib.Judge(url, timeout_s=60, retries=1)
+        verdict = judge.equivalent("q", "r", "a")
+        judge.close()
+    assert verdict.ok is None and verdict.error.endswith('http_500: {"error": "scripted"}')
 
 
 def free_port() -> int:

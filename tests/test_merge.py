@@ -77,9 +77,10 @@ def greedy(model, tokenizer) -> list[list[int]]:
 @pytest.mark.slow
 def test_fp32_merge_generates_exactly_like_the_checkpoint(checkpoint, tmp_path):
     ckpt, model_dir, reference = checkpoint
-    result = merge(str(ckpt), str(tmp_path / "hf"), "--dtype", "float32", "--max-shard-size", "40KB")
+    result = merge(str(ckpt), str(tmp_path / "hf"), "--max-shard-size", "40KB")  # the tiny model's float32: default
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "max abs logit difference vs the checkpoint: 0 " in result.stdout
+    assert "max abs logit difference vs the checkpoint: 0 (tolerance" in result.stdout and "for float32)" in result.stdout
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "float32"
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # sharded, with an index
     assert "lm_head.weight" not in index["weight_map"]  # tied to the embedding, as in Qwen2.5 checkpoints
@@ -97,7 +98,7 @@ def test_fp32_merge_generates_exactly_like_the_checkpoint(checkpoint, tmp_path):
 @pytest.mark.slow
 def test_bf16_merge_within_tolerance_and_refused_past_it(checkpoint, tmp_path):
     ckpt, _, reference = checkpoint
-    result = merge(str(ckpt), str(tmp_path / "hf"))
+    result = merge(str(ckpt), str(tmp_path / "hf"), "--dtype", "bfloat16")
     assert result.returncode == 0, result.stderr[-3000:]
     with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
@@ -106,8 +107,17 @@ def test_bf16_merge_within_tolerance_and_refused_past_it(checkpoint, tmp_path):
     embed = reference.model.embed_tokens.weight
     assert torch.equal(merged.model.embed_tokens.weight, embed.to(torch.bfloat16).float())
     # bf16 rounding moves the logits a little: a zero tolerance must fail, loudly
-    strict = merge(str(ckpt), str(tmp_path / "strict"), "--tolerance", "0")
+    strict = merge(str(ckpt), str(tmp_path / "strict"), "--dtype", "bfloat16", "--tolerance", "0")
     assert strict.returncode == 1 and "logits differ from the checkpoint by" in strict.stderr
+
+
+@pytest.mark.parametrize("config, dtype", [({"dtype": "bfloat16"}, "bfloat16"), ({"torch_dtype": "float16"}, "float16"),
+                                           ({"dtype": "float32"}, "float32"), ({}, "float32")])
+def test_the_runs_dtype_is_the_default(tmp_path, config, dtype):
+    """An fp32 run merges to fp32 and a bf16 hub model's run to bf16, unless --dtype says otherwise."""
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    assert merge_lib.run_dtype(tmp_path) == dtype
 
 
 def test_not_a_checkpoint(tmp_path):

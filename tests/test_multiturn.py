@@ -206,6 +206,18 @@ def test_check_tito_reports_non_canonical_tokens(tokenizer):
     assert len(findings) == 1 and findings[0].startswith("ids drift at token")
 
 
+def test_check_tito_findings_are_escaped(tokenizer):
+    """A drift at tokens that are a control character and half of a UTF-8 character: the finding names the ids and
+    shows their text as ASCII escapes, never raw bytes on the console."""
+    sample, _, _ = run_fixture(tokenizer, FIXTURES["consecutive_tools"])
+    escape = tokenizer.encode("\x1b", add_special_tokens=False)
+    half = tokenizer.encode("\u2192", add_special_tokens=False)[:1]  # the first of an arrow's three UTF-8 bytes
+    sample.completion_ids[-3:-1] = escape + half
+    [finding] = chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"])
+    assert finding.isascii() and finding.isprintable(), finding
+    assert f"trajectory {escape + half + sample.completion_ids[-1:]} '\\x1b\\ufffd" in finding, finding
+
+
 def test_check_tito_reports_mask_drift(tokenizer):
     sample, _, _ = run_fixture(tokenizer, FIXTURES["consecutive_tools"])
     sample.loss_mask[-3] = 0

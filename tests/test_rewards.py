@@ -13,6 +13,7 @@ sys.path.insert(0, str(ROOT))
 import data_prep  # noqa: E402
 import eval_report  # noqa: E402
 import rewards  # noqa: E402
+import runlog  # noqa: E402
 
 PROMPT = 'def inc(x: int) -> int:\n    """Add one."""\n'
 HUMANEVAL = data_prep.make_row("humaneval", "complete inc", {
@@ -236,3 +237,42 @@ def test_band_histogram_png_per_difficulty(tmp_path):
     no_tests = eval_report.report({"humaneval/0": HUMANEVAL}, ["humaneval/0"], [rewards.Reward(1.0, {})])
     with pytest.raises(ValueError, match="no sample of this report is counted in tests"):
         eval_report.plot_report(no_tests, tmp_path / "none.png")
+
+
+def test_score_reports_each_training_step_and_filters_one(tmp_path, capsys):
+    """A trainer's samples.jsonl holds several steps of a changing policy: reported step by step besides the pool, and
+    `--step` grades one step alone."""
+    good, bad = fenced("print(sum(map(int, input().split())))"), fenced("print(")
+    data_prep.write_rows([ADD], tmp_path / "rows.jsonl")
+    lines = [{"step": 5, "task_id": "apps/1", "completion": bad}, {"step": 5, "task_id": "apps/1", "completion": bad},
+             {"step": 10, "task_id": "apps/1", "completion": good}, {"step": 10, "task_id": "apps/1", "completion": bad}]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = rewards.ScoreArgs(str(tmp_path / "samples.jsonl"), data=str(tmp_path / "rows.jsonl"), workers=2)
+    summary = rewards.main(args)
+    assert summary["by_step"] == {"5": {"samples": 2, "pass@1": 0.0, "mean_reward": 0.0},
+                                  "10": {"samples": 2, "pass@1": 0.5, "mean_reward": 0.5}}
+    assert "step     10:     2 samples, pass@1 0.500" in capsys.readouterr().out
+    only = rewards.main(rewards.ScoreArgs(args.samples, data=args.data, workers=2, step=10))
+    assert only["samples"] == 2 and only["pass"]["all"]["pass@1"] == 0.5 and "by_step" not in only
+    with pytest.raises(ValueError, match=r"no samples of step 7 \(steps in the file: 5, 10\)"):
+        rewards.main(rewards.ScoreArgs(args.samples, data=args.data, step=7))
+
+
+def test_score_of_a_run_without_samples_says_what_is_missing(tmp_path):
+    """The quick start's `rewards.py score <run>/samples.jsonl` after a run shorter than --sample-every: one line that
+    says why the file is missing, no traceback."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    data_prep.write_rows([ADD], tmp_path / "rows.jsonl")
+    proc = subprocess.run([sys.executable, str(ROOT / "rewards.py"), "score", str(tmp_path / "run" / "samples.jsonl"),
+                           "--data", str(tmp_path / "rows.jsonl")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {tmp_path}/run/samples.jsonl does not exist: the run in {tmp_path}/run has written no samples (a "
+        "trainer writes samples.jsonl every --sample-every steps, 10 by default, and at its last step)")
+
+
+@pytest.mark.parametrize("step, every, total, written", [(10, 10, 100, True), (3, 10, 100, False), (4, 10, 4, True),
+                                                          (4, 0, 4, False)])
+def test_a_run_shorter_than_sample_every_keeps_its_last_step(step, every, total, written):
+    assert runlog.writes_samples(step, every, total) is written

@@ -80,11 +80,43 @@ def test_output_dir_policy(tmp_path):
     (tmp_path / "old" / "checkpoints").mkdir(parents=True)
     with pytest.raises(ValueError, match=r"holds an earlier run \(checkpoints\): pass --resume .* --overwrite"):
         runlog.check_output_dir(str(tmp_path / "old"), resume=False, overwrite=False)
+    with pytest.raises(ValueError, match=r"--resume: nothing to resume: --output-dir .*/old holds no checkpoint"):
+        runlog.check_output_dir(str(tmp_path / "old"), resume=True, overwrite=False)
+    with pytest.raises(ValueError, match=r"--resume: nothing to resume: --output-dir .*/olf does not exist"):
+        runlog.check_output_dir(str(tmp_path / "olf"), resume=True, overwrite=False)  # a typo
+    (tmp_path / "old" / "checkpoints" / "step_00000002").mkdir()
     runlog.check_output_dir(str(tmp_path / "old"), resume=True, overwrite=False)
     runlog.check_output_dir(str(tmp_path / "old"), resume=False, overwrite=True)
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "README").write_text("mine")  # not a run's file: not in the way
     runlog.check_output_dir(str(tmp_path / "notes"), resume=False, overwrite=False)
+
+
+def test_a_run_records_its_config_and_a_resume_may_change_only_its_length(tmp_path):
+    """run_config.json holds the resolved Args, the kiln commit and the library versions; a --resume that changes the
+    lr or the group size is refused naming each field, one that changes --total-steps goes on and is recorded."""
+    config = {"lr": 3e-4, "group_size": 8, "total_steps": 200, "data": "runs/demo/train.parquet", "stop": ("a", "b"),
+              "resume": False}
+    runlog.start(str(tmp_path), 0, config, None, resume_step=None)
+    recorded = json.loads((tmp_path / "run_config.json").read_text())
+    assert recorded["args"] == config | {"stop": ["a", "b"]}
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", recorded["kiln_commit"]), recorded["kiln_commit"]
+    assert torch.__version__.startswith(recorded["versions"]["torch"])
+    assert {"python", "transformers", "tyro"} <= set(recorded["versions"])
+    (tmp_path / "checkpoints" / "step_00000004").mkdir(parents=True)
+
+    with pytest.raises(ValueError) as refused:
+        runlog.check_output_dir(str(tmp_path), True, False, config | {"lr": 1e-3, "group_size": 4, "resume": True})
+    message = str(refused.value)
+    assert "--lr 0.001 (the run's: 0.0003); --group-size 4 (the run's: 8)" in message
+    assert "Only --total-steps, --steps, --resume, --overwrite, --output-dir" in message and "may change on a resume" in message
+    resumed = config | {"total_steps": 32, "resume": True}
+    runlog.check_output_dir(str(tmp_path), True, False, resumed)
+    runlog.start(str(tmp_path), 0, resumed, None, resume_step=4)
+    recorded = json.loads((tmp_path / "run_config.json").read_text())
+    assert recorded["args"]["total_steps"] == 200  # what the run started with; each resume says what it changed
+    assert recorded["resumes"][0]["step"] == 4 and recorded["resumes"][0]["changed"] == {"total_steps": 32,
+                                                                                         "resume": True}
 
 
 def test_pruning_keeps_the_newest_and_an_unreadable_checkpoint_is_skipped(toy, tmp_path, process_group, capsys):
@@ -304,6 +336,9 @@ def test_sft_refuses_an_earlier_run_and_overwrite_starts_clean(toy, tmp_path):
     with pytest.raises(ValueError, match="holds an earlier run"):
         train_sft.main(args)
     train_sft.main(args.__class__(**vars(args) | {"overwrite": True}))
+    assert json.loads((tmp_path / "run_config.json").read_text())["args"]["lr"] == args.lr
+    with pytest.raises(ValueError, match=r"--resume with other settings .*: --lr 0\.001 \(the run's: 1e-05\)"):
+        train_sft.main(args.__class__(**vars(args) | {"resume": True, "lr": 1e-3}))
     records = lines(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     assert {"train/loss", "train/grad_norm", "train/lr", "train/tokens", "train/skipped_step"} <= set(records[0])
@@ -320,10 +355,12 @@ def test_a_known_error_under_torchrun_is_one_line(toy, tmp_path):
         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: {root / 'one.parquet'}: 1 eval rows for 2 ranks; need at least one each"], \
-        result.stderr
-    # No rank's traceback: what follows the line is torchrun's own report of the failed ranks.
+    error = f"error: {root / 'one.parquet'}: 1 eval rows for 2 ranks; need at least one each"
+    assert errors == [error], result.stderr
+    # No rank's traceback: what follows the line is torchrun's own report of the failed ranks, which ends with it.
     assert 'train_grpo.py", line' not in result.stderr and result.stderr.count("Traceback") <= 1
+    last = [line.strip() for line in result.stderr.splitlines() if line.strip().strip("=")][-1]
+    assert last == f"traceback : {error}", result.stderr[-2000:]
     assert not (tmp_path / "out").exists()
 
 

@@ -11,7 +11,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # swe_instances: the offline base image
 
 import sandbox  # noqa: E402
 import swe_instances  # noqa: E402

@@ -1,4 +1,4 @@
-"""The SWE agent loop against the real Docker daemon and the offline SWE-bench instances (tests/swe_instances.py):
+"""The SWE agent loop against the real Docker daemon and the offline SWE-bench instances (swe_instances.py):
 scripted assistant turns call bash, str_replace_editor and submit in the instance's container through kiln's
 token-in-token-out multi-turn loop; the container's diff is graded by SWE-bench's own grading; no container outlives
 its trajectory, whatever ends it.

@@ -1,4 +1,5 @@
-"""tests/swe_instances.py builds an instance from an empty cache folder. Django's sdist, committed whole, holds more
+"""swe_instances.py takes its rows from the repository (no file outside it), a file or the hub, and builds an instance
+from an empty cache folder. Django's sdist, committed whole, holds more
 loose objects than git's gc.auto threshold: the commit used to start a background repack that raced the docker SDK
 tarring the build context (FileNotFoundError in .git/objects, then no Django image at all on a fresh machine)."""
 import json
@@ -13,9 +14,35 @@ sys.path.insert(0, str(ROOT))
 import swe_instances  # noqa: E402
 from test_swebench import docker_client, swe_rows  # noqa: E402,F401 -- fixtures
 
-pytestmark = [pytest.mark.docker, pytest.mark.slow]
+LITE_DEV = ROOT.parent / "shared" / "data" / "swebench" / "swe-bench-lite-dev.json"
+MARSHMALLOW = ["marshmallow-code__marshmallow-1343", "marshmallow-code__marshmallow-1359"]
 
 
+def test_the_rows_come_from_the_repository_a_file_or_the_hub(tmp_path, monkeypatch):
+    """A clean clone builds from the bundled rows (the default --source, inside the checkout); a file passed in is
+    read; a missing file or instance, or an unreachable hub, is one clear error before anything is built."""
+    assert Path(swe_instances.Args(out=tmp_path).source).resolve().parent == ROOT
+    rows = swe_instances.source_rows(swe_instances.Args(out=tmp_path).source, "dev", MARSHMALLOW)
+    assert sorted(rows) == MARSHMALLOW and all(rows[i]["FAIL_TO_PASS"] and rows[i]["patch"] for i in MARSHMALLOW)
+    if LITE_DEV.is_file():  # the Lite-dev file the rows were taken from, where this machine has it
+        upstream = {r["instance_id"]: r for r in json.loads(LITE_DEV.read_text())}
+        assert all(rows[i] == upstream[i] for i in MARSHMALLOW)
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(rows[i]) + "\n" for i in MARSHMALLOW))
+    assert swe_instances.source_rows(str(tmp_path / "rows.jsonl"), "dev", MARSHMALLOW[:1]) == {
+        MARSHMALLOW[0]: rows[MARSHMALLOW[0]]}
+    with pytest.raises(ValueError, match=r"--source .*/nope.json: no such file"):
+        swe_instances.source_rows(str(tmp_path / "nope.json"), "dev", MARSHMALLOW)
+    with pytest.raises(ValueError, match=r"no row for astropy__astropy-1"):
+        swe_instances.source_rows(str(tmp_path / "rows.jsonl"), "dev", ["astropy__astropy-1"])
+    # a hub name goes to data_prep's hub reader (tests/test_data_prep.py), with --split
+    monkeypatch.setattr(swe_instances.data_prep, "_hub_records", lambda name, split: [
+        rows[MARSHMALLOW[1]] | {"FAIL_TO_PASS": json.dumps(rows[MARSHMALLOW[1]]["FAIL_TO_PASS"])}] if (
+            name, split) == ("SWE-bench/SWE-bench_Lite", "dev") else [])
+    assert list(swe_instances.source_rows("SWE-bench/SWE-bench_Lite", "dev", MARSHMALLOW[1:])) == MARSHMALLOW[1:]
+
+
+@pytest.mark.docker
+@pytest.mark.slow
 def test_django_instance_builds_from_an_empty_cache_without_git_maintenance(docker_client, swe_rows, tmp_path):
     """About 30 s: the sdist and wheels come from pip's own cache, the image layers from Docker's."""
     row = swe_instances.build_instance(docker_client, swe_instances.DJANGO_ROW, tmp_path, rebuild=True)

@@ -1,5 +1,5 @@
 """SWE-bench rewards and containers against the real Docker daemon and real SWE-bench instances built offline
-(tests/swe_instances.py): the verdicts, the hacks that must not pay, and commands that must be contained.
+(swe_instances.py): the verdicts, the hacks that must not pay, and commands that must be contained.
 
 Without a daemon the docker tests skip, except under CI=true, where a missing daemon fails them: CI must run them.
 The instances are built once per session; KILN_SWE_DIR keeps their downloads and rows between sessions, and images
@@ -525,7 +525,7 @@ def test_score_reads_swebench_predictions_and_names_an_unknown_instance(tmp_path
                            + json.dumps({"instance_id": "a__b-1", "model_patch": None, "model_name_or_path": "m"})
                            + "\n" + json.dumps({"task_id": "toy/0", "completion": "x = 1"}) + "\n")
     assert rewards.read_samples(str(predictions), rows) == (["swebench/a__b-1", "swebench/a__b-1", "toy/0"],
-                                                            ["diff --git a/x b/x\n", "", "x = 1"])
+                                                            ["diff --git a/x b/x\n", "", "x = 1"], [None] * 3)
     predictions.write_text(json.dumps({"instance_id": "c__d-2", "model_patch": "", "model_name_or_path": "m"}) + "\n")
     with pytest.raises(ValueError, match=r"line 1: instance 'c__d-2' is not among the 1 swebench rows of --data"):
         rewards.read_samples(str(predictions), rows)

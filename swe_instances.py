@@ -1,6 +1,7 @@
-"""Real SWE-bench instances built offline, for tests and CI: no image registry, only Debian packages and PyPI.
+"""Real SWE-bench instances built offline, for the CPU recipe, tests and CI: no image registry, only Debian packages
+and PyPI (debootstrap needs root: `sudo .venv/bin/python swe_instances.py ...`).
 
-    python tests/swe_instances.py --out DIR [--instances ID ...] [--rebuild]
+    python swe_instances.py --out DIR [--instances ID ...] [--rebuild] [--source ROWS]
 
 The two marshmallow instances of the Lite-dev file, and a Django-shaped one (django-11099's bug on the Django 2.2
 sdist, graded with swebench's Django parser). For each: the project's sdist at the instance's version becomes a git
@@ -8,6 +9,10 @@ repository with one fixed-date commit (its sha is the row's base_commit, the sam
 debootstrap Debian image with wheels from PyPI, built by the legacy builder without network. DIR/instances.json
 holds the SWE-bench 5.x rows (image, eval_script in the official shape, log_parser, eval_type) and DIR/rows.parquet
 the kiln rows `data_prep.py swebench` makes of them. Images already on the host are kept unless --rebuild.
+
+The marshmallow rows come from the SWE-bench Lite dev split: the two are bundled in swe_instances.json (the default
+--source); --source also takes a .json / .jsonl file of Lite-dev rows or the hub dataset (SWE-bench/SWE-bench_Lite,
+--split dev).
 
 The sdist of marshmallow 2.20.0 has the same src/ and tests/ as marshmallow-1343's base commit; 3.0.0 differs
 from marshmallow-1359's only cosmetically in two test files (checked against the upstream history).
@@ -28,13 +33,13 @@ from pathlib import Path
 import docker.errors
 import tyro
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import containers  # noqa: E402  (the repo root is not on the path when this runs as a script)
-import data_prep  # noqa: E402
+import containers
+import data_prep
+import runlog
 
 log = logging.getLogger("kiln.swe_instances")
 
-LITE_DEV = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "swebench" / "swe-bench-lite-dev.json"
+BUNDLED = Path(__file__).resolve().parent / "swe_instances.json"  # the Lite-dev rows of RECIPES' marshmallow instances
 SUITE = "bullseye"  # python 3.9, the version SWE-bench's marshmallow specs use (2.20 breaks on 3.10+)
 BASE_IMAGE = f"kiln-swe/base:{SUITE}"
 
@@ -159,8 +164,11 @@ class Args:
     """where instances.json and rows.parquet go (and the downloads, under DIR/cache)"""
     instances: tuple[str, ...] = tuple(RECIPES)
     """which of the known instances to build"""
-    source: Path = LITE_DEV
-    """the SWE-bench Lite-dev rows (classic fields; the 5.x ones are added here)"""
+    source: str = str(BUNDLED)
+    """SWE-bench Lite-dev rows (classic fields; the 5.x ones are added here): a .json / .jsonl file, or a hub dataset
+    name such as SWE-bench/SWE-bench_Lite (default: the rows bundled with kiln)"""
+    split: str = "dev"
+    """the split of a hub dataset"""
     rebuild: bool = False
     """build images even when the tag is already on the host"""
 
@@ -271,10 +279,29 @@ def build_instance(client, row: dict, cache: Path, rebuild: bool) -> dict:
             "log_parser": recipe.log_parser, "eval_type": "pass_and_fail"}
 
 
+def source_rows(source: str, split: str, wanted: list[str]) -> dict[str, dict]:
+    """The rows of `wanted` instances, by id, from a .json / .jsonl file or a hub dataset; ValueError naming the
+    source when it does not exist or lacks one."""
+    path = Path(source)
+    if path.is_file():
+        records = json.loads(path.read_text()) if path.suffix == ".json" else [r for _, r in data_prep._read_jsonl(path)]
+    elif path.suffix in (".json", ".jsonl") or source.startswith(("/", ".")):
+        raise ValueError(f"--source {source}: no such file")
+    else:
+        records = data_prep._hub_records(source, split)
+    rows = {r["instance_id"]: r for r in records if r.get("instance_id") in wanted}
+    missing = [i for i in wanted if i not in rows]
+    if missing:
+        raise ValueError(f"--source {source}: no row for {', '.join(missing)}")
+    return rows
+
+
 def main(args: Args) -> Path:
     unknown = sorted(set(args.instances) - set(RECIPES))
     if unknown:
         raise ValueError(f"unknown instances {unknown}; known: {sorted(RECIPES)}")
+    rows = source_rows(args.source, args.split, [i for i in args.instances if i != DJANGO_ROW["instance_id"]])
+    rows[DJANGO_ROW["instance_id"]] = DJANGO_ROW  # read before anything is built: a bad source fails first
     client = containers.connect()
     cache = args.out / "cache"
     cache.mkdir(parents=True, exist_ok=True)
@@ -282,7 +309,6 @@ def main(args: Args) -> Path:
         client.images.get(BASE_IMAGE)
     except docker.errors.ImageNotFound:
         build_base(client, cache)
-    rows = {r["instance_id"]: r for r in json.loads(args.source.read_text())} | {DJANGO_ROW["instance_id"]: DJANGO_ROW}
     instances = [build_instance(client, rows[i], cache, args.rebuild) for i in args.instances]
     (args.out / "instances.json").write_text(json.dumps(instances, indent=1))
     data_prep.swebench(args.out / "rows.parquet", source=str(args.out / "instances.json"))
@@ -291,7 +317,5 @@ def main(args: Args) -> Path:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    try:
+    with runlog.one_line_errors():  # unknown instances or source, no daemon, a failed build
         print(main(tyro.cli(Args)))
-    except (ValueError, RuntimeError) as e:  # unknown instances, no daemon, a failed build
-        sys.exit(f"error: {e}")
