@@ -216,11 +216,11 @@ def load_rows(source: str | os.PathLike, split: str = "train") -> list[dict]:
         if path.suffix == ".parquet":
             rows = [validate_row(r, f"{source} row {i}") for i, r in enumerate(_read_parquet(path))]
         elif path.suffix == ".jsonl":
-            rows = [validate_row(r, f"{source} line {n}") for n, r in _read_jsonl(path)]
+            rows = [validate_row(r, f"{source} line {n}") for n, r in read_jsonl(path)]
         else:
             raise ValueError(f"{source}: expected a .parquet or .jsonl file")
     elif re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(source)):
-        rows = [validate_row(r, f"{source}[{split}] row {i}") for i, r in enumerate(_hub_records(str(source), split))]
+        rows = [validate_row(r, f"{source}[{split}] row {i}") for i, r in enumerate(hub_records(str(source), split))]
     else:
         raise ValueError(f"{source}: not a .parquet/.jsonl file or a Hugging Face dataset name")
     if not rows:
@@ -347,7 +347,8 @@ def _read_parquet(path: Path) -> list[dict]:
     return rows
 
 
-def _read_jsonl(path: Path):
+def read_jsonl(path: Path):
+    """(line number, record) for each non-blank line of a JSON Lines file; a bad line raises RowError naming it."""
     with open(path) as f:
         for n, line in enumerate(f, start=1):
             if line.strip():
@@ -363,7 +364,7 @@ def _hub_error(name: str, e: Exception) -> RuntimeError:
         "(offline machine, HF_HUB_OFFLINE=1), fetch the data elsewhere and pass a local path instead.")
 
 
-def _hub_records(name: str, split: str | None) -> list[dict]:
+def hub_records(name: str, split: str | None) -> list[dict]:
     """Records of a Hugging Face dataset (all splits when `split` is None)."""
     try:
         import datasets  # only here: a second of import for every script that never reads the hub
@@ -398,7 +399,7 @@ def mbpp_split(task_id: int) -> str:
 def mbpp_rows(source: str | os.PathLike = MBPP_DEFAULT) -> list[dict]:
     """MBPP (974 problems, all splits labelled) from its JSONL file or a Hugging Face name (config "full")."""
     path = Path(source)
-    records = [r for _, r in _read_jsonl(path)] if path.exists() else _hub_records(str(source), None)
+    records = [r for _, r in read_jsonl(path)] if path.exists() else hub_records(str(source), None)
     rows = []
     for i, r in enumerate(records):
         try:
@@ -429,7 +430,7 @@ def apps_rows(source: str | os.PathLike = "codeparrot/apps", split: str = "train
             local = hf_hub_download(str(source), f"{split}.jsonl", repo_type="dataset")
         except Exception as e:  # connection, offline mode, missing file: all mean the data is not reachable
             raise _hub_error(str(source), e) from e
-        problems = [r for _, r in _read_jsonl(Path(local))]
+        problems = [r for _, r in read_jsonl(Path(local))]
     rows, skipped = [], []
     for p in tqdm(problems, desc=f"apps {split}", disable=len(problems) < 1000):
         where = f"{source} {split} problem {p['problem_id']}"
@@ -742,7 +743,7 @@ def swebench_rows(source: str | os.PathLike, instances: tuple[str, ...] = ()) ->
     if path.suffix == ".parquet":
         records = pq.read_table(path).to_pylist()
     elif path.suffix == ".jsonl":
-        records = [r for _, r in _read_jsonl(path)]
+        records = [r for _, r in read_jsonl(path)]
     elif path.suffix == ".json":
         records = json.loads(path.read_text())
     else:

@@ -284,11 +284,11 @@ def source_rows(source: str, split: str, wanted: list[str]) -> dict[str, dict]:
     source when it does not exist or lacks one."""
     path = Path(source)
     if path.is_file():
-        records = json.loads(path.read_text()) if path.suffix == ".json" else [r for _, r in data_prep._read_jsonl(path)]
+        records = json.loads(path.read_text()) if path.suffix == ".json" else [r for _, r in data_prep.read_jsonl(path)]
     elif path.suffix in (".json", ".jsonl") or source.startswith(("/", ".")):
         raise ValueError(f"--source {source}: no such file")
     else:
-        records = data_prep._hub_records(source, split)
+        records = data_prep.hub_records(source, split)
     rows = {r["instance_id"]: r for r in records if r.get("instance_id") in wanted}
     missing = [i for i in wanted if i not in rows]
     if missing:
