@@ -24,7 +24,6 @@ import logging
 import re
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
@@ -211,8 +210,9 @@ def download(cache: Path, what: list[str], sdist: bool) -> Path:
 
 def make_repo(sdist: Path, repo: Path) -> str:
     """The sdist as a git repository with one commit at a fixed date and author; returns its sha."""
-    with tarfile.open(sdist) as tar:
-        tar.extractall(repo.parent, filter="data")
+    # GNU tar, not tarfile: its safe "data" filter needs Python 3.11.4, and Debian's python3.11 is 3.11.2. tar
+    # refuses members that climb out with `..`, strips leading `/`, and gives the files to whoever extracts them.
+    run(["tar", "-xf", str(sdist), "-C", str(repo.parent), "--no-same-owner"])
     next(p for p in repo.parent.iterdir() if p.is_dir() and p != repo).rename(repo)
     (repo / "PKG-INFO").unlink(missing_ok=True)
     for egg_info in repo.rglob("*.egg-info"):
