@@ -448,8 +448,8 @@ def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict],
                     keep_failed: bool = False, train_side_queries: bool = False) -> tuple[list[Sample], dict]:
     """`group_size` runs of `agent_cmd` (agent_server.start_agent's placeholders) per row, all at once, each killed
     (its process group) past limits.max_seconds; the rank's engine serves them (agent_server.AgentServer, sampling
-    fixed to `sampling`, replies within limits.max_total_tokens) until every agent on every rank has ended.
-    Collective under torchrun. Each recorded segment is a Sample of the row's group whose text is the agent's result
+    fixed to `sampling`, replies within limits.max_total_tokens, each request as it arrives) until this rank's
+    agents have ended. Collective under torchrun at the end only. Each recorded segment is a Sample of the row's group whose text is the agent's result
     file (what the reward grades; for swebench rows its patch). An agent that exits non-zero or is killed ends its
     session: its samples are dropped, or kept with keep_failed. `tools` names the rows' kind only (the agent brings
     its own tools). check: check_tito on every sample (tools/tito_drift_frac). Side segments (agent_server: another
