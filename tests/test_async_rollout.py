@@ -17,6 +17,9 @@ import policy  # noqa: E402
 import rollout  # noqa: E402
 import tiny  # noqa: E402
 import tools  # noqa: E402
+import train_grpo  # noqa: E402
+from test_grpo_variants import LengthsEngine, make_run, position_rewards  # noqa: E402
+from test_grpo_variants import task as grpo_task  # noqa: E402,F401 -- a fixture
 
 CORPUS = ["def add(a, b):\n    return a + b\nprint(add(1, 2))\n", "The answer is 3. Let me check with python.",
           '{"name": "python", "arguments": {"code": "print(1)"}}', "ran print(x) after 3 ms"] * 20
@@ -158,3 +161,21 @@ def test_no_trajectory_waits_for_another_ones_tool(tokenizer):
     assert all(s.finish_reason == "stop" for s in samples)
     assert engine.sizes[-1] == 1  # the slow trajectory's last turn came alone, after the others had finished
     assert metrics["tools/running_max"] >= 2
+
+
+def test_rollout_correction_flags_reach_the_loss(grpo_task, tmp_path):
+    """The scripted engine's logprobs (-1 a token) are far above the tiny model's (about -6 at vocab 512): every ratio
+    is about e^-5. Token rejection within [1/2, 2] drops every token (no loss, no gradient); sequence weights are the
+    capped products, ~0, over the same tokens."""
+    rejected = make_run(grpo_task, tmp_path / "rs", LengthsEngine([3], stop_id=2), position_rewards(2),
+                        prompts_per_step=2, group_size=2, max_new_tokens=8, rollout_rs="token")
+    metrics = train_grpo.train_step(rejected)
+    assert metrics["rollout_corr/rs_rejected_frac"] == pytest.approx(1.0)
+    assert metrics["actor/pg_loss"] == 0 and metrics["actor/grad_norm"] == 0
+    assert metrics["rollout_corr/kl"] > 3  # E[engine - old]: about -1 - (-6)
+    weighted = make_run(grpo_task, tmp_path / "is", LengthsEngine([3], stop_id=2), position_rewards(2),
+                        prompts_per_step=2, group_size=2, max_new_tokens=8, rollout_is="sequence")
+    metrics = train_grpo.train_step(weighted)
+    assert 0 < metrics["rollout_corr/is_weight_mean"] < 1e-4 and metrics["rollout_corr/rs_rejected_frac"] == 0
+    with pytest.raises(ValueError, match="--tis-cap is rollout correction's token-level weight"):
+        train_grpo.check_variants(train_grpo.Args(model="m", data="d", tis_cap=2.0, rollout_is="token"))
