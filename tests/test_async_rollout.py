@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -179,3 +180,51 @@ def test_rollout_correction_flags_reach_the_loss(grpo_task, tmp_path):
     assert 0 < metrics["rollout_corr/is_weight_mean"] < 1e-4 and metrics["rollout_corr/rs_rejected_frac"] == 0
     with pytest.raises(ValueError, match="--tis-cap is rollout correction's token-level weight"):
         train_grpo.check_variants(train_grpo.Args(model="m", data="d", tis_cap=2.0, rollout_is="token"))
+
+
+class PeerEngine(TokenEngine):
+    """TokenEngine driven by two ranks together, as a tensor-parallel vLLM engine is: each call gathers both ranks'
+    prompts (a collective: a rank that skipped a call would hang the other), generates all of them, and returns this
+    rank's share."""
+
+    def __init__(self, tokenizer, scripts):
+        super().__init__(tokenizer, scripts)
+        self.tp_group = torch.distributed.group.WORLD
+
+    def generate(self, prompts, sampling):
+        parts = [None, None]
+        torch.distributed.all_gather_object(parts, prompts, group=self.tp_group)
+        everything = super().generate([p for part in parts for p in part], sampling)
+        first = len(parts[0]) if torch.distributed.get_rank() == 1 else 0
+        return everything[first : first + len(prompts)]
+
+
+def _peer_rank(rank: int, model_dir: str, store: str, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    tokenizer = policy.load_tokenizer(model_dir)
+    mine = ["task-C", "task-F"] if rank == 0 else ["task-A"]  # rank 1 is done long before rank 0
+    rows = [{"prompt": [{"role": "user", "content": f"{m}: solve it"}]} for m in mine]
+    engine = PeerEngine(tokenizer, SCRIPTS)
+    samples, metrics = rollout.multi_turn(engine, tokenizer, rows, 2, engines.Sampling(max_new_tokens=200),
+                                          latency_toolbox(rank), LIMITS)
+    reference, _ = rollout.multi_turn(TokenEngine(tokenizer, SCRIPTS), tokenizer, rows, 2,
+                                      engines.Sampling(max_new_tokens=200), latency_toolbox(0, 0.0), LIMITS,
+                                      lockstep=True)
+    calls = [None, None]
+    torch.distributed.all_gather_object(calls, metrics["rollout/engine_calls"])
+    Path(out, f"rank{rank}").write_text(repr(([fields(s) for s in samples] == [fields(s) for s in reference],
+                                              calls)))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_peers_meet_at_each_engine_call_and_nowhere_else(tokenizer, tmp_path):
+    """Two ranks sharing one engine (its calls are collective): the rank whose trajectories end first keeps calling
+    with no prompts while the other still generates; both get the lockstep reference's samples. Two spawned
+    processes (imports dominate): 100 s on the 2-core machine at load 10."""
+    model_dir = tokenizer.name_or_path
+    torch.multiprocessing.spawn(_peer_rank, args=(model_dir, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    results = [eval((tmp_path / f"rank{r}").read_text()) for r in (0, 1)]  # noqa: S307 -- our own repr
+    assert [same for same, _ in results] == [True, True]
+    calls = results[0][1]
+    assert calls[0] == calls[1] and calls[0] >= 5  # one call a turn of task-C at least, made by both ranks
