@@ -65,6 +65,9 @@ class Args:
     """print the event simulation of the unscaled workload on a GPU instead of running the loop"""
     threads: int = 1
     """torch threads (the dev machine is shared: 1)"""
+    step_ms: float | None = None
+    """this machine's decoding step for the tool-time scaling, fixed (default: measured at the start, which follows
+    the machine's load at that moment)"""
 
 
 @dataclass
@@ -153,7 +156,7 @@ def run(args: Args) -> None:
     model_dir = tiny.make_tiny_model(tempfile.mkdtemp(prefix="kiln-bench-"), CORPUS, max_position_embeddings=32768)
     tokenizer, model = policy.load_tokenizer(model_dir), policy.load_model(model_dir)
     engine = engines.HFEngine(model, tokenizer.pad_token_id, batch_size=args.trajectories)
-    step = step_seconds(engine, min(16, args.trajectories))
+    step = args.step_ms / 1000 if args.step_ms else step_seconds(engine, min(16, args.trajectories))
     workload = plan(args.trajectories, args.seed)
     lengths = [[max(8, round(t.reply_tokens / args.scale)) for t in turns] for turns in workload]
     times = [[t.tool_seconds * step / GPU_STEP_SECONDS / args.scale for t in turns] for turns in workload]
