@@ -26,7 +26,7 @@ $(NPM_TOOLS):
 # Two workers, a test file each at a time: most tests wait on subprocesses, containers or one core's Python, so the
 # second core is otherwise idle (the two timings are in bench/RESULTS.md).
 test: venv $(NPM_TOOLS)
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 test-fast: venv $(NPM_TOOLS)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" tests
