@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.support.ui import Select, WebDriverWait
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -221,8 +224,6 @@ def browser():
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1000"):
@@ -236,7 +237,6 @@ def browser():
 
 def wait_for(driver, script: str, timeout: float = 15):
     """The value of a JS expression once it is truthy."""
-    from selenium.webdriver.support.ui import WebDriverWait
     return WebDriverWait(driver, timeout).until(lambda d: d.execute_script(f"return {script}"))
 
 
@@ -257,7 +257,6 @@ def test_a_multi_turn_sample_with_a_tool_image_and_its_mismatch_colouring(browse
     wait_for(browser, "document.body.dataset.ready")
     browser.find_element("id", "tab-samples").click()
     wait_for(browser, "$('f-step').options.length > 1")
-    from selenium.webdriver.support.ui import Select
     Select(browser.find_element("id", "f-step")).select_by_value("")  # every step, only samples with tool images
     browser.find_element("id", "f-toolimages").click()
     wait_for(browser, "document.querySelector('.sample-item') && $('f-toolimages').checked && "
@@ -304,7 +303,6 @@ def test_a_multi_turn_sample_with_a_tool_image_and_its_mismatch_colouring(browse
 def test_evaluation_snapshot_and_live_growth(browser, board_url, run_dir):
     """The evaluations view shows the run's evaluations (before and after training) by data source and difficulty; an
     evaluation appended to metrics.jsonl shows up without reloading the page (the board follows a live run)."""
-    from selenium.webdriver.support.ui import Select
     evals = [m for m in map(json.loads, open(run_dir / "metrics.jsonl")) if "val-core/all/pass@1" in m]
     assert [m["step"] for m in evals] == [0, 2]
     browser.get(board_url)
@@ -339,7 +337,6 @@ def eval_table(browser) -> dict:
 
 
 def test_a_swe_sample_shows_its_diff_and_tests(browser, board_url):
-    from selenium.webdriver.support.ui import Select
     browser.get(board_url)
     wait_for(browser, "document.body.dataset.ready")
     browser.find_element("id", "tab-samples").click()
