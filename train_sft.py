@@ -155,6 +155,7 @@ def main(args: Args) -> dict:
     if untrained:  # a loss over zero tokens is NaN and trains nothing
         raise ValueError(f"{args.data}: {len(untrained)} conversations have no token to train on (first: row "
                          f"{untrained[0]}); the assistant turns must end with {eot!r}, or set --end-of-turn")
+    shared = shared_prefix_length(encoded)
     model = policy.shard_model(policy.load_model(args.model, attn_implementation=args.attn_implementation).to(device),
                                mixed_precision=args.mixed_precision,
                                activation_checkpointing=args.activation_checkpointing,
@@ -179,12 +180,13 @@ def main(args: Args) -> dict:
         tokens = collectives.sum_over_ranks(sum(sum(mask) for _, mask, _ in picked))
         micro_batches = [[picked[i] for i in micro] for micro in policy.pack(
             list(range(len(picked))), [ids for ids, _, _ in picked], args.micro_batch_tokens,
-            image_tokens=image_tokens(model, picked))]
+            score_from=[shared] * len(picked), model=model, image_tokens=image_tokens(model, picked))]
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for micro in micro_batches:
             weight = 1.0 if micro else 0.0  # an empty micro-batch keeps FSDP collectives in step across ranks
-            loss = sft_loss(model, micro or picked[:1], tokens) * weight * world  # FSDP averages grads over ranks
+            # FSDP averages grads over ranks
+            loss = sft_loss(model, micro or picked[:1], tokens, shared) * weight * world
             loss.backward()
             loss_sum += loss.item() / world
         grad_norm = policy.clip_grad_norm(model, args.max_grad_norm)
@@ -207,6 +209,18 @@ def main(args: Args) -> dict:
     return metrics
 
 
+def shared_prefix_length(encoded: list[tuple[list[int], list[int], list[bytes]]]) -> int:
+    """How many first tokens every conversation shares and trains none of (a system prompt with tool signatures, the
+    template's opening): the packed forwards run them once per micro-batch (packed_logprobs' share_prefixes), at
+    least 1."""
+    first = encoded[0][0]
+    shared = len(first)
+    for ids, mask, _ in encoded:
+        differs = next((i for i, (a, b) in enumerate(zip(ids[:shared], first)) if a != b), shared)
+        shared = min(shared, mask.index(1), differs)
+    return max(shared, 1)
+
+
 def image_tokens(model, picked: list[tuple[list[int], list[int], list[bytes]]]) -> list[tuple[int, int]] | None:
     """What each conversation's image placeholders add when expanded, for packing a vision-language model's
     micro-batches by the tokens it runs; None for a text model."""
@@ -215,11 +229,14 @@ def image_tokens(model, picked: list[tuple[list[int], list[int], list[bytes]]]) 
     return [vision.added_tokens(model.config, ids, images) for ids, _, images in picked]
 
 
-def sft_loss(model, micro: list[tuple[list[int], list[int], list[bytes]]], total_tokens: float) -> torch.Tensor:
+def sft_loss(model, micro: list[tuple[list[int], list[int], list[bytes]]], total_tokens: float,
+             shared: int = 1) -> torch.Tensor:
     """Negative log-likelihood of the masked-in (assistant) tokens of one packed micro-batch of (ids, mask, images),
-    over `total_tokens`. A vision-language model's forward gets the images (a text model sees the placeholders)."""
+    over `total_tokens`; the first `shared` tokens, equal in every conversation and untrained, run once. A
+    vision-language model's forward gets the images (a text model sees the placeholders)."""
     images = [list(i) for _, _, i in micro] if vision.is_vision_model(model.config) else None
-    logprobs, _ = policy.packed_logprobs(model, [ids for ids, _, _ in micro], images=images)
+    logprobs, _ = policy.packed_logprobs(model, [ids for ids, _, _ in micro], score_from=[shared] * len(micro),
+                                         share_prefixes=True, images=images)
     mask = torch.tensor([m for _, mask, _ in micro for m in mask], dtype=torch.float32, device=logprobs.device)
     return -losses.masked_sum(logprobs, mask) / total_tokens
 

@@ -72,6 +72,35 @@ def test_only_assistant_tokens_contribute(model_dir):
         assert train_sft.sft_loss(model, [(changed, mask, [])], sum(mask)).item() != base
 
 
+def test_a_shared_system_prompt_runs_once_with_the_same_loss_and_gradients(model_dir):
+    """Agent SFT data repeats one system prompt (tool signatures) in every conversation: its tokens are untrained and
+    equal, so they run once per micro-batch, and the loss and every gradient are those of the whole sequences."""
+    tokenizer = policy.load_tokenizer(model_dir)
+    model = policy.load_model(model_dir, attn_implementation="packed_sdpa")
+    system = [{"role": "system", "content": "You have a python tool. Call it for arithmetic."}]
+    encoded = [(*chat.encode_conversation(tokenizer, system + c), []) for c in CONVERSATIONS]
+    shared = train_sft.shared_prefix_length(encoded)
+    system_ids = tokenizer(chat.render(tokenizer, system, None, False), add_special_tokens=False)["input_ids"]
+    assert len(system_ids) <= shared < min(mask.index(1) for _, mask, _ in encoded)
+    assert all(ids[:shared] == encoded[0][0][:shared] for ids, _, _ in encoded)
+    assert train_sft.shared_prefix_length([(*chat.encode_conversation(tokenizer, c), []) for c in CONVERSATIONS]) < 8
+    tokens = sum(sum(mask) for _, mask, _ in encoded)
+    results = []
+    for prefix in (1, shared):
+        model.zero_grad()
+        loss = train_sft.sft_loss(model, encoded, tokens, prefix)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (whole, whole_grads), (once, once_grads) = results
+    torch.testing.assert_close(once, whole, rtol=1e-5, atol=1e-6)
+    for a, b in zip(once_grads, whole_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    packed = policy.pack(list(range(3)), [ids for ids, _, _ in encoded], 10**6, [shared] * 3, model)
+    assert packed == [[0, 1, 2]]
+    row = policy._packed_row(model, [ids for ids, _, _ in encoded], [shared] * 3, True)
+    assert row.ids.shape[1] == sum(len(ids) for ids, _, _ in encoded) - 2 * shared  # the prompt ran once, not thrice
+
+
 @pytest.mark.parametrize("chat_format", ["qwen", "llama3"])
 def test_mask_is_exactly_the_assistant_turns_of_either_template(tmp_path, chat_format):
     tokenizer = policy.load_tokenizer(tiny.make_tiny_model(tmp_path, [json.dumps(c) for c in CONVERSATIONS] * 4,
