@@ -280,14 +280,33 @@ def shown(tokenizer, ids: list[int]) -> str:
     return f"{ids} {ascii(tokenizer.decode(ids))}"
 
 
+def mask_drifted(findings: list[str]) -> bool:
+    """Whether check_tito's findings go beyond a sampled split of the template's text: a loss mask that would train
+    other tokens than the assistant's, or other text."""
+    return any(not f.startswith("ids drift") for f in findings)
+
+
+def decoded_offsets(tokenizer, ids: list[int], text: str) -> list[tuple[int, int]] | None:
+    """Character offsets in `text` of each of `ids`, a tokenization of it that need not be the tokenizer's own, read
+    off the decoded prefixes; None when the ids do not decode to `text`."""
+    def decoded(n: int) -> str:
+        return tokenizer.decode(ids[:n], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    if decoded(len(ids)) != text:
+        return None
+    ends = [len(decoded(n)) for n in range(1, len(ids) + 1)]
+    return list(zip([0] + ends[:-1], ends))
+
+
 def check_tito(tokenizer, sample, messages: list[dict], tools: list[dict] | None = None,
                eot: str | None = None, open_turns=()) -> list[str]:
     """Drift between a trajectory (a rollout.Sample, or anything with its ids, prompt_ids and loss_mask) and the chat
     template's rendering of the same messages (tokenized whole, tool output as plain text): ids that differ, and
     loss-mask positions that are not exactly the assistant turns' content plus their end-of-turn token `eot` (default:
     end_of_turn's) where the policy sampled it (not after a code action, nor after the assistant messages whose
-    indices are in `open_turns`: replies cut by a token budget or a stop string, closed by the template). Returns
-    human-readable findings; [] = no drift."""
+    indices are in `open_turns`: replies cut by a token budget or a stop string, closed by the template). When the ids
+    are another split of the same text, the mask is still checked, on the trajectory's own tokens. Returns
+    human-readable findings ("ids drift", "text drift", "loss mask drift"); [] = no drift."""
     eot = eot or end_of_turn(tokenizer)
     text = render(tokenizer, messages, tools, add_generation_prompt=False)
     plain = tool_spans(tokenizer, messages, tools, False, text)
@@ -304,7 +323,12 @@ def check_tito(tokenizer, sample, messages: list[dict], tools: list[dict] | None
     if first < max(len(got), len(want)):
         findings.append(f"ids drift at token {first} of {len(got)} (template: {len(want)} tokens): trajectory "
                         f"{shown(tokenizer, got[first:first + 8])} vs template {shown(tokenizer, want[first:first + 8])}")
-        return findings
+        # A sampled split of the same text (the policy may spell "x /" as two tokens where the tokenizer makes one)
+        # still has a loss mask to check, against its own tokens' places in the text.
+        offsets = decoded_offsets(tokenizer, got, text)
+        if offsets is None:
+            findings.append("text drift: the trajectory's ids do not decode to the template's rendering")
+            return findings
     spans = []  # character spans of each assistant turn: content + the end-of-turn token if the policy sampled it
     for i, m in enumerate(messages):
         if m["role"] == "assistant":

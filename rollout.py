@@ -96,8 +96,9 @@ def collect(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampli
     """`group_size` samples of each row: single-turn, or multi-turn agent rollouts with the toolbox `tools` names
     (TOOLBOXES) whose turns end with the token `eot` (default: end_of_turn's), budgets counting each image as
     `count_image` tokens. check: compare every trajectory with the chat template's rendering of its messages; the
-    drifting fraction goes to the metrics (tools/tito_drift_frac) and the first drift to the console: a tokenization
-    the template would not produce is logged, not fatal. Returns samples and this rank's metrics."""
+    drifting fractions go to the metrics (tools/tito_drift_frac: any finding; tools/tito_mask_drift_frac: a loss mask
+    or text that is wrong, not only split otherwise) and the first drift to the console: logged, not fatal. Returns
+    samples and this rank's metrics."""
     if tools == "none":
         return single_turn(engine, tokenizer, rows, group_size, sampling, first_group)
     eot = eot or chat.end_of_turn(tokenizer)
@@ -106,9 +107,11 @@ def collect(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampli
     if check:
         drifts = [(s, chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"], eot)) for s in samples]
         metrics["tools/tito_drift_frac"] = sum(bool(d) for _, d in drifts) / len(drifts)
-        first = next(((s, d) for s, d in drifts if d), None)
+        metrics["tools/tito_mask_drift_frac"] = sum(chat.mask_drifted(d) for _, d in drifts) / len(drifts)
+        first = next(((s, d) for s, d in drifts if chat.mask_drifted(d)), None) or next(
+            ((s, d) for s, d in drifts if d), None)
         if first is not None:
-            tqdm.write(f"rank {collectives.rank()}, task {data_prep.row_id(first[0].row)}: {first[1][0]}")
+            tqdm.write(f"rank {collectives.rank()}, task {data_prep.row_id(first[0].row)}: {'; '.join(first[1])}")
     return samples, metrics
 
 
@@ -438,4 +441,5 @@ def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict],
         drifts = [chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"], eot,
                                   s.info.get("open_turns", ())) for s in samples]
         metrics["tools/tito_drift_frac"] = sum(bool(d) for d in drifts) / len(drifts)
+        metrics["tools/tito_mask_drift_frac"] = sum(chat.mask_drifted(d) for d in drifts) / len(drifts)
     return samples, metrics

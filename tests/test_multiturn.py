@@ -213,8 +213,9 @@ def test_check_tito_findings_are_escaped(tokenizer):
     escape = tokenizer.encode("\x1b", add_special_tokens=False)
     half = tokenizer.encode("\u2192", add_special_tokens=False)[:1]  # the first of an arrow's three UTF-8 bytes
     sample.completion_ids[-3:-1] = escape + half
-    [finding] = chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"])
+    finding, text = chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"])
     assert finding.isascii() and finding.isprintable(), finding
+    assert text.startswith("text drift")  # other characters: no mask to check against the template
     assert f"trajectory {escape + half + sample.completion_ids[-1:]} '\\x1b\\ufffd" in finding, finding
 
 
@@ -223,6 +224,20 @@ def test_check_tito_reports_mask_drift(tokenizer):
     sample.loss_mask[-3] = 0
     findings = chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"])
     assert len(findings) == 1 and findings[0].startswith("loss mask drift at 1 tokens")
+
+
+def test_check_tito_checks_the_mask_of_a_sampled_split_too(tokenizer):
+    """Ids the policy split otherwise than the tokenizer (a drift a T=1 rollout may sample) still get their loss mask
+    checked, on their own tokens: a tool-output token trained is reported beside the ids drift."""
+    sample, _, _ = run_fixture(tokenizer, FIXTURES["consecutive_tools"], split_tokens=True)
+    [finding] = chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"])
+    assert finding.startswith("ids drift at token")
+    observation = sample.loss_mask.index(0, sample.loss_mask.index(1))  # the first token after a sampled turn
+    sample.loss_mask[observation + 3] = 1
+    findings = chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"])
+    assert len(findings) == 2 and findings[1].startswith("loss mask drift at 1 tokens"), findings
+    sample.completion_ids[-2] = tokenizer.convert_tokens_to_ids("<|im_start|>")  # not the same text any more
+    assert chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"])[1].startswith("text drift")
 
 
 WORDS = ["x", "print(x)", "def", "f(a):", "return", "a", "+", "1", "The", "answer", "is", "3.", "<think>", "</think>",
