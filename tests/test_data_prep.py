@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import data_prep
+import script_runner
 from data_prep import RowError, load_rows, row_id, validate_row, write_rows
 
 REPO = Path(__file__).resolve().parent.parent
@@ -341,7 +342,7 @@ def test_cli_writes_loadable_files(tmp_path):
                 ["apps", "--source", APPS_DIR, "--out", tmp_path / "apps.parquet"],
                 ["toy", "--split", "test", "--n-train", "50", "--n-test", "20", "--out", tmp_path / "toy.jsonl"]]
     for args in commands:
-        subprocess.run([sys.executable, "data_prep.py", *map(str, args)], cwd=REPO, check=True, timeout=120)
+        script_runner.run([sys.executable, "data_prep.py", *map(str, args)], cwd=REPO, check=True, timeout=120)
     assert len(load_rows(tmp_path / "mbpp.parquet")) == 374
     assert len(load_rows(tmp_path / "apps.parquet")) == 5
     toy = load_rows(tmp_path / "toy.jsonl")

@@ -22,6 +22,7 @@ import generate  # noqa: E402
 import policy  # noqa: E402
 import rewards  # noqa: E402
 import tiny  # noqa: E402
+import script_runner  # noqa: E402
 from checkpoint import save_checkpoint  # noqa: E402
 
 
@@ -192,7 +193,7 @@ def test_two_ranks_from_a_checkpoint_with_tools(toy, tmp_path):
         (data_prep.row_id(r), k) for r in rows for k in range(2)]
     assert all(line["turns"] >= 1 for line in lines)
     assert "10 samples (2 per row, 5 rows, 2 ranks)" in run.stdout
-    score = subprocess.run([sys.executable, str(ROOT / "rewards.py"), "score", str(out), "--data",
+    score = script_runner.run([sys.executable, str(ROOT / "rewards.py"), "score", str(out), "--data",
                             str(root / "rows.parquet")], capture_output=True, text=True, timeout=300)
     assert score.returncode == 0, score.stderr
     assert "10 samples in" in score.stdout

@@ -7,7 +7,6 @@ import json
 import math
 import re
 import socket
-import subprocess
 import sys
 import time
 import zlib
@@ -27,6 +26,7 @@ import judge as judge_lib  # noqa: E402
 import policy  # noqa: E402
 import rewards  # noqa: E402
 import tiny  # noqa: E402
+import script_runner  # noqa: E402
 from checkpoint import latest_checkpoint  # noqa: E402
 from judge_server import Script, engine_answer, make_handler, scripted_judge, serve  # noqa: E402
 
@@ -159,8 +159,8 @@ def test_check_cli_fails_when_the_judge_fails_and_names_its_status():
     names the status, whether the deadline passed mid-retry or the retries ran out (with --timeout-s 60)."""
     script = Script(default={"verdict": ("status", 500), "rubric": ("status", 500)})
     with scripted_judge(script) as url:
-        proc = subprocess.run([sys.executable, str(ROOT / "judge.py"), "check", "--base-url", url, "--timeout-s", "1.5"],
-                              capture_output=True, text=True, timeout=120)
+        proc = script_runner.run([sys.executable, str(ROOT / "judge.py"), "check", "--base-url", url,
+                                  "--timeout-s", "1.5"], capture_output=True, text=True, timeout=120)
         last = proc.stderr.strip().splitlines()[-1]
         assert proc.returncode == 1 and last.startswith("error: judge check failed (2 of 2 questions): equivalence: ")
         assert len(re.findall(r"no reply within 1.5s \(the last of \d+ tries got HTTP 500\)", last)) == 2, last

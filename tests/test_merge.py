@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 
 import merge as merge_lib
 import policy
+import script_runner
 import tiny
 from checkpoint import save_checkpoint
 
@@ -62,7 +63,7 @@ def checkpoint(tmp_path_factory):
 
 
 def merge(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "merge.py"), *args, "--device", "cpu"], capture_output=True,
+    return script_runner.run([sys.executable, str(ROOT / "merge.py"), *args, "--device", "cpu"], capture_output=True,
                           text=True, timeout=300)
 
 

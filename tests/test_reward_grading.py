@@ -3,7 +3,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -18,6 +17,7 @@ import data_prep  # noqa: E402
 import eval_report  # noqa: E402
 import rewards  # noqa: E402
 import sandbox  # noqa: E402
+import script_runner  # noqa: E402
 
 # A mutation wraps the function under test so that it returns a wrong value of a plausible type.
 PERTURB = """
@@ -137,7 +137,7 @@ def run_cli(tmp_path, lines: list[str]):
     train, _ = data_prep.toy_rows(40, 4, seed=0)
     data_prep.write_rows(train, tmp_path / "rows.parquet")
     (tmp_path / "samples.jsonl").write_text("\n".join(lines) + "\n")
-    return train, subprocess.run([sys.executable, str(ROOT / "rewards.py"), "score", str(tmp_path / "samples.jsonl"),
+    return train, script_runner.run([sys.executable, str(ROOT / "rewards.py"), "score", str(tmp_path / "samples.jsonl"),
                                   "--data", str(tmp_path / "rows.parquet"), "--out", str(tmp_path / "out.jsonl")],
                                  capture_output=True, text=True, timeout=300)
 

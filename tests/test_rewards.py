@@ -1,7 +1,6 @@
 """rewards.py beyond the reference solutions (tests/test_reward_grading.py): extraction policy, categories,
 HumanEval completions in every shape, data problems raising, batch order, the CLI report and its errors."""
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import data_prep  # noqa: E402
 import eval_report  # noqa: E402
 import rewards  # noqa: E402
 import runlog  # noqa: E402
+import script_runner  # noqa: E402
 
 PROMPT = 'def inc(x: int) -> int:\n    """Add one."""\n'
 HUMANEVAL = data_prep.make_row("humaneval", "complete inc", {
@@ -104,7 +104,7 @@ def test_pass_at_k_edges():
 def cli(tmp_path, rows, lines, *extra):
     data_prep.write_rows(rows, tmp_path / "rows.jsonl")
     (tmp_path / "samples.jsonl").write_text("".join(line + "\n" for line in lines))
-    return subprocess.run([sys.executable, str(ROOT / "rewards.py"), "score", str(tmp_path / "samples.jsonl"),
+    return script_runner.run([sys.executable, str(ROOT / "rewards.py"), "score", str(tmp_path / "samples.jsonl"),
                            "--data", str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "out.jsonl"), *extra],
                           capture_output=True, text=True, timeout=300)
 
@@ -264,8 +264,9 @@ def test_score_of_a_run_without_samples_says_what_is_missing(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
     data_prep.write_rows([ADD], tmp_path / "rows.jsonl")
-    proc = subprocess.run([sys.executable, str(ROOT / "rewards.py"), "score", str(tmp_path / "run" / "samples.jsonl"),
-                           "--data", str(tmp_path / "rows.jsonl")], capture_output=True, text=True, timeout=300)
+    proc = script_runner.run([sys.executable, str(ROOT / "rewards.py"), "score",
+                              str(tmp_path / "run" / "samples.jsonl"), "--data", str(tmp_path / "rows.jsonl")],
+                             capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: {tmp_path}/run/samples.jsonl does not exist: the run in {tmp_path}/run has written no samples (a "

@@ -30,6 +30,7 @@ import data_prep  # noqa: E402
 import rewards  # noqa: E402
 import swe_grading  # noqa: E402
 import swe_instances  # noqa: E402
+import script_runner  # noqa: E402
 
 M1343, M1359 = "marshmallow-code__marshmallow-1343", "marshmallow-code__marshmallow-1359"
 DJANGO = "django__django-11099"
@@ -591,7 +592,7 @@ def test_swe_check_passes_good_rows_and_fails_a_row_whose_gold_patch_does_not_re
     broken = good | {"reward_model": good["reward_model"] | {"ground_truth": json.dumps(truth)},
                      "extra_info": good["extra_info"] | {"index": truth["instance_id"]}}
     data_prep.write_rows([good, broken], tmp_path / "rows.parquet")
-    result = subprocess.run([sys.executable, str(ROOT / "rewards.py"), "swe-check", str(tmp_path / "rows.parquet")],
+    result = script_runner.run([sys.executable, str(ROOT / "rewards.py"), "swe-check", str(tmp_path / "rows.parquet")],
                             capture_output=True, text=True, timeout=600)
     lines = {line.split()[0]: line for line in result.stdout.splitlines()[1:] if line.startswith("marshmallow")}
     assert result.returncode == 1 and f"1 of 2 rows fail the check: {truth['instance_id']}" in result.stderr
@@ -601,6 +602,6 @@ def test_swe_check_passes_good_rows_and_fails_a_row_whose_gold_patch_does_not_re
     toy = tmp_path / "toy.parquet"
     data_prep.write_rows([good | {"data_source": "toy", "reward_model": {
         "style": "rule", "ground_truth": json.dumps({"test_list": ["assert True"]})}}], toy)
-    refused = subprocess.run([sys.executable, str(ROOT / "rewards.py"), "swe-check", str(toy)], capture_output=True,
+    refused = script_runner.run([sys.executable, str(ROOT / "rewards.py"), "swe-check", str(toy)], capture_output=True,
                              text=True, timeout=120)
     assert refused.returncode == 1 and "swe-check checks swebench rows; 1 rows are not" in refused.stderr
