@@ -51,6 +51,12 @@ class Engine(Protocol):
     def wake_up(self) -> None: ...
 
 
+def call_group(engine) -> object | None:
+    """The process group whose ranks must call `engine.generate` together, the same number of times (a
+    tensor-parallel VLLMEngine's peers), or None: the engine's calls are this rank's alone."""
+    return getattr(engine, "tp_group", None)
+
+
 def truncate_at_stop(token_ids: list[int], logprobs: list[float], stop_ids: set[int]) -> Completion:
     """Cut a generation right after its first stop token (kept: the policy must learn to end its turn)."""
     for i, tok in enumerate(token_ids):
