@@ -121,7 +121,8 @@ def single_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sa
     prompts = [chat.encode_prompt(tokenizer, row["prompt"]) for row in rows]
     repeated = [p for p in prompts for _ in range(group_size)]
     images = [data_prep.row_images(row) for row in rows for _ in range(group_size)]
-    completions = _generate(engine, repeated, sampling, images)
+    seeds = sample_seeds(sampling, [(first_group + i // group_size, i % group_size, 0) for i in range(len(repeated))])
+    completions = _generate(engine, repeated, sampling, images, seeds)
     samples, pad_id = [], chat.image_pad_id(tokenizer)
     for i, (prompt, completion) in enumerate(zip(repeated, completions)):
         samples.append(Sample(
@@ -163,6 +164,7 @@ class AgentLimits:
 class Trajectory:
     row: dict
     group: int
+    index: int  # in its group
     box: ToolBox
     messages: list[dict]
     prompt_ids: list[int]
@@ -217,7 +219,7 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
                 continue
             images = data_prep.row_images(row)
             prompt_text = chat.render(tokenizer, row["prompt"], box.schemas, add_generation_prompt=True)
-            traj = Trajectory(row, first_group + i // group_size, box, list(row["prompt"]),
+            traj = Trajectory(row, first_group + i // group_size, i % group_size, box, list(row["prompt"]),
                               tokenizer(prompt_text, add_special_tokens=False)["input_ids"], images=images,
                               prompt_images=len(images), image_tokens=sum(count_image(im) - 1 for im in images))
             trajectories.append(traj)
@@ -361,7 +363,8 @@ def _generate_turn(engine: Engine, tokenizer, batch: list[Trajectory], sampling:
     if batch and all(traj.box.protocol == "codev" for traj in batch):  # the engine stops on </code>
         turn_sampling.stop = [*sampling.stop, chat.CODE_STOP]  # (chat.code_stop decides)
     return _generate(engine, [traj.prompt_ids + traj.completion_ids for traj in batch], turn_sampling,
-                     [list(traj.images) for traj in batch])
+                     [list(traj.images) for traj in batch],
+                     sample_seeds(sampling, [(traj.group, traj.index, traj.turns) for traj in batch]))
 
 
 def _take_reply(tokenizer, traj: Trajectory, c, limits: AgentLimits, eot_id: int) -> list:
@@ -437,12 +440,21 @@ def _take_tool_results(tokenizer, traj: Trajectory, returned: list[tuple], limit
     return True
 
 
-def _generate(engine: Engine, prompts: list[list[int]], sampling: Sampling, images: list[list[bytes]]):
+def sample_seeds(sampling: Sampling, turns: list[tuple[int, int, int]]) -> list[int] | None:
+    """The seed of each (group, index in the group, turn) under the rollout's seed `sampling.seed` (None without one):
+    a sample's tokens then depend on it alone, never on which samples share its engine call, the schedule or the rank.
+    Single-turn samples are turn 0."""
+    return None if sampling.seed is None else [engines.derive_seed(sampling.seed, *turn) for turn in turns]
+
+
+def _generate(engine: Engine, prompts: list[list[int]], sampling: Sampling, images: list[list[bytes]],
+              seeds: list[int] | None = None):
     """Images (each prompt's, in placeholder order) go to engines that take them; a text-only engine sees only their
-    placeholder tokens."""
+    placeholder tokens. Seeds (one per prompt) go to every engine when the rollout has them."""
+    extra = {} if seeds is None else {"seeds": seeds}
     if any(images) and "images" in inspect.signature(engine.generate).parameters:
-        return engine.generate(prompts, sampling, images=[i or None for i in images])
-    return engine.generate(prompts, sampling)
+        return engine.generate(prompts, sampling, images=[i or None for i in images], **extra)
+    return engine.generate(prompts, sampling, **extra)
 
 
 # External agents (--agent-cmd): one agent process per trajectory, talking to this rank's endpoint; each segment of

@@ -469,15 +469,18 @@ def collect_batch(run: Run, seconds: dict) -> tuple[list[rollout.Sample], list[r
 
 def sample_prompts(run: Run, tries: int, seconds: dict) -> tuple[list[rollout.Sample], dict]:
     """Phases 1-4: this rank's next prompts (a seeded shuffle per epoch, so resuming replays the same order), the
-    engine woken with the current weights, `group_size` rollouts of each, the engine put back to sleep."""
+    engine woken with the current weights, `group_size` rollouts of each (seeded per sample and turn), the engine put
+    back to sleep."""
     args, per_rank = run.args, run.args.prompts_per_step // run.world
     rows = data_prep.in_epoch_order(run.rows, run.data_pos + run.rank * per_rank, per_rank, args.seed)
     run.data_pos += args.prompts_per_step
     first_group = tries * args.prompts_per_step + run.rank * per_rank  # group ids unique over ranks and rounds
+    # Each sample's tokens come from its own seed (step, round, group, index, turn): a resumed run repeats them.
+    sampling = dataclasses.replace(run.sampling, seed=engines.derive_seed(args.seed, run.step, tries))
     with runlog.timed(seconds, "wake_and_sync"):
         wake_with_current_weights(run)
     with runlog.timed(seconds, "rollout"):
-        samples, metrics = run_rollouts(run, rows, args.group_size, run.sampling, first_group)
+        samples, metrics = run_rollouts(run, rows, args.group_size, sampling, first_group)
         run.engine.sleep()
     return samples, metrics
 

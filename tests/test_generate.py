@@ -112,7 +112,7 @@ class ToolThenAnswer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, seeds=None):
         call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(6 * 7)"}}\n</tool_call>'
         out = []
         for prompt in prompts:
