@@ -1,6 +1,7 @@
 """Independent trajectories (rollout.run_trajectories): with an engine whose replies depend only on a trajectory's
 tokens, scheduling each trajectory at its own pace gives exactly the samples of the lockstep reference, whatever the
 tool latencies; no trajectory waits for another's tools; token-in-token-out holds under any interleaving."""
+import dataclasses
 import random
 import sys
 import threading
@@ -134,6 +135,52 @@ def test_independent_schedule_gives_the_lockstep_samples_under_random_latencies(
     assert metrics["rollout/engine_calls"] == len(engine.sizes)
     assert metrics["rollout/in_flight_mean"] == pytest.approx(sum(engine.sizes) / len(engine.sizes))
     assert 0 < metrics["tools/busy_frac"] <= 1 and 0 < metrics["rollout/engine_busy_frac"] <= 1
+
+
+class SampledThenScripted:
+    """The tiny model's own reply (HFEngine at temperature 1, a few tokens, with the rollout's seeds), then the
+    trajectory's scripted turn (TokenEngine's, tool calls and all): trajectories run several turns whatever a random
+    model writes, and every turn's prompt holds what the model sampled before."""
+
+    sampled = 6  # tokens of each reply the model samples, whatever the call's budget (a batch's longest room)
+
+    def __init__(self, model, tokenizer, scripts):
+        self.hf, self.scripted = engines.HFEngine(model, tokenizer.pad_token_id), TokenEngine(tokenizer, scripts)
+
+    def generate(self, prompts, sampling, seeds=None):
+        free = self.hf.generate(prompts, dataclasses.replace(sampling, max_new_tokens=self.sampled, stop_token_ids=[]),
+                                seeds=seeds)
+        tails = self.scripted.generate(prompts, engines.Sampling(max_new_tokens=200))
+        return [engines.Completion(f.token_ids + t.token_ids, f.logprobs + t.logprobs, t.finish_reason)
+                for f, t in zip(free, tails)]
+
+
+def test_sampled_tokens_do_not_depend_on_the_schedule(tokenizer):
+    """The tiny model sampling at temperature 1, each sample and turn from its own seed: whichever trajectories share
+    an engine call (random tool latencies, two seeds), every trajectory holds lockstep's token ids, and its engine
+    logprobs agree to within 1e-6 (a batch's padding and size move a row's fp32 logits in the last bits on CPU:
+    4.8e-7 at most, measured over 170 rows). The engine's own random stream would give other tokens. About 10 s."""
+    model = policy.load_model(tokenizer.name_or_path).eval()
+    sampling = engines.Sampling(max_new_tokens=200, temperature=1.0, seed=7)
+    limits = rollout.AgentLimits(max_turns=5, max_total_tokens=900, max_tool_response_tokens=16)
+    scripts = {m: SCRIPTS[m] for m in ("task-A", "task-B", "task-D", "task-F")}  # 1-4 turns, 0-2 calls a turn
+    rows = [{"prompt": [{"role": "user", "content": f"{m}: solve it"}]} for m in scripts]
+    engine = SampledThenScripted(model, tokenizer, scripts)
+    reference, _ = rollout.multi_turn(engine, tokenizer, rows, 2, sampling, latency_toolbox(0, 0.0), limits,
+                                      lockstep=True)
+    sampled = [[t for t, m in zip(s.completion_ids, s.loss_mask) if m][: engine.sampled] for s in reference]
+    assert sampled[0] != sampled[1]  # a group's two samples drew differently: sampling, not greedy
+    for seed in (1, 2):
+        engine.scripted.sizes = []
+        samples, _ = rollout.multi_turn(engine, tokenizer, rows, 2, sampling, latency_toolbox(seed), limits)
+        assert len(engine.scripted.sizes) > 4  # some turns apart from the others (lockstep makes 4 calls)
+        for got, want in zip(samples, reference, strict=True):
+            assert (got.completion_ids, got.loss_mask, got.finish_reason) == \
+                (want.completion_ids, want.loss_mask, want.finish_reason)
+            assert got.engine_logprobs == pytest.approx(want.engine_logprobs, abs=1e-6, rel=0)
+    shared = rollout.multi_turn(engine, tokenizer, rows, 2, dataclasses.replace(sampling, seed=None),
+                                latency_toolbox(0, 0.0), limits, lockstep=True)[0]
+    assert [s.completion_ids for s in shared] != [s.completion_ids for s in reference]
 
 
 def test_no_trajectory_waits_for_another_ones_tool(tokenizer):
