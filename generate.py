@@ -146,7 +146,7 @@ def generate_lines(engine: Engine, tokenizer, rows: list[dict], args: GenerateAr
     bar = tqdm(total=len(rows), desc="generate", unit="row", disable=rank != 0)
     for start in range(0, len(rows), per_round):
         positions = list(range(start + rank, min(start + per_round, len(rows)), world))
-        round_sampling = dataclasses.replace(sampling, seed=derive_seed(args.seed, start, rank))  # per sample, turn
+        round_sampling = dataclasses.replace(sampling, seed=derive_seed(args.seed, start, rank))  # seeds its samples
         samples, _ = collect(engine, tokenizer, [rows[p] for p in positions], args.n_samples, round_sampling,
                              args.tools, limits, first_group=start + rank, eot=args.end_of_turn, count_image=count_image)
         lines += collectives.gather_objects([(positions[i // args.n_samples], sample_line(s, i % args.n_samples))
