@@ -142,11 +142,11 @@ def test_a_failed_run_leaves_the_previous_output_whole(toy, tmp_path, one_rank, 
     calls = []
     real = engines.HFEngine.generate
 
-    def fail_on_second_round(self, prompts, sampling):
+    def fail_on_second_round(self, prompts, sampling, seeds=None):
         calls.append(len(prompts))
         if len(calls) == 2:
             raise RuntimeError("engine died")
-        return real(self, prompts, sampling)
+        return real(self, prompts, sampling, seeds=seeds)
 
     monkeypatch.setattr(engines.HFEngine, "generate", fail_on_second_round)
     with pytest.raises(RuntimeError, match="engine died"):
