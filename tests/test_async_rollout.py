@@ -159,7 +159,7 @@ def test_sampled_tokens_do_not_depend_on_the_schedule(tokenizer):
     """The tiny model sampling at temperature 1, each sample and turn from its own seed: whichever trajectories share
     an engine call (random tool latencies, two seeds), every trajectory holds lockstep's token ids, and its engine
     logprobs agree to within 1e-6 (a batch's padding and size move a row's fp32 logits in the last bits on CPU:
-    4.8e-7 at most, measured over 169 rows). The engine's own random stream would give other tokens. About 10 s."""
+    4.8e-7 at most, measured over 169 rows). The engine's own random stream would give other tokens. 1 s."""
     model = policy.load_model(tokenizer.name_or_path).eval()
     sampling = engines.Sampling(max_new_tokens=200, temperature=1.0, seed=7)
     limits = rollout.AgentLimits(max_turns=5, max_total_tokens=900, max_tool_response_tokens=16)
