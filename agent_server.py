@@ -22,9 +22,10 @@ the session is tried, not only the last one, so:
   rendering of the messages.
 `GET /kiln/sessions/{key}` returns a session's segments, why each was opened, and check_tito's findings.
 
-The engine is driven by the rank's main thread in ticks (`AgentServer.step`): the requests waiting from all
-sessions go to one `engine.generate`, and under torchrun every rank makes the same number of engine calls (a rank
-with nothing to generate makes a one-token call), as the multi-turn loop does. HTTP handler threads only queue.
+The engine is driven by the rank's main thread (`AgentServer.step`): a request is generated as soon as it arrives,
+with every other request waiting at that moment, in one `engine.generate`; ranks do not wait for each other (but a
+tensor-parallel engine's peers, which call it together, a peer with nothing waiting calling with no prompts), as in
+the multi-turn loop. HTTP handler threads only queue.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ from pathlib import Path
 
 import chat
 import collectives
+import engines
 from engines import Engine, Sampling
 
 TICK_SECONDS = 0.02  # how long a tick waits for a first request: the batching window when requests trickle in
@@ -351,10 +353,10 @@ class AgentServer:
         self.pending.put(request)
 
     def step(self, busy: bool = True) -> bool:
-        """One tick: wait up to TICK_SECONDS for a request, then generate for the waiting requests of distinct
-        sessions that share the oldest one's sampling, in one engine call. Collective under torchrun: every rank
-        calls the engine when any rank has work (a rank without makes a one-token call). `busy`: this rank still
-        expects requests (its agents run). Returns whether any rank is busy or has requests waiting."""
+        """Wait up to TICK_SECONDS for a request (no longer: a request is taken when it arrives), then generate for
+        the waiting requests of distinct sessions that share the oldest one's sampling, in one engine call. Only a
+        tensor-parallel engine's peers (`engines.call_group`) meet here, to call it together. `busy`: this rank still
+        expects requests (its agents run). Returns whether this rank (or a peer) is busy or has requests waiting."""
         if not self.waiting:
             try:
                 self.waiting.append(self.pending.get(timeout=TICK_SECONDS))
@@ -368,11 +370,12 @@ class AgentServer:
                 sessions.add(request.key)
         self.waiting = [r for r in self.waiting if r not in batch]
         prepared = [p for p in (self._prepare(r) for r in batch) if p is not None]
-        busy_anywhere, generating_anywhere = collectives.any_ranks(busy or bool(self.waiting) or bool(prepared),
-                                                                   bool(prepared))
-        if generating_anywhere:
+        busy, generating = busy or bool(self.waiting) or bool(prepared), bool(prepared)
+        if (group := engines.call_group(self.engine)) is not None:
+            busy, generating = collectives.any_ranks(busy, generating, group=group)
+        if generating:
             self._generate(prepared)
-        return busy_anywhere
+        return busy
 
     def _prepare(self, request: Request):
         """The request's segment (continued, or a new one) and the ids to generate from; answers refusals at once."""
@@ -459,8 +462,8 @@ class AgentServer:
         return first.tools == request.tools and system == [m for m in first.messages[:1] if m["role"] == "system"]
 
     def _generate(self, prepared: list) -> None:
-        if not prepared:  # another rank generates: one throwaway token keeps this rank's collectives in step
-            self.engine.generate([[self.tokenizer.pad_token_id]], dataclasses.replace(self.sampling, max_new_tokens=1))
+        if not prepared:  # a tensor-parallel peer generates: this rank's share of the call is empty
+            self.engine.generate([], self.sampling)
             return
         temperature, top_p = prepared[0][0].sampling
         sampling = dataclasses.replace(self.sampling, temperature=temperature, top_p=top_p,

@@ -35,11 +35,11 @@ def any_rank(flag: bool) -> bool:
     return any_ranks(flag)[0]
 
 
-def any_ranks(*flags: bool) -> list[bool]:
-    """`any_rank` of several flags in one collective."""
+def any_ranks(*flags: bool, group=None) -> list[bool]:
+    """`any_rank` of several flags in one collective, over the ranks of `group` (a process group) if given."""
     x = torch.tensor([float(bool(f)) for f in flags])
     if world_size() > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
     return [v > 0 for v in x.tolist()]
 
 

@@ -11,6 +11,7 @@ video placeholders from sampling, as the trainer's logprobs do.
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib.util
 import os
 import sys
@@ -35,6 +36,8 @@ class Sampling:
     top_k: int = 0  # 0 = off
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)  # strings that end a completion once its decoded text holds one
+    seed: int | None = None  # the rollout's seed: rollout.py derives each sample's seed per turn from it (derive_seed)
+    # and the engines draw that sample's tokens from it alone (generate's `seeds`); None: the engine's shared stream
 
 
 @dataclass
@@ -45,10 +48,28 @@ class Completion:
 
 
 class Engine(Protocol):
-    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]: ...
+    def generate(self, prompts: list[list[int]], sampling: Sampling, seeds: list[int] | None = None
+                 ) -> list[Completion]: ...
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
     def sleep(self) -> None: ...
     def wake_up(self) -> None: ...
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A seed from `parts` (a run's seed, a step, a sample, a turn): the same parts give the same seed in any process on
+    any machine (no Python hash), other parts an unrelated one. 63 bits, what torch.Generator and vLLM's seed take."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
+
+
+def check_seeds(prompts: list, seeds: list[int] | None) -> None:
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts: one seed per prompt")
+
+
+def call_group(engine) -> object | None:
+    """The process group whose ranks must call `engine.generate` together, the same number of times (a
+    tensor-parallel VLLMEngine's peers), or None: the engine's calls are this rank's alone."""
+    return getattr(engine, "tp_group", None)
 
 
 def truncate_at_stop(token_ids: list[int], logprobs: list[float], stop_ids: set[int]) -> Completion:
@@ -115,10 +136,12 @@ class HFEngine:
         return None
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: Sampling,
-                 images: list[list | None] | None = None) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: Sampling, images: list[list | None] | None = None,
+                 seeds: list[int] | None = None) -> list[Completion]:
         """Completions for `prompts` (token ids); `images[i]` are prompt i's images (PNG bytes or PIL, one per
-        `<|image_pad|>` in its ids, in order), or None. A text-only model sees only the placeholder tokens."""
+        `<|image_pad|>` in its ids, in order), or None. A text-only model sees only the placeholder tokens. `seeds[i]`
+        seeds prompt i's own generator, so its draws do not depend on the prompts batched with it; without seeds
+        every row draws from torch's global stream."""
         if self.model is None:
             raise RuntimeError("HFEngine on an FSDP-sharded policy: call load_weights(policy.iter_full_weights(model)) "
                                "before generate")
@@ -133,13 +156,16 @@ class HFEngine:
         if images is None or not vision.is_vision_model(self.model.config):  # a text model sees only placeholders
             images = [[] for _ in prompts]
         images = [list(i or []) for i in images]
+        check_seeds(prompts, seeds)
         out = []
         for start in range(0, len(prompts), self.batch_size):
             end = start + self.batch_size
-            out += self._generate_batch(prompts[start:end], sampling, images[start:end])
+            out += self._generate_batch(prompts[start:end], sampling, images[start:end],
+                                        None if seeds is None else seeds[start:end])
         return out
 
-    def _generate_batch(self, prompts: list[list[int]], sampling: Sampling, images: list[list]) -> list[Completion]:
+    def _generate_batch(self, prompts: list[list[int]], sampling: Sampling, images: list[list],
+                        seeds: list[int] | None) -> list[Completion]:
         """A prefill of the left-padded batch, then one token per step from a KV cache. Written out rather than
         `generate()`, for two reasons: only `sampling` shapes the distribution (generate would also apply what the
         model's generation_config holds, e.g. Qwen2.5's repetition_penalty, which the trainer's logprobs know nothing
@@ -165,6 +191,7 @@ class HFEngine:
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         positions = (attention_mask[:, :width].cumsum(-1) - 1).clamp_(min=0)
         greedy = sampling.temperature <= 0
+        generators = None if greedy or seeds is None else [torch.Generator(device).manual_seed(s) for s in seeds]
         warpers = [] if greedy else (  # called directly: LogitsProcessorList inspects signatures at every call
             [TemperatureLogitsWarper(sampling.temperature)]
             + ([TopKLogitsWarper(sampling.top_k)] if sampling.top_k > 0 else [])
@@ -216,7 +243,7 @@ class HFEngine:
             for warp in warpers:
                 scores = warp(None, scores)  # these warpers never look at the ids
             probs = scores.softmax(-1)
-            token = scores.argmax(-1) if greedy else sample_from(probs)
+            token = scores.argmax(-1) if greedy else sample_from(probs, generators)
             tokens[:, step] = token.masked_fill(stopped, self.pad_token_id)
             logprobs[:, step] = probs.gather(1, token[:, None]).squeeze(1).log()  # no [rows, vocab] log_softmax
             stopped |= torch.isin(token, stop_tokens)
@@ -252,12 +279,17 @@ class HFEngine:
         return [row for row, text in zip(live, texts) if any(s in text for s in stop)]
 
 
-def sample_from(probs: torch.Tensor) -> torch.Tensor:
+def sample_from(probs: torch.Tensor, generators: list[torch.Generator] | None = None) -> torch.Tensor:
     """One token per row of `probs` [rows, vocab] by inverting its CDF at a uniform draw: one random number per row,
-    where torch.multinomial draws one per vocabulary entry. The CDF is summed in fp64 so that at vocab 152k rounding
-    cannot shift tail tokens' mass; `right=True` never lands on a zero-probability token (its CDF step is empty)."""
+    where torch.multinomial draws one per vocabulary entry; row i's from `generators[i]` when given, else all from
+    torch's global stream. The CDF is summed in fp64 so that at vocab 152k rounding cannot shift tail tokens' mass;
+    `right=True` never lands on a zero-probability token (its CDF step is empty)."""
     cdf = probs.double().cumsum(-1)
-    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device) * cdf[:, -1:]
+    if generators is None:
+        u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device)
+    else:
+        u = torch.cat([torch.rand(1, 1, dtype=torch.float64, device=probs.device, generator=g) for g in generators])
+    u = u * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
@@ -365,11 +397,11 @@ def vllm_llm_kwargs(model: str, *, rank: int, seed: int, tensor_parallel_size: i
     )
 
 
-def vllm_sampling_kwargs(sampling: Sampling, banned_token_ids: Iterable[int] = ()) -> dict:
+def vllm_sampling_kwargs(sampling: Sampling, banned_token_ids: Iterable[int] = (), seed: int | None = None) -> dict:
     """Keyword arguments of `vllm.SamplingParams`: token ids out, plus the logprob of each sampled token. Banned ids
     get vLLM's strongest logit bias, -100, before temperature and before the logprobs are taken: against the other
     logits that is a probability under e^-50, nothing in fp32, so the distribution is the trainer's, which drops them
-    outright."""
+    outright. `seed`: the request's own generator (None: the engine's stream, seeded by vllm_llm_kwargs)."""
     banned = {"logit_bias": {int(i): -100.0 for i in banned_token_ids}} if banned_token_ids else {}
     return dict(
         n=1,
@@ -385,6 +417,7 @@ def vllm_sampling_kwargs(sampling: Sampling, banned_token_ids: Iterable[int] = (
         logprobs=0,  # only the sampled token's logprob
         flat_logprobs=True,  # flat lists instead of one dict per token: far less garbage to collect
         detokenize=bool(sampling.stop),  # stop strings need it; kiln decodes text once, later, for the reward
+        seed=seed,
         **banned,
     )
 
@@ -523,28 +556,34 @@ class VLLMEngine:
         self.last_metrics |= {"vllm/sync_seconds": time.perf_counter() - start, "vllm/sync_bytes": nbytes,
                               "vllm/sync_buckets": buckets}
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling,
-                 images: list[list | None] | None = None) -> list[Completion]:
-        """Completions for `prompts` (token ids); `images[i]` are prompt i's images (Qwen2.5-VL style), or None."""
+    def generate(self, prompts: list[list[int]], sampling: Sampling, images: list[list | None] | None = None,
+                 seeds: list[int] | None = None) -> list[Completion]:
+        """Completions for `prompts` (token ids); `images[i]` are prompt i's images (Qwen2.5-VL style), or None;
+        `seeds[i]` is request i's own seed (vLLM's per-request generator), so its draws do not depend on the requests
+        batched with it."""
         if self.state != "awake":
             raise RuntimeError("VLLMEngine.generate needs wake_up() then load_weights(): "
                                "a level-2 sleep discards the weights")
         from vllm import SamplingParams
 
+        check_seeds(prompts, seeds)
         images = images if images is not None else [None] * len(prompts)
         first, count = 0, len(prompts)
         if self.tp_group is not None:  # TP peers drive one engine together, so they must submit the same requests
             parts = [None] * self.tp
-            dist.all_gather_object(parts, (prompts, images), group=self.tp_group)
-            first = sum(len(p) for p, _ in parts[: self.tp_rank])
-            prompts, images = [p for ps, _ in parts for p in ps], [i for _, imgs in parts for i in imgs]
+            dist.all_gather_object(parts, (prompts, images, seeds), group=self.tp_group)
+            first = sum(len(p) for p, _, _ in parts[: self.tp_rank])
+            prompts, images = [p for ps, _, _ in parts for p in ps], [i for _, imgs, _ in parts for i in imgs]
+            if any(s is not None for _, _, s in parts):  # peers' rollouts share their Sampling, so all or none
+                seeds = [s for ps, _, ss in parts for s in (ss if ss is not None else [None] * len(ps))]
         for p, i in zip(prompts, images):
             if i and (self.image_processor is None or p.count(self.image_token_id) != len(i)):
                 raise ValueError(f"a prompt with {len(i)} images and {p.count(self.image_token_id)} image "
                                  f"placeholders, for a {'vision' if self.image_processor else 'text-only'} model")
         start = time.perf_counter()
-        outputs = self.llm.generate([vllm_prompt(p, i) for p, i in zip(prompts, images)],
-                                    SamplingParams(**vllm_sampling_kwargs(sampling, self.banned)), use_tqdm=False)
+        params = SamplingParams(**vllm_sampling_kwargs(sampling, self.banned)) if seeds is None else \
+            [SamplingParams(**vllm_sampling_kwargs(sampling, self.banned, seed)) for seed in seeds]
+        outputs = self.llm.generate([vllm_prompt(p, i) for p, i in zip(prompts, images)], params, use_tqdm=False)
         seconds = time.perf_counter() - start
         for p, i, output in zip(prompts, images, outputs):
             if i:  # the engine's expansion must be the trainer's, token for token

@@ -8,6 +8,7 @@ Rollouts are the trainers' own (`rollout.collect`): multi-turn rows (--tools) go
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ import merge
 import policy
 import runlog
 import vision
-from engines import Engine, HFEngine, Sampling, VLLMEngine
+from engines import Engine, HFEngine, Sampling, VLLMEngine, derive_seed
 from rollout import AgentLimits, Sample, collect, load_rows_within, placeholder_only
 
 
@@ -42,7 +43,7 @@ class GenerateArgs:
     engine: Literal["hf", "vllm"] = "hf"
     """vLLM on GPUs, or the model's own Hugging Face decoding loop (CPU, debugging)"""
     seed: int = 0
-    """sampling seed (each rank draws from seed + rank)"""
+    """sampling seed (each sample draws from its own seed, derived from it, the round, the rank and the sample)"""
     max_prompt_tokens: int = 1024
     """rows whose prompt is longer are skipped (and counted on the console)"""
     max_new_tokens: int = 1024
@@ -145,8 +146,9 @@ def generate_lines(engine: Engine, tokenizer, rows: list[dict], args: GenerateAr
     bar = tqdm(total=len(rows), desc="generate", unit="row", disable=rank != 0)
     for start in range(0, len(rows), per_round):
         positions = list(range(start + rank, min(start + per_round, len(rows)), world))
-        samples, _ = collect(engine, tokenizer, [rows[p] for p in positions], args.n_samples, sampling, args.tools,
-                             limits, first_group=start + rank, eot=args.end_of_turn, count_image=count_image)
+        round_sampling = dataclasses.replace(sampling, seed=derive_seed(args.seed, start, rank))  # seeds its samples
+        samples, _ = collect(engine, tokenizer, [rows[p] for p in positions], args.n_samples, round_sampling,
+                             args.tools, limits, first_group=start + rank, eot=args.end_of_turn, count_image=count_image)
         lines += collectives.gather_objects([(positions[i // args.n_samples], sample_line(s, i % args.n_samples))
                                         for i, s in enumerate(samples)])
         bar.update(min(per_round, len(rows) - start))

@@ -180,6 +180,53 @@ def _truncated_is_weight(old_logprobs: torch.Tensor, engine_logprobs: torch.Tens
     return torch.where(mask.bool(), old_logprobs - engine_logprobs, 0).exp().clamp(max=cap).detach()
 
 
+def rollout_correction(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,
+                       is_level: str | None = None, is_threshold: float = 2.0, rs_level: str | None = None,
+                       rs_threshold: float | None = None, rs_threshold_lower: float | None = None,
+                       veto_threshold: float | None = None) -> tuple[torch.Tensor | None, torch.Tensor, dict]:
+    """Importance weights and rejection for tokens the engine sampled from another policy (its numerics, or an older
+    version of the weights: partial rollouts), as verl's rollout correction defines them (docs/algo/rollout_corr.md,
+    `rollout_corr_helper.compute_rollout_correction_and_rejection_mask`). All [B, T]; rho_t = exp(old - engine) on the
+    mask, its log bounded to [-MAX_LOG_RATIO, MAX_LOG_RATIO].
+
+    is_level: None (no weights), "token" (min(rho_t, is_threshold): today's TIS), "sequence" (min(prod_t rho_t,
+    is_threshold) on every token of the sequence). rs_level: None, "token" (drop tokens whose rho_t leaves
+    [lower, upper]), "sequence" (drop sequences whose prod_t rho_t leaves it), "geometric" (drop sequences whose
+    geometric mean exp(mean_t log rho_t) leaves it); upper = rs_threshold (default is_threshold), lower =
+    rs_threshold_lower (default 1 / upper). veto_threshold: drop every sequence holding a token with rho_t below it.
+    Returns (weights, detached, 0 off the mask, or None; the mask less what was rejected; stats: is_weight_mean,
+    rs_rejected_frac of tokens, veto_frac of sequences, kl and k3_kl of KL(engine || trainer) over the mask)."""
+    if is_level not in (None, "token", "sequence") or rs_level not in (None, "token", "sequence", "geometric"):
+        raise ValueError(f"rollout correction: is_level {is_level!r} (None, token, sequence), rs_level {rs_level!r} "
+                         "(None, token, sequence, geometric)")
+    on = mask.bool()
+    log_rho = torch.where(on, old_logprobs - engine_logprobs, 0).detach()
+    bounded = log_rho.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    seq_log_rho = bounded.sum(-1, keepdim=True).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).expand_as(bounded)
+    weights = None
+    if is_level is not None:
+        weights = (bounded if is_level == "token" else seq_log_rho).exp().clamp(max=is_threshold)
+        weights = torch.where(on, weights, 0)
+    kept = on.clone()
+    if rs_level is not None:
+        upper = rs_threshold if rs_threshold is not None else is_threshold
+        lower = rs_threshold_lower if rs_threshold_lower is not None else 1 / upper
+        level = {"token": bounded, "sequence": seq_log_rho,
+                 "geometric": masked_mean(bounded, mask, dim=-1)[:, None].expand_as(bounded)}[rs_level]
+        kept &= (level >= math.log(lower)) & (level <= math.log(upper))
+    vetoed = torch.zeros(on.shape[0], dtype=torch.bool, device=on.device)
+    if veto_threshold is not None:
+        vetoed = (on & (log_rho < math.log(veto_threshold))).any(-1)
+        kept &= ~vetoed[:, None]
+    stats = {"rs_rejected_frac": masked_mean((on & ~kept).float(), mask).item(),
+             "veto_frac": vetoed.float().mean().item(),
+             "kl": masked_mean(-log_rho, mask).item(),  # k1 of KL(engine || trainer): E_engine[engine - old]
+             "k3_kl": masked_mean(log_rho.exp() - 1 - log_rho, mask).item()}
+    if weights is not None:
+        stats["is_weight_mean"] = masked_mean(weights, kept.float()).item()
+    return weights, kept.to(mask.dtype), stats
+
+
 def _clipped_objective(ratio: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                        clip_low: float, clip_high: float, dual_clip: float | None,
                        tis_weight: torch.Tensor | None) -> tuple[torch.Tensor, dict]:

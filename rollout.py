@@ -13,7 +13,8 @@ import dataclasses
 import inspect
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -25,6 +26,7 @@ import chat
 import collectives
 import containers
 import data_prep
+import engines
 from engines import Engine, Sampling
 from tools import TOOL_SCHEMAS, TOOLBOXES, ToolBox, call_tool, check_swe_rows, tool_message
 
@@ -122,7 +124,8 @@ def single_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sa
     prompts = [chat.encode_prompt(tokenizer, row["prompt"]) for row in rows]
     repeated = [p for p in prompts for _ in range(group_size)]
     images = [data_prep.row_images(row) for row in rows for _ in range(group_size)]
-    completions = _generate(engine, repeated, sampling, images)
+    seeds = sample_seeds(sampling, [(first_group + i // group_size, i % group_size, 0) for i in range(len(repeated))])
+    completions = _generate(engine, repeated, sampling, images, seeds)
     samples, pad_id = [], chat.image_pad_id(tokenizer)
     for i, (prompt, completion) in enumerate(zip(repeated, completions)):
         samples.append(Sample(
@@ -148,7 +151,8 @@ def single_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sa
 
 
 # Multi-turn agent rollouts: generate a turn, parse its Qwen2.5 tool calls, run them concurrently, append the tool
-# messages as the chat template formats them (only that suffix is tokenized, never the trajectory), continue.
+# messages as the chat template formats them (only that suffix is tokenized, never the trajectory), continue. Each
+# trajectory goes at its own pace: no reply waits for another's tools, no tool call for another's reply.
 
 
 @dataclass
@@ -163,6 +167,7 @@ class AgentLimits:
 class Trajectory:
     row: dict
     group: int
+    index: int  # in its group
     box: ToolBox
     messages: list[dict]
     prompt_ids: list[int]
@@ -193,14 +198,16 @@ class Trajectory:
 def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampling: Sampling,
                new_toolbox: Callable[[dict], ToolBox], limits: AgentLimits = AgentLimits(),
                first_group: int = 0, eot: str | None = None,
-               count_image: Callable[[bytes], int] = placeholder_only) -> tuple[list[Sample], dict]:
-    """Multi-turn rollout: each row's prompt (and images) `group_size` times; every turn is generated for all live
-    trajectories in one engine call, then all their tool calls run concurrently; a turn that ends with the token `eot`
-    (default: end_of_turn's), or (tag protocol) stops on </code>, can call tools. Lengths count each image as
-    `count_image` tokens; an observation that does not fit ends the trajectory before it, images and all. Returns
-    samples (info: messages, the images the tools returned, tool schemas, turn and tool counts) and metrics.
-    Toolboxes are always closed, each even when another's close fails. A prompt that leaves no room under
-    max_total_tokens is refused (ValueError) before anything is generated."""
+               count_image: Callable[[bytes], int] = placeholder_only, lockstep: bool = False) -> tuple[list[Sample], dict]:
+    """Multi-turn rollout: each row's prompt (and images) `group_size` times, every trajectory on its own
+    (`run_trajectories`): its next turn goes to the engine as soon as its tool results are in, its tool calls start as
+    soon as its reply is parsed. lockstep: the reference the tests and bench/agent_rollout.py compare against, every
+    engine call waiting for every live trajectory. A turn that ends with the token `eot` (default: end_of_turn's), or
+    (tag protocol) stops on </code>, can call tools. Lengths count each image as `count_image` tokens; an observation
+    that does not fit ends the trajectory before it, images and all. Returns samples (info: messages, the images the
+    tools returned, tool schemas, turn and tool counts) and metrics. Toolboxes are always closed, each even when
+    another's close fails. A prompt that leaves no room under max_total_tokens is refused (ValueError) before anything
+    is generated. Ranks do not meet here (but for a tensor-parallel engine's peers, at each engine call)."""
     start = time.perf_counter()
     eot = eot or chat.end_of_turn(tokenizer)
     trajectories: list[Trajectory] = []
@@ -215,7 +222,7 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
                 continue
             images = data_prep.row_images(row)
             prompt_text = chat.render(tokenizer, row["prompt"], box.schemas, add_generation_prompt=True)
-            traj = Trajectory(row, first_group + i // group_size, box, list(row["prompt"]),
+            traj = Trajectory(row, first_group + i // group_size, i % group_size, box, list(row["prompt"]),
                               tokenizer(prompt_text, add_special_tokens=False)["input_ids"], images=images,
                               prompt_images=len(images), image_tokens=sum(count_image(im) - 1 for im in images))
             trajectories.append(traj)
@@ -223,9 +230,7 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
                 task = data_prep.row_id(row) if "extra_info" in row else f"rows[{i // group_size}]"
                 raise ValueError(f"{task}: the prompt is {traj.length} tokens with the tool signatures and its "
                                  f"images, no room for an answer within max_total_tokens {limits.max_total_tokens}")
-        with ThreadPoolExecutor(max_workers=16) as pool:
-            while collectives.any_rank(live := [traj for traj in trajectories if not traj.finish_reason]):
-                _agent_turn(engine, tokenizer, live, sampling, limits, eot, pool, count_image)
+        schedule = run_trajectories(engine, tokenizer, trajectories, sampling, limits, eot, count_image, lockstep)
     finally:
         close_all([traj.box for traj in trajectories])
     samples, pad_id = [], chat.image_pad_id(tokenizer)
@@ -253,7 +258,7 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
         "tools/seconds": sum(traj.tool_seconds for traj in trajectories),
         "tools/truncated_responses": sum(traj.truncated_responses for traj in trajectories),
         "tools/agent_seconds_mean": sum(traj.seconds for traj in trajectories) / n,
-    }
+    } | schedule
     if start_failures:
         tqdm.write(f"rank {collectives.rank()}: {len(start_failures)} of {len(rows) * group_size} trajectories had no "
                    f"container (left out): {start_failures[0]}")
@@ -279,90 +284,180 @@ def close_all(boxes: list[ToolBox]) -> None:
         raise failure
 
 
-def _agent_turn(engine: Engine, tokenizer, live: list[Trajectory], sampling: Sampling, limits: AgentLimits,
-                eot: str, pool: ThreadPoolExecutor, count_image: Callable[[bytes], int] = placeholder_only) -> None:
-    if not live:  # other ranks still turn: one throwaway token keeps this rank's collectives in step
-        _generate(engine, [[tokenizer.pad_token_id]], dataclasses.replace(sampling, max_new_tokens=1), [[]])
-        return
-    budget = min(max(limits.max_total_tokens - traj.length for traj in live), sampling.max_new_tokens)
+MAX_TOOL_THREADS = 64  # tool calls running at once on a rank (SWE: docker execs, mostly waiting on the daemon)
+
+
+def run_trajectories(engine: Engine, tokenizer, trajectories: list[Trajectory], sampling: Sampling,
+                     limits: AgentLimits, eot: str, count_image: Callable[[bytes], int] = placeholder_only,
+                     lockstep: bool = False) -> dict:
+    """Drive every trajectory to its finish_reason. Each engine call takes every trajectory that is ready (its prompt,
+    or its tool results, are in), in trajectory order; meanwhile the tools of the others run on a thread pool, and
+    between calls the main thread waits only when nothing is ready. lockstep: an engine call waits until no tool call
+    is running (every live trajectory is ready), as one turn of all trajectories at a time. The engine's peers
+    (`engines.call_group`, a tensor-parallel vLLM engine's ranks) agree before each call, a peer with nothing ready
+    calling with no prompts; other ranks never meet here. Returns the schedule's metrics: engine and tool busy
+    fractions of the wall time, engine calls and trajectories per call, most tool calls running at once."""
+    start, eot_id, group = time.monotonic(), tokenizer.convert_tokens_to_ids(eot), engines.call_group(engine)
+    order = {id(traj): k for k, traj in enumerate(trajectories)}
+    ready = [traj for traj in trajectories if not traj.finish_reason]
+    running: list[tuple[Trajectory, list[Future]]] = []  # trajectories whose tool calls have not all returned
+    engine_seconds, calls, batched, spans, most_running = 0.0, 0, 0, [], 0
+    pool = ThreadPoolExecutor(max_workers=MAX_TOOL_THREADS, thread_name_prefix="kiln-tools")
+    try:
+        while True:
+            done = [all(f.done() for f in futures) for _, futures in running]  # once: futures finish meanwhile
+            returned = [entry for entry, d in zip(running, done) if d]
+            running = [entry for entry, d in zip(running, done) if not d]
+            for traj, futures in returned:
+                results = [f.result() for f in futures]
+                spans += [(began, ended) for *_, began, ended in results]
+                if _take_tool_results(tokenizer, traj, [(call, r, s) for call, r, s, _, _ in results], limits, eot,
+                                      count_image):
+                    ready.append(traj)
+            batch = sorted(ready, key=lambda t: order[id(t)]) if not (lockstep and running) else []
+            generating, live = bool(batch), bool(ready or running)
+            if group is not None:
+                generating, live = collectives.any_ranks(generating, live, group=group)
+            if not live:
+                break
+            if not generating:
+                futures_wait([f for _, futures in running for f in futures], return_when=FIRST_COMPLETED)
+                continue
+            began = time.monotonic()
+            completions = _generate_turn(engine, tokenizer, batch, sampling, limits)
+            engine_seconds += time.monotonic() - began
+            calls, batched = calls + 1, batched + len(batch)
+            ready = ready if not batch else []  # a batch is everything that was ready
+            for traj, completion in zip(batch, completions):
+                tool_calls = _take_reply(tokenizer, traj, completion, limits, eot_id)
+                if tool_calls:
+                    running.append((traj, [pool.submit(_timed_call, traj.box, c) for c in tool_calls]))
+            most_running = max(most_running, sum(len(futures) for _, futures in running))
+    finally:  # on an error or Ctrl-C, calls not started are dropped; the running ones end before the boxes close
+        pool.shutdown(wait=True, cancel_futures=True)
+    seconds = max(time.monotonic() - start, 1e-9)
+    return {"rollout/engine_busy_frac": engine_seconds / seconds, "tools/busy_frac": _covered(spans) / seconds,
+            "rollout/engine_calls": float(calls), "rollout/in_flight_mean": batched / max(1, calls),
+            "tools/running_max": float(most_running)}
+
+
+def _timed_call(box: ToolBox, call: dict | str) -> tuple:
+    """The call, call_tool's result and seconds, and when it began and ended (time.monotonic) for the busy
+    fraction."""
+    began = time.monotonic()
+    result, seconds = call_tool(box, call)
+    return call, result, seconds, began, time.monotonic()
+
+
+def _covered(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of (begin, end) spans."""
+    total, reach = 0.0, float("-inf")
+    for began, ended in sorted(spans):
+        total += max(0.0, ended - max(began, reach))
+        reach = max(reach, ended)
+    return total
+
+
+def _generate_turn(engine: Engine, tokenizer, batch: list[Trajectory], sampling: Sampling, limits: AgentLimits):
+    """One engine call for the next turn of `batch` (possibly empty: a tensor-parallel peer's share of a call). The
+    call's budget follows the trajectory with the most room; _take_reply cuts each reply to its own."""
+    budget = min(max((limits.max_total_tokens - traj.length for traj in batch), default=1), sampling.max_new_tokens)
     turn_sampling = dataclasses.replace(sampling, max_new_tokens=max(budget, 1))
-    if all(traj.box.protocol == "codev" for traj in live):  # the engine stops on </code> (chat.code_stop decides)
-        turn_sampling.stop = [*sampling.stop, chat.CODE_STOP]
-    completions = _generate(engine, [traj.prompt_ids + traj.completion_ids for traj in live], turn_sampling,
-                            [list(traj.images) for traj in live])
-    pending, eot_id = [], tokenizer.convert_tokens_to_ids(eot)
-    for traj, c in zip(live, completions):
-        room = limits.max_total_tokens - traj.length
-        ids, logprobs = c.token_ids[:room], c.logprobs[:room]  # the batch budget follows the longest trajectory
-        # The tag protocol stops on </code>: what an engine generated after it is dropped, the ids kept as sampled.
-        cut = chat.code_stop(tokenizer, ids) if traj.box.protocol == "codev" else None
-        ids, logprobs = (ids[:cut], logprobs[:cut]) if cut else (ids, logprobs)
-        traj.completion_ids += ids
-        traj.loss_mask += [1] * len(ids)
-        traj.logprobs += logprobs
-        traj.turns += 1
-        ended = bool(ids) and ids[-1] == eot_id  # only a turn closed by the template's token can take tool results
-        stopped = ended or bool(cut) or (c.finish_reason == "stop" and len(ids) == len(c.token_ids))
-        content = tokenizer.decode(ids[:-1] if stopped and not cut else ids, skip_special_tokens=False)
-        traj.messages.append({"role": "assistant", "content": content})
-        if traj.box.protocol == "codev":
-            calls = chat.parse_code_action(content) if cut else []
-        else:
-            calls = chat.parse_tool_calls(content, set(traj.box.tools)) if ended else []
-        traj.seconds = time.monotonic() - traj.started
-        if not calls:
-            truncated = len(ids) < len(c.token_ids) and not cut
-            traj.finish_reason = "stop" if stopped else ("max_total_tokens" if truncated else "length")
-        elif traj.turns >= limits.max_turns:
-            traj.finish_reason = "max_turns"
-        elif traj.seconds >= limits.max_seconds:
-            traj.finish_reason = "max_seconds"
-        else:
-            pending.append((traj, calls, [pool.submit(call_tool, traj.box, call) for call in calls]))
-    for traj, calls, futures in pending:
-        results, submitted = [], False
-        for call, future in zip(calls, futures):
-            result, seconds = future.result()
-            submitted |= result.stop
-            result.text, cut = chat.truncate_tool_text(tokenizer, result.text, limits.max_tool_response_tokens)
-            traj.tool_log.append({"turn": traj.turns, "name": call["name"] if isinstance(call, dict) else None,
-                                  "arguments": call["arguments"] if isinstance(call, dict) else call,
-                                  "output": result.text, "error": result.error, "seconds": seconds,
-                                  "images": result.images})
-            results.append(result)
-            traj.tool_calls += 1
-            traj.tool_errors += result.error
-            traj.tool_seconds += seconds
-            traj.truncated_responses += cut
-        traj.seconds = time.monotonic() - traj.started
-        if submitted:  # end on the policy's own turn: nothing after it is learned from
-            traj.finish_reason = "submit"
-            continue
-        images = [image for result in results for image in result.images]
-        if traj.box.protocol == "codev":
-            new_messages = [chat.observation_message("\n".join(r.text for r in results), len(images))]
-        else:
-            new_messages = [tool_message(result) for result in results]
-        ids = chat.template_suffix_ids(tokenizer, traj.messages, new_messages, traj.box.schemas, eot,
-                                       after_eot=traj.box.protocol != "codev")
-        added = sum(count_image(image) - 1 for image in images)
-        if traj.length + len(ids) + added >= limits.max_total_tokens:  # no room to answer: end on the policy's turn,
-            traj.finish_reason = "max_total_tokens"  # without the observation or its images
-            continue
-        traj.messages += new_messages
-        traj.completion_ids += ids
-        traj.loss_mask += [0] * len(ids)
-        traj.logprobs += [0.0] * len(ids)
-        traj.images += images
-        traj.image_tokens += added
+    if batch and all(traj.box.protocol == "codev" for traj in batch):  # the engine stops on </code>
+        turn_sampling.stop = [*sampling.stop, chat.CODE_STOP]  # (chat.code_stop decides)
+    return _generate(engine, [traj.prompt_ids + traj.completion_ids for traj in batch], turn_sampling,
+                     [list(traj.images) for traj in batch],
+                     sample_seeds(sampling, [(traj.group, traj.index, traj.turns) for traj in batch]))
 
 
-def _generate(engine: Engine, prompts: list[list[int]], sampling: Sampling, images: list[list[bytes]]):
+def _take_reply(tokenizer, traj: Trajectory, c, limits: AgentLimits, eot_id: int) -> list:
+    """Append a generated turn to its trajectory; returns the tool calls to run, or [] when the turn ended it (its
+    finish_reason set). What it sets depends only on the trajectory and the reply, never on the rest of the call."""
+    room = limits.max_total_tokens - traj.length
+    ids, logprobs = c.token_ids[:room], c.logprobs[:room]
+    # The tag protocol stops on </code>: what an engine generated after it is dropped, the ids kept as sampled.
+    cut = chat.code_stop(tokenizer, ids) if traj.box.protocol == "codev" else None
+    ids, logprobs = (ids[:cut], logprobs[:cut]) if cut else (ids, logprobs)
+    traj.completion_ids += ids
+    traj.loss_mask += [1] * len(ids)
+    traj.logprobs += logprobs
+    traj.turns += 1
+    ended = bool(ids) and ids[-1] == eot_id  # only a turn closed by the template's token can take tool results
+    stopped = ended or bool(cut) or (c.finish_reason == "stop" and len(ids) == len(c.token_ids))
+    content = tokenizer.decode(ids[:-1] if stopped and not cut else ids, skip_special_tokens=False)
+    traj.messages.append({"role": "assistant", "content": content})
+    if traj.box.protocol == "codev":
+        calls = chat.parse_code_action(content) if cut else []
+    else:
+        calls = chat.parse_tool_calls(content, set(traj.box.tools)) if ended else []
+    traj.seconds = time.monotonic() - traj.started
+    if not calls:  # a reply that filled the trajectory's room ran out of total tokens, whatever else was batched
+        traj.finish_reason = "stop" if stopped else ("max_total_tokens" if len(ids) >= room else "length")
+    elif traj.turns >= limits.max_turns:
+        traj.finish_reason = "max_turns"
+    elif traj.seconds >= limits.max_seconds:
+        traj.finish_reason = "max_seconds"
+    else:
+        return calls
+    return []
+
+
+def _take_tool_results(tokenizer, traj: Trajectory, returned: list[tuple], limits: AgentLimits, eot: str,
+                       count_image: Callable[[bytes], int]) -> bool:
+    """Append a turn's tool results ((call, result, seconds) in call order) as the template formats them (only that
+    suffix is tokenized), and log each call; returns whether the trajectory goes on (else its finish_reason is set)."""
+    results, submitted = [], False
+    for call, result, seconds in returned:
+        submitted |= result.stop
+        result.text, cut = chat.truncate_tool_text(tokenizer, result.text, limits.max_tool_response_tokens)
+        traj.tool_log.append({"turn": traj.turns, "name": call["name"] if isinstance(call, dict) else None,
+                              "arguments": call["arguments"] if isinstance(call, dict) else call,
+                              "output": result.text, "error": result.error, "seconds": seconds,
+                              "images": result.images})
+        results.append(result)
+        traj.tool_calls += 1
+        traj.tool_errors += result.error
+        traj.tool_seconds += seconds
+        traj.truncated_responses += cut
+    traj.seconds = time.monotonic() - traj.started
+    if submitted:  # end on the policy's own turn: nothing after it is learned from
+        traj.finish_reason = "submit"
+        return False
+    images = [image for result in results for image in result.images]
+    if traj.box.protocol == "codev":
+        new_messages = [chat.observation_message("\n".join(r.text for r in results), len(images))]
+    else:
+        new_messages = [tool_message(result) for result in results]
+    ids = chat.template_suffix_ids(tokenizer, traj.messages, new_messages, traj.box.schemas, eot,
+                                   after_eot=traj.box.protocol != "codev")
+    added = sum(count_image(image) - 1 for image in images)
+    if traj.length + len(ids) + added >= limits.max_total_tokens:  # no room to answer: end on the policy's turn,
+        traj.finish_reason = "max_total_tokens"  # without the observation or its images
+        return False
+    traj.messages += new_messages
+    traj.completion_ids += ids
+    traj.loss_mask += [0] * len(ids)
+    traj.logprobs += [0.0] * len(ids)
+    traj.images += images
+    traj.image_tokens += added
+    return True
+
+
+def sample_seeds(sampling: Sampling, turns: list[tuple[int, int, int]]) -> list[int] | None:
+    """The seed of each (group, index in the group, turn) under the rollout's seed `sampling.seed` (None without one):
+    a sample's tokens then depend on it alone, never on which samples share its engine call, the schedule or the rank.
+    Single-turn samples are turn 0."""
+    return None if sampling.seed is None else [engines.derive_seed(sampling.seed, *turn) for turn in turns]
+
+
+def _generate(engine: Engine, prompts: list[list[int]], sampling: Sampling, images: list[list[bytes]],
+              seeds: list[int] | None = None):
     """Images (each prompt's, in placeholder order) go to engines that take them; a text-only engine sees only their
-    placeholder tokens."""
+    placeholder tokens. Seeds (one per prompt) go to every engine when the rollout has them."""
+    extra = {} if seeds is None else {"seeds": seeds}
     if any(images) and "images" in inspect.signature(engine.generate).parameters:
-        return engine.generate(prompts, sampling, images=[i or None for i in images])
-    return engine.generate(prompts, sampling)
+        return engine.generate(prompts, sampling, images=[i or None for i in images], **extra)
+    return engine.generate(prompts, sampling, **extra)
 
 
 # External agents (--agent-cmd): one agent process per trajectory, talking to this rank's endpoint; each segment of
@@ -375,8 +470,8 @@ def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict],
                     keep_failed: bool = False, train_side_queries: bool = False) -> tuple[list[Sample], dict]:
     """`group_size` runs of `agent_cmd` (agent_server.start_agent's placeholders) per row, all at once, each killed
     (its process group) past limits.max_seconds; the rank's engine serves them (agent_server.AgentServer, sampling
-    fixed to `sampling`, replies within limits.max_total_tokens) until every agent on every rank has ended.
-    Collective under torchrun. Each recorded segment is a Sample of the row's group whose text is the agent's result
+    fixed to `sampling`, replies within limits.max_total_tokens, each request as it arrives) until this rank's
+    agents have ended. Collective under torchrun at the end only. Each recorded segment is a Sample of the row's group whose text is the agent's result
     file (what the reward grades; for swebench rows its patch). An agent that exits non-zero or is killed ends its
     session: its samples are dropped, or kept with keep_failed. `tools` names the rows' kind only (the agent brings
     its own tools). check: check_tito on every sample (tools/tito_drift_frac). Side segments (agent_server: another

@@ -100,6 +100,20 @@ class Args:
     """dual-clip constant c (> 1) bounding the loss of negative advantages; None = off (not with GSPO)"""
     tis_cap: float | None = None
     """truncated importance sampling: cap on exp(old - engine logprob); None = off"""
+    rollout_is: Literal["token", "sequence", None] = None
+    """rollout correction (losses.rollout_correction, verl's): importance weights per token or per sequence, capped at
+    --rollout-is-threshold; None = off (not with --tis-cap, which is --rollout-is token)"""
+    rollout_is_threshold: float = 2.0
+    """cap on the rollout-correction weights"""
+    rollout_rs: Literal["token", "sequence", "geometric", None] = None
+    """rollout correction's rejection: drop tokens, or sequences (by product or geometric mean), whose ratio leaves
+    [--rollout-rs-threshold-lower, --rollout-rs-threshold]; dropped tokens count as 0 in the loss's normaliser"""
+    rollout_rs_threshold: float | None = None
+    """upper bound of the rejection band (default: --rollout-is-threshold)"""
+    rollout_rs_threshold_lower: float | None = None
+    """lower bound of the rejection band (default: 1 / the upper)"""
+    rollout_veto_threshold: float | None = None
+    """drop every sequence holding a token whose ratio is below this (e.g. 1e-4); None = off"""
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", None] = None
     """how token losses become one number (verl's names; default: token-mean, GSPO's seq-mean-token-mean)"""
     kl_coef: float = 0.0
@@ -281,6 +295,9 @@ def check_variants(args: Args) -> None:
                          "--advantage reinforce++-baseline)")
     if args.max_sampling_tries < 1:
         raise ValueError(f"--max-sampling-tries must be >= 1, got {args.max_sampling_tries}")
+    if args.tis_cap is not None and (args.rollout_is or args.rollout_rs or args.rollout_veto_threshold):
+        raise ValueError("--tis-cap is rollout correction's token-level weight: use --rollout-is token "
+                         "--rollout-is-threshold instead of combining them")
     if args.overlong_buffer and (args.tools != "none" or not 0 < args.overlong_buffer <= args.max_new_tokens):
         raise ValueError(f"--overlong-buffer {args.overlong_buffer} must be in (0, --max-new-tokens "
                          f"{args.max_new_tokens}] and measures single-turn answers (--tools none)")
@@ -452,15 +469,18 @@ def collect_batch(run: Run, seconds: dict) -> tuple[list[rollout.Sample], list[r
 
 def sample_prompts(run: Run, tries: int, seconds: dict) -> tuple[list[rollout.Sample], dict]:
     """Phases 1-4: this rank's next prompts (a seeded shuffle per epoch, so resuming replays the same order), the
-    engine woken with the current weights, `group_size` rollouts of each, the engine put back to sleep."""
+    engine woken with the current weights, `group_size` rollouts of each (seeded per sample and turn), the engine put
+    back to sleep."""
     args, per_rank = run.args, run.args.prompts_per_step // run.world
     rows = data_prep.in_epoch_order(run.rows, run.data_pos + run.rank * per_rank, per_rank, args.seed)
     run.data_pos += args.prompts_per_step
     first_group = tries * args.prompts_per_step + run.rank * per_rank  # group ids unique over ranks and rounds
+    # Each sample's tokens come from its own seed (step, round, group, index, turn): a resumed run repeats them.
+    sampling = dataclasses.replace(run.sampling, seed=engines.derive_seed(args.seed, run.step, tries))
     with runlog.timed(seconds, "wake_and_sync"):
         wake_with_current_weights(run)
     with runlog.timed(seconds, "rollout"):
-        samples, metrics = run_rollouts(run, rows, args.group_size, run.sampling, first_group)
+        samples, metrics = run_rollouts(run, rows, args.group_size, sampling, first_group)
         run.engine.sleep()
     return samples, metrics
 
@@ -622,6 +642,13 @@ def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_log
         micro_mask, micro_engine, micro_advantages = (policy.rows_of(x, micro, logprobs)
                                                       for x in (mask, engine_logprobs, advantages))
         old = logprobs.detach() if old_logprobs is None else policy.rows_of(old_logprobs, micro, logprobs)
+        weights = None
+        if args.rollout_is or args.rollout_rs or args.rollout_veto_threshold:
+            weights, micro_mask, correction = losses.rollout_correction(
+                old, micro_engine, micro_mask, args.rollout_is, args.rollout_is_threshold, args.rollout_rs,
+                args.rollout_rs_threshold, args.rollout_rs_threshold_lower, args.rollout_veto_threshold)
+            for k, v in correction.items():  # token means: weighted by this micro-batch's share of the tokens
+                stats[f"rollout_corr/{k}"] += v * policy.rows_of(mask, micro, logprobs).sum().item() / global_tokens
         if args.policy_loss == "gspo":
             token_loss, loss_stats = losses.gspo_loss(
                 logprobs, old, micro_advantages, micro_mask, clip_low=args.clip_low, clip_high=args.clip_high,
@@ -630,6 +657,8 @@ def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_log
             token_loss, loss_stats = losses.clipped_policy_loss(
                 logprobs, old, micro_advantages, micro_mask, clip_low=args.clip_low, clip_high=args.clip_high,
                 dual_clip=args.dual_clip, engine_logprobs=micro_engine if args.tis_cap else None, tis_cap=args.tis_cap)
+        if weights is not None:  # elementwise, as --tis-cap's weight: after the clip, 0 off the mask
+            token_loss = token_loss * weights
         loss = losses.aggregate(token_loss, micro_mask, args.loss_agg, num_tokens=global_tokens,
                                 num_seqs=global_seqs, max_len=args.max_new_tokens) * run.world
         stats["actor/pg_loss"] += loss.item() / run.world

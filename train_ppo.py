@@ -380,7 +380,9 @@ def collect_samples(run: Run, seconds: dict) -> tuple[list[rollout.Sample], dict
         run.engine.wake_up()
         run.engine.load_weights(policy.iter_full_weights(run.model))
     with runlog.timed(seconds, "rollout"):
-        samples, rollout_metrics = rollout.collect(run.engine, run.tokenizer, rows, args.group_size, run.sampling,
+        # Each sample's tokens come from its own seed (step, group, index, turn): a resumed run repeats them.
+        sampling = dataclasses.replace(run.sampling, seed=engines.derive_seed(args.seed, run.step))
+        samples, rollout_metrics = rollout.collect(run.engine, run.tokenizer, rows, args.group_size, sampling,
                                                    args.tools, run.limits, first_group=run.rank * len(rows),
                                                    check=args.check_tito, eot=args.end_of_turn)
         run.engine.sleep()
@@ -525,7 +527,8 @@ def evaluate(run: Run) -> dict:
     keeps the policy in <output_dir>/best when it is the best so far. Collective."""
     args = run.args
     rows = run.eval_rows[run.rank :: run.world]
-    sampling = dataclasses.replace(run.sampling, temperature=args.eval_temperature)
+    sampling = dataclasses.replace(run.sampling, temperature=args.eval_temperature,
+                                   seed=engines.derive_seed(args.seed, "eval", run.step))
     run.engine.wake_up()
     run.engine.load_weights(policy.iter_full_weights(run.model))
     samples, _ = rollout.collect(run.engine, run.tokenizer, rows, args.eval_samples, sampling, args.tools,

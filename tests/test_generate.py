@@ -113,7 +113,7 @@ class ToolThenAnswer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, seeds=None):
         call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(6 * 7)"}}\n</tool_call>'
         out = []
         for prompt in prompts:
@@ -143,11 +143,11 @@ def test_a_failed_run_leaves_the_previous_output_whole(toy, tmp_path, one_rank, 
     calls = []
     real = engines.HFEngine.generate
 
-    def fail_on_second_round(self, prompts, sampling):
+    def fail_on_second_round(self, prompts, sampling, seeds=None):
         calls.append(len(prompts))
         if len(calls) == 2:
             raise RuntimeError("engine died")
-        return real(self, prompts, sampling)
+        return real(self, prompts, sampling, seeds=seeds)
 
     monkeypatch.setattr(engines.HFEngine, "generate", fail_on_second_round)
     with pytest.raises(RuntimeError, match="engine died"):

@@ -31,7 +31,7 @@ class LengthsEngine:
     def __init__(self, lengths: list[int], stop_id: int):
         self.lengths, self.stop_id = lengths, stop_id
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, seeds=None):
         out = []
         for i, _ in enumerate(prompts):
             n = self.lengths[i % len(self.lengths)]

@@ -392,3 +392,40 @@ def test_log_ratio_is_clamped_so_a_huge_ratio_stays_finite(dual_clip):
         close(loss.double(), [[first, 1.0 if fn is losses.clipped_policy_loss else 0.0]], atol=first * 1e-6)
         loss.sum().backward()
         assert torch.isfinite(logprobs.grad).all() and math.isfinite(stats["ppo_kl"]), (fn, logprobs.grad, stats)
+
+
+def test_rollout_correction_weights_and_rejections_by_hand():
+    """Two sequences, rho = exp(old - engine): [2, 1, 1/4] (product 1/2, geometric mean 2^(-1/3)) and [1/2, 1/2]
+    (product 1/4, geometric mean 1/2); the padding holds a ratio of e^100 that nothing may see."""
+    ln = math.log
+    old = torch.tensor([[ln(2), 0.0, ln(0.25), 100.0], [ln(0.5), ln(0.5), 100.0, 100.0]])
+    engine = torch.zeros(2, 4)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    token, kept, stats = losses.rollout_correction(old, engine, mask, "token", is_threshold=1.5)
+    close(token, [[1.5, 1, 0.25, 0], [0.5, 0.5, 0, 0]])
+    assert kept.tolist() == mask.tolist() and stats["rs_rejected_frac"] == 0 and stats["veto_frac"] == 0
+    assert stats["kl"] == pytest.approx(3 * ln(2) / 5)  # mean of engine - old
+    assert stats["k3_kl"] == pytest.approx(((2 - 1 - ln(2)) + (0.25 - 1 + ln(4)) + 2 * (0.5 - 1 + ln(2))) / 5)
+    assert stats["is_weight_mean"] == pytest.approx((1.5 + 1 + 0.25 + 0.5 + 0.5) / 5)
+    sequence, _, _ = losses.rollout_correction(old, engine, mask, "sequence", is_threshold=2.0)
+    close(sequence, [[0.5, 0.5, 0.5, 0], [0.25, 0.25, 0, 0]])
+    capped, _, _ = losses.rollout_correction(-old, engine, mask, "sequence", is_threshold=3.0)  # products 2 and 4
+    close(capped, [[2, 2, 2, 0], [3, 3, 0, 0]])
+    # rejection within [1/3, 3]: the token 1/4; the sequence of product 1/4; by geometric mean within [2/3, 3/2],
+    # the sequence of mean 1/2
+    weights, kept, stats = losses.rollout_correction(old, engine, mask, rs_level="token", rs_threshold=3.0)
+    assert weights is None and kept.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]]
+    assert stats["rs_rejected_frac"] == pytest.approx(1 / 5) and "is_weight_mean" not in stats
+    _, kept, _ = losses.rollout_correction(old, engine, mask, rs_level="sequence", rs_threshold=3.0)
+    assert kept.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0]]
+    _, kept, _ = losses.rollout_correction(old, engine, mask, rs_level="geometric", rs_threshold=1.5)
+    assert kept.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0]]
+    _, kept, _ = losses.rollout_correction(old, engine, mask, rs_level="geometric", rs_threshold=1.5,
+                                           rs_threshold_lower=0.4)
+    assert kept.tolist() == mask.tolist()
+    # veto: a token 4x less likely under the trainer than the engine drops its whole sequence
+    weights, kept, stats = losses.rollout_correction(old, engine, mask, "token", 1.5, veto_threshold=0.3)
+    assert kept.tolist() == [[0, 0, 0, 0], [1, 1, 0, 0]] and stats["veto_frac"] == 0.5
+    assert stats["is_weight_mean"] == pytest.approx(0.5)  # over the kept tokens
+    with pytest.raises(ValueError, match="is_level 'seq'"):
+        losses.rollout_correction(old, engine, mask, "seq")

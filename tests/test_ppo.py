@@ -86,7 +86,7 @@ class ScriptedEngine:
         self.task_of = {tuple(chat.encode_prompt(tokenizer, r["prompt"])): data_prep.row_id(r) for r in rows}
         self.answers = answers
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, seeds=None):
         out = []
         for prompt in prompts:
             ids = self.tokenizer.encode(self.answers[self.task_of[tuple(prompt)]], add_special_tokens=False)
@@ -256,7 +256,7 @@ class ToolThenAnswerEngine:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, seeds=None):
         out = []
         for prompt in prompts:
             seen_tool = "<tool_response>" in self.tokenizer.decode(prompt)

@@ -63,10 +63,25 @@ def task(tmp_path_factory):
     return root, model
 
 
+# What the wall clock decides: times, and how the independent scheduler's engine calls formed around tool timing.
+SCHEDULE = ("timing_s/", "perf/", "rollout/seconds", "rollout/tokens_per_s", "timestamp", "tools/seconds",
+            "tools/agent_seconds", "rollout/engine_busy_frac", "tools/busy_frac", "rollout/engine_calls",
+            "rollout/in_flight_mean", "tools/running_max")
+
+
 def deterministic(metrics: dict) -> dict:
-    return {k: v for k, v in metrics.items()
-            if not k.startswith(("timing_s/", "perf/", "rollout/seconds", "rollout/tokens_per_s", "timestamp",
-                                 "tools/seconds", "tools/agent_seconds"))}
+    return {k: v for k, v in metrics.items() if not k.startswith(SCHEDULE)}
+
+
+def assert_same_step(got: dict, want: dict) -> None:
+    """Every sample's tokens come from its own seeds, so a repeated step has the same samples, rewards and update,
+    exactly. The engine's logprobs alone may move in the last bits: which trajectories share an HFEngine call follows
+    the tools' timing, and a batch's padding and size change fp32 rounding on CPU (a logprob moves by 4.8e-7 at most
+    over 169 rows of the tiny text and vision models; test_rollout holds it to 1e-6). mismatch/engine_abs, a mean of
+    them, is held to 1e-6 (3.6e-9 apart in one run)."""
+    got, want = deterministic(got), deterministic(want)
+    assert got.pop("mismatch/engine_abs") == pytest.approx(want.pop("mismatch/engine_abs"), abs=1e-6, rel=0)
+    assert got == want
 
 
 def test_two_rank_grpo_on_vision_toy_with_the_python_tool(task, tmp_path):
@@ -104,4 +119,5 @@ def test_two_rank_grpo_on_vision_toy_with_the_python_tool(task, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     again = [json.loads(line) for line in open(resumed / "metrics.jsonl")]
     again = {m["step"]: m for m in again if "critic/score/mean" in m}
-    assert sorted(again) == [1, 2] and deterministic(again[2]) == deterministic(steps[1])
+    assert sorted(again) == [1, 2]
+    assert_same_step(again[2], steps[1])

@@ -98,7 +98,8 @@ def test_kwargs_builders():
                                                        stop_token_ids=[2, 0]))
     assert sp == dict(n=1, max_tokens=7, temperature=0.6, top_p=0.9, top_k=20, stop_token_ids=[2, 0], stop=[],
                       include_stop_str_in_output=True, skip_special_tokens=False, logprobs=0, flat_logprobs=True,
-                      detokenize=False)  # no stop strings: vLLM need not detokenize
+                      detokenize=False, seed=None)  # no stop strings: vLLM need not detokenize
+    assert engines.vllm_sampling_kwargs(engines.Sampling(), seed=11)["seed"] == 11  # the request's own generator
     with_stop = engines.vllm_sampling_kwargs(engines.Sampling(max_new_tokens=7, stop=["</code>"]))
     assert with_stop["stop"] == ["</code>"] and with_stop["detokenize"] is True
     assert engines.vllm_prompt((1, 2)) == {"prompt_token_ids": [1, 2]}
@@ -215,6 +216,11 @@ def test_vllm_engine_step_sequence(engine):
     assert engine.last_metrics["vllm/sync_bytes"] == 64 + 32 + 8 and engine.last_metrics["vllm/sync_buckets"] == 2
     out = engine.generate([[4, 5], [6]], engines.Sampling(max_new_tokens=2))
     assert [(c.token_ids, c.logprobs) for c in out] == [([5, 5], [-1.0, -1.0]), ([6, 6], [-1.0, -1.0])]
+    assert llm.params["seed"] is None  # one SamplingParams for the call: the engine's own stream
+    engine.generate([[4, 5], [6]], engines.Sampling(max_new_tokens=2), seeds=[11, 12])
+    assert [params["seed"] for params in llm.params] == [11, 12]  # one SamplingParams per request, with its seed
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        engine.generate([[4, 5], [6]], engines.Sampling(max_new_tokens=2), seeds=[11])
     assert engine.last_metrics["vllm/generate_tokens_per_s"] > 0
     llm.calls.clear()
     engine.sleep()

@@ -134,6 +134,11 @@ def test_sampling_params(temperature):
                                                                                                        False)
     assert params.stop_token_ids == [2] and params.top_k == 0
     assert params.sampling_type == (SamplingType.GREEDY if temperature == 0 else SamplingType.RANDOM)
+    assert params.seed is None
+    seeded = SamplingParams(**engines.vllm_sampling_kwargs(sampling, seed=2**62 + 5))  # derive_seed's 63 bits
+    assert seeded.seed == 2**62 + 5
+    if temperature > 0:
+        assert seeded.sampling_type == SamplingType.RANDOM_SEED  # its own generator in vLLM's sampler
 
 
 def png(width: int, height: int) -> bytes:
