@@ -131,9 +131,12 @@ def main(args: Args) -> dict:
     records = [json.loads(line) for line in open(out / "grpo" / "metrics.jsonl")]
     train_steps = [m for m in records if "critic/score/mean" in m]
     trajectories = args.prompts_per_step * args.group_size
-    train_drifted = round(sum(m["tools/tito_drift_frac"] for m in train_steps) * trajectories)
+    train_split = round(sum(m["tools/tito_drift_frac"] for m in train_steps) * trajectories)
+    train_mask_drifted = round(sum(m["tools/tito_mask_drift_frac"] for m in train_steps) * trajectories)
     checked = len(train_steps) * trajectories + 2 * len(test)
-    drifted = train_drifted + before["drifted"] + after["drifted"]
+    mask_drifted = train_mask_drifted + before["mask_drifted"] + after["mask_drifted"]
+    calls_first, calls_last = (sum(m["tools/calls_mean"] for m in part) / len(part)
+                               for part in (train_steps[:5], train_steps[-5:]))
     png = plot(train_steps, before, after, out / "curves.png", args.seed)
     minutes = (time.perf_counter() - start) / 60
     print(f"\nheld-out pass rate: {before['pass_rate']:.1%} before GRPO -> {after['pass_rate']:.1%} after "
@@ -142,21 +145,24 @@ def main(args: Args) -> dict:
     losses = sum(b and not a for a, b in zip(after["passed"], before["passed"]))
     print(f"held-out tasks GRPO taught: {wins}, unlearnt: {losses}; the chance of a lift this size or more if GRPO "
           f"changed nothing (one-sided sign test): {sign_test_p(wins, losses):.1e}")
-    print(f"held-out tool-call rate: {before['tool_call_rate']:.1%} -> {after['tool_call_rate']:.1%}; tool calls that "
-          f"compute the answer: {before['calls_right']:.1%} -> {after['calls_right']:.1%}; calls that run without "
-          f"error: {before['calls_ran']:.1%} -> {after['calls_ran']:.1%}")
-    print(f"check_tito: {checked} trajectories compared with the chat template's rendering (ids and loss mask): "
-          f"{train_drifted} of {len(train_steps) * trajectories} in training drifted (sampled at T=1; the trainer "
-          f"printed each step's first drift above), {before['drifted'] + after['drifted']} of {2 * len(test)} held-out")
+    print(f"held-out tool-call rate (greedy): {before['tool_call_rate']:.1%} -> {after['tool_call_rate']:.1%}; tool "
+          f"calls that compute the answer: {before['calls_right']:.1%} -> {after['calls_right']:.1%}; calls that run "
+          f"without error: {before['calls_ran']:.1%} -> {after['calls_ran']:.1%}")
+    print(f"tool calls per training trajectory (sampled at T=1): {calls_first:.2f} in the first 5 GRPO steps -> "
+          f"{calls_last:.2f} in the last 5")
+    print(f"check_tito: {checked} trajectories compared with the chat template's rendering: {mask_drifted} with a "
+          f"loss mask on anything but the policy's own tokens (tool calls' outputs, the template's turns) or other "
+          f"text; {train_split} of {len(train_steps) * trajectories} in training and "
+          f"{before['split'] + after['split']} of {2 * len(test)} held-out sampled a split of the text other than the "
+          f"tokenizer's (ids drift: trained as sampled, never re-tokenized)")
     print(f"seed {args.seed}, wall time {minutes:.1f} min, load average {os.getloadavg()[0]:.1f}; metrics "
           f"{out / 'grpo' / 'metrics.jsonl'}, samples {out / 'grpo' / 'samples.jsonl'}, held-out trajectories "
           f"{out / 'held_out_before.jsonl'} and {out / 'held_out_after.jsonl'}, curves {png}, eval report "
           f"{out / 'grpo' / 'eval_report.md'}")
     return {"before": before["pass_rate"], "after": after["pass_rate"], "wins": wins, "losses": losses,
             "tool_call_rate": (before["tool_call_rate"], after["tool_call_rate"]),
-            "calls_right": (before["calls_right"], after["calls_right"]), "checked": checked, "drifted": drifted,
-            "train_drifted": train_drifted,
-            "minutes": minutes}
+            "calls_right": (before["calls_right"], after["calls_right"]), "train_calls": (calls_first, calls_last),
+            "checked": checked, "mask_drifted": mask_drifted, "train_split": train_split, "minutes": minutes}
 
 
 def tokenizer_corpus(conversations: list[dict]) -> list[str]:
@@ -173,7 +179,8 @@ def held_out(model: str, rows: list[dict], samples_path: Path) -> dict:
     """Greedy agent rollouts of `model` (a Hugging Face folder or a kiln checkpoint) on `rows`, in this process, as
     the trainer runs them; each checked with chat.check_tito and graded. Returns the pass rate, the share of tasks
     where the agent called its tool, the shares of calls that ran without error and that printed the right answer,
-    drifted trajectories, and the eval_report.report summary. The trajectories go to `samples_path`."""
+    the trajectories with any drift (split) and with a mask or text drift, and the eval_report.report summary. The
+    trajectories go to `samples_path`."""
     hf_dir = Path(generate.hf_folder(model))
     tokenizer = policy.load_tokenizer(str(hf_dir))
     engine = generate.load_generator(generate.GenerateArgs(model=model, data=""), tokenizer, torch.device("cpu"))
@@ -196,7 +203,7 @@ def held_out(model: str, rows: list[dict], samples_path: Path) -> dict:
             "calls_ran": 1 - sum(s.info["tool_errors"] for s in samples) / max(calls, 1),
             "calls_right": sum(o == s.row["reward_model"]["ground_truth"] for s, out in zip(samples, outputs)
                                for o in out) / max(calls, 1),
-            "drifted": sum(bool(d) for d in drifts),
+            "split": sum(bool(d) for d in drifts), "mask_drifted": sum(chat.mask_drifted(d) for d in drifts),
             "summary": eval_report.report({data_prep.row_id(r): r for r in rows},
                                       [data_prep.row_id(s.row) for s in samples],
                                       [rewards.for_report(r) for r in results])}
@@ -211,7 +218,8 @@ def sign_test_p(wins: int, losses: int) -> float:
 
 def held_out_line(when: str, result: dict) -> str:
     return (f"held-out {when}: pass rate {result['pass_rate']:.1%}, tool-call rate {result['tool_call_rate']:.1%}, "
-            f"tool calls that compute the answer {result['calls_right']:.1%}, check_tito drifts {result['drifted']}")
+            f"tool calls that compute the answer {result['calls_right']:.1%}, check_tito mask drifts "
+            f"{result['mask_drifted']}")
 
 
 def plot(train: list[dict], before: dict, after: dict, png: Path, seed: int) -> Path:

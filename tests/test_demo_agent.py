@@ -31,7 +31,7 @@ def test_the_shortened_demo_lifts_tool_use_and_trains_only_the_policys_own_token
     trajectories = args.grpo_steps * args.prompts_per_step * args.group_size
     assert result["checked"] == trajectories + 2 * args.n_test and result["mask_drifted"] == 0, result
     assert result["after"] > result["before"] and result["wins"] > result["losses"], result
-    assert demo_agent.sign_test_p(result["wins"], result["losses"]) < 1e-3, result  # by chance: under 1 in 1000
+    assert demo_agent.sign_test_p(result["wins"], result["losses"]) < 0.01, result  # by chance: under 1 in 100
     records = [json.loads(line) for line in open(tmp_path / "grpo" / "metrics.jsonl")]
     train = [m for m in records if "critic/score/mean" in m]
     assert [m["step"] for m in train] == list(range(1, args.grpo_steps + 1))
