@@ -226,7 +226,10 @@ def test_a_trainer_interrupted_mid_rollout_removes_its_containers(docker_client,
               f"boxes = [tools.swe_toolbox(data_prep.load_rows({str(tmp_path / 'row.parquet')!r})[0]) "
               "for _ in range(2)]\n"
               "print('ready', flush=True)\ntime.sleep(600)\n")
-    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    # A suite started in the background (`make test &`) ignores SIGINT, and a child inherits that: give the trainer
+    # the default disposition a terminal's Ctrl-C meets.
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert trainer.stdout.readline() == "ready\n"
         owner = f"{containers.owner_label().rpartition(':')[0]}:{trainer.pid}"
