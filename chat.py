@@ -326,6 +326,10 @@ def check_tito(tokenizer, sample, messages: list[dict], tools: list[dict] | None
         # A sampled split of the same text (the policy may spell "x /" as two tokens where the tokenizer makes one)
         # still has a loss mask to check, against its own tokens' places in the text.
         offsets = decoded_offsets(tokenizer, got, text)
+        if offsets is None and open_end and got[-1] in tokenizer.all_special_ids:
+            # the policy ended its last turn on another stop token than the template's (<|endoftext|>): its own token
+            offsets = decoded_offsets(tokenizer, got[:-1], text)
+            offsets = offsets and offsets + [(len(text), len(text))]
         if offsets is None:
             findings.append("text drift: the trajectory's ids do not decode to the template's rendering")
             return findings

@@ -240,6 +240,18 @@ def test_check_tito_checks_the_mask_of_a_sampled_split_too(tokenizer):
     assert chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"])[1].startswith("text drift")
 
 
+def test_check_tito_takes_another_stop_token_at_the_end_for_the_policys_own(tokenizer):
+    """A last turn the policy ended on <|endoftext|> (a stop token too) instead of the template's <|im_end|>: an ids
+    drift, its own sampled token, trained; the mask is still checked."""
+    sample, _, _ = run_fixture(tokenizer, FIXTURES["consecutive_tools"])
+    assert sample.completion_ids[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>") and sample.loss_mask[-1] == 1
+    sample.completion_ids[-1] = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    [finding] = chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"])
+    assert finding.startswith("ids drift") and not chat.mask_drifted([finding])
+    sample.loss_mask[-1] = 0
+    assert chat.mask_drifted(chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"]))
+
+
 WORDS = ["x", "print(x)", "def", "f(a):", "return", "a", "+", "1", "The", "answer", "is", "3.", "<think>", "</think>",
          "```python", "```", "é", "中文", "(", ")", "=", "for", "in", "range(3):"]
 text = st.lists(st.sampled_from(WORDS), min_size=1, max_size=12).map(
