@@ -85,20 +85,22 @@ def test_a_shared_system_prompt_runs_once_with_the_same_loss_and_gradients(model
     assert all(ids[:shared] == encoded[0][0][:shared] for ids, _, _ in encoded)
     assert train_sft.shared_prefix_length([(*chat.encode_conversation(tokenizer, c), []) for c in CONVERSATIONS]) < 8
     tokens = sum(sum(mask) for _, mask, _ in encoded)
-    results = []
+    results, tokens_run = [], []
+    counting = model.get_input_embeddings().register_forward_hook(lambda _, args, out: tokens_run.append(out.shape[1]))
     for prefix in (1, shared):
         model.zero_grad()
         loss = train_sft.sft_loss(model, encoded, tokens, prefix)
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    counting.remove()
     (whole, whole_grads), (once, once_grads) = results
     torch.testing.assert_close(once, whole, rtol=1e-5, atol=1e-6)
     for a, b in zip(once_grads, whole_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     packed = policy.pack(list(range(3)), [ids for ids, _, _ in encoded], 10**6, [shared] * 3, model)
     assert packed == [[0, 1, 2]]
-    row = policy._packed_row(model, [ids for ids, _, _ in encoded], [shared] * 3, True)
-    assert row.ids.shape[1] == sum(len(ids) for ids, _, _ in encoded) - 2 * shared  # the prompt ran once, not thrice
+    whole_tokens = sum(len(ids) for ids, _, _ in encoded)
+    assert tokens_run == [whole_tokens - 2, whole_tokens - 2 * shared]  # the prompt ran once, not thrice
 
 
 @pytest.mark.parametrize("chat_format", ["qwen", "llama3"])
