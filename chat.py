@@ -27,6 +27,13 @@ CODE_OPEN, CODE_STOP, ANSWER_OPEN = "<code>", "</code>", "<answer>"
 OBSERVATION_OPEN, OBSERVATION_CLOSE = "<sandbox_output>", "</sandbox_output>"
 CODE_FENCE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n?(.*?)```", re.DOTALL)
 IMAGE_PAD = "<|image_pad|>"
+DECODE_CONTEXT = 8  # tokens decoded before each one: a decoder treats a text's first token or a split character apart
+
+
+def special_ids(tokenizer) -> set[int]:
+    """The tokenizer's special tokens: those of its template (<|im_end|>, <|eot_id|>) as well as bos/eos/pad
+    (`all_special_ids` leaves out added special tokens that have no role such as eos)."""
+    return {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
 
 
 def end_of_turn(tokenizer, override: str | None = None) -> str:
@@ -41,7 +48,7 @@ def end_of_turn(tokenizer, override: str | None = None) -> str:
     text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}],
                                          tokenize=False)
     after = text[text.rindex(probe) + len(probe):]
-    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    special = special_ids(tokenizer)
     found = next((i for i in tokenizer(after, add_special_tokens=False)["input_ids"] if i in special), None)
     if found is None:
         raise ValueError(f"the chat template writes no special token after an assistant message (it writes {after!r}): "
@@ -193,7 +200,7 @@ def encode_text(tokenizer, text: str, plain: list[tuple[int, int]],
     template's tokens. The tokenizer splits at special tokens anyway, so outside those spans nothing changes."""
     encoded = tokenizer(text[start:], add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"], [(a + start, b + start) for a, b in encoded["offset_mapping"]]
-    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    special = special_ids(tokenizer)
     in_plain = [any(lo <= a < hi for lo, hi in plain) for a, _ in offsets]
     if not any(i in special and inside for i, inside in zip(ids, in_plain)):
         return ids, offsets
@@ -280,59 +287,82 @@ def shown(tokenizer, ids: list[int]) -> str:
     return f"{ids} {ascii(tokenizer.decode(ids))}"
 
 
-def mask_drifted(findings: list[str]) -> bool:
+def mask_drifted(findings: dict[str, str]) -> bool:
     """Whether check_tito's findings go beyond a sampled split of the template's text: a loss mask that would train
     other tokens than the assistant's, or other text."""
-    return any(not f.startswith("ids drift") for f in findings)
+    return bool(findings.keys() - {"ids"})
 
 
 def decoded_offsets(tokenizer, ids: list[int], text: str) -> list[tuple[int, int]] | None:
-    """Character offsets in `text` of each of `ids`, a tokenization of it that need not be the tokenizer's own, read
-    off the decoded prefixes; None when the ids do not decode to `text`."""
-    def decoded(n: int) -> str:
-        return tokenizer.decode(ids[:n], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    """Character offsets in `text` of each of `ids`, a tokenization of it that need not be the tokenizer's own; None
+    when the ids do not decode to `text`. A token's characters are what it adds to the decoding of the few tokens
+    before it, so the work is linear in the ids (decoding every prefix would be quadratic)."""
+    def decoded(start: int, stop: int) -> str:
+        return tokenizer.decode(ids[start:stop], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    if decoded(len(ids)) != text:
+    if decoded(0, len(ids)) != text:
         return None
-    ends = [len(decoded(n)) for n in range(1, len(ids) + 1)]
-    return list(zip([0] + ends[:-1], ends))
+    offsets, end = [], 0
+    for n in range(1, len(ids) + 1):
+        start = max(0, n - 1 - DECODE_CONTEXT)
+        begin, end = end, end + len(decoded(start, n)) - len(decoded(start, n - 1))
+        offsets.append((begin, end))
+    return offsets
 
 
 def check_tito(tokenizer, sample, messages: list[dict], tools: list[dict] | None = None,
-               eot: str | None = None, open_turns=()) -> list[str]:
+               eot: str | None = None, open_turns=()) -> dict[str, str]:
     """Drift between a trajectory (a rollout.Sample, or anything with its ids, prompt_ids and loss_mask) and the chat
     template's rendering of the same messages (tokenized whole, tool output as plain text): ids that differ, and
-    loss-mask positions that are not exactly the assistant turns' content plus their end-of-turn token `eot` (default:
-    end_of_turn's) where the policy sampled it (not after a code action, nor after the assistant messages whose
-    indices are in `open_turns`: replies cut by a token budget or a stop string, closed by the template). When the ids
-    are another split of the same text, the mask is still checked, on the trajectory's own tokens. Returns
-    human-readable findings ("ids drift", "text drift", "loss mask drift"); [] = no drift."""
+    loss-mask positions that are not exactly the assistant turns' content plus the token that closed them where the
+    policy sampled it: the end-of-turn token `eot` (default: end_of_turn's), or for the last turn any special token it
+    stopped on. Not after a code action, nor after the assistant messages whose indices are in `open_turns`: replies
+    cut by a token budget or a stop string, closed by the template. When the ids are another split of the same text,
+    the mask is still checked, on the trajectory's own tokens. Returns the findings by kind, each with a readable
+    detail: "ids" (another split of the text), "text" (other text) and "mask" (a loss mask drift); {} = no drift."""
     eot = eot or end_of_turn(tokenizer)
     text = render(tokenizer, messages, tools, add_generation_prompt=False)
     plain = tool_spans(tokenizer, messages, tools, False, text)
-    # A trajectory that ends on an assistant turn ends on the policy's last token: its end-of-turn token, or the token
-    # before where the template would write one (stopped on </code>, or cut by a limit).
-    open_end = messages[-1]["role"] == "assistant" and not (sample.ids and
-                                                            sample.ids[-1] == tokenizer.convert_tokens_to_ids(eot))
-    if messages[-1]["role"] == "assistant":
-        text = text[: text.rindex(eot) + (0 if open_end else len(eot))]
+    # A trajectory that ends on an assistant turn ends on the policy's last token: a special token it stopped on (the
+    # template's end-of-turn, or another such as <|endoftext|>), or the token before where the template would close
+    # the turn (stopped on </code>, or cut by a limit).
+    ends_on_assistant = messages[-1]["role"] == "assistant"
+    stop = sample.ids[-1] if ends_on_assistant and sample.ids and sample.ids[-1] in special_ids(tokenizer) else None
+    stop_text = "" if stop is None else tokenizer.convert_ids_to_tokens(stop)
+    if ends_on_assistant:
+        text = text[: text.rindex(eot)] + stop_text
     want, offsets = encode_text(tokenizer, text, plain)
-    findings = []
+    findings = {}
     got = sample.ids
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
     if first < max(len(got), len(want)):
-        findings.append(f"ids drift at token {first} of {len(got)} (template: {len(want)} tokens): trajectory "
-                        f"{shown(tokenizer, got[first:first + 8])} vs template {shown(tokenizer, want[first:first + 8])}")
+        findings["ids"] = (f"ids drift at token {first} of {len(got)} (template: {len(want)} tokens): trajectory "
+                           f"{shown(tokenizer, got[first:first + 8])} vs template "
+                           f"{shown(tokenizer, want[first:first + 8])}")
         # A sampled split of the same text (the policy may spell "x /" as two tokens where the tokenizer makes one)
         # still has a loss mask to check, against its own tokens' places in the text.
         offsets = decoded_offsets(tokenizer, got, text)
-        if offsets is None and open_end and got[-1] in tokenizer.all_special_ids:
-            # the policy ended its last turn on another stop token than the template's (<|endoftext|>): its own token
-            offsets = decoded_offsets(tokenizer, got[:-1], text)
-            offsets = offsets and offsets + [(len(text), len(text))]
         if offsets is None:
-            findings.append("text drift: the trajectory's ids do not decode to the template's rendering")
+            findings["text"] = "text drift: the trajectory's ids do not decode to the template's rendering"
             return findings
+    spans = []  # character spans of each assistant turn: content + the token that closed it if the policy sampled it
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            begin = len(render(tokenizer, messages[:i], tools, add_generation_prompt=True))
+            end = render(tokenizer, messages[: i + 1], tools, add_generation_prompt=False).rindex(eot)
+            last = i == len(messages) - 1
+            unsampled = is_action_turn(messages, i) or i in open_turns or (last and stop is None)
+            spans.append((begin, end + (0 if unsampled else len(stop_text if last else eot))))
+    # The prompt is never trained, assistant turns in it (a conversation resumed from its messages) included.
+    want_mask = [int(k >= len(sample.prompt_ids) and any(b <= s and e <= c for b, c in spans))
+                 for k, (s, e) in enumerate(offsets)]
+    mask = [0] * len(sample.prompt_ids) + list(sample.loss_mask)
+    wrong = [i for i, (a, b) in enumerate(zip(mask, want_mask)) if a != b]
+    if wrong:
+        findings["mask"] = (f"loss mask drift at {len(wrong)} tokens, first {wrong[0]} "
+                            f"({shown(tokenizer, got[wrong[0]:wrong[0] + 1])}: mask {mask[wrong[0]]}, "
+                            f"want {want_mask[wrong[0]]})")
+    return findings
     spans = []  # character spans of each assistant turn: content + the end-of-turn token if the policy sampled it
     for i, m in enumerate(messages):
         if m["role"] == "assistant":

@@ -131,7 +131,7 @@ def main(args: Args) -> dict:
     records = [json.loads(line) for line in open(out / "grpo" / "metrics.jsonl")]
     train_steps = [m for m in records if "critic/score/mean" in m]
     trajectories = args.prompts_per_step * args.group_size
-    train_split = round(sum(m["tools/tito_drift_frac"] for m in train_steps) * trajectories)
+    train_split = round(sum(m["tools/tito_split_frac"] for m in train_steps) * trajectories)
     train_mask_drifted = round(sum(m["tools/tito_mask_drift_frac"] for m in train_steps) * trajectories)
     checked = len(train_steps) * trajectories + 2 * len(test)
     mask_drifted = train_mask_drifted + before["mask_drifted"] + after["mask_drifted"]
@@ -179,7 +179,7 @@ def held_out(model: str, rows: list[dict], samples_path: Path) -> dict:
     """Greedy agent rollouts of `model` (a Hugging Face folder or a kiln checkpoint) on `rows`, in this process, as
     the trainer runs them; each checked with chat.check_tito and graded. Returns the pass rate, the share of tasks
     where the agent called its tool, the shares of calls that ran without error and that printed the right answer,
-    the trajectories with any drift (split) and with a mask or text drift, and the eval_report.report summary. The
+    the trajectories that split the text otherwise than the tokenizer (ids drift) and with a mask or text drift, and the eval_report.report summary. The
     trajectories go to `samples_path`."""
     hf_dir = Path(generate.hf_folder(model))
     tokenizer = policy.load_tokenizer(str(hf_dir))
@@ -203,7 +203,7 @@ def held_out(model: str, rows: list[dict], samples_path: Path) -> dict:
             "calls_ran": 1 - sum(s.info["tool_errors"] for s in samples) / max(calls, 1),
             "calls_right": sum(o == s.row["reward_model"]["ground_truth"] for s, out in zip(samples, outputs)
                                for o in out) / max(calls, 1),
-            "split": sum(bool(d) for d in drifts), "mask_drifted": sum(chat.mask_drifted(d) for d in drifts),
+            "split": sum("ids" in d for d in drifts), "mask_drifted": sum(chat.mask_drifted(d) for d in drifts),
             "summary": eval_report.report({data_prep.row_id(r): r for r in rows},
                                       [data_prep.row_id(s.row) for s in samples],
                                       [rewards.for_report(r) for r in results])}

@@ -98,8 +98,8 @@ def collect(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampli
     """`group_size` samples of each row: single-turn, or multi-turn agent rollouts with the toolbox `tools` names
     (TOOLBOXES) whose turns end with the token `eot` (default: end_of_turn's), budgets counting each image as
     `count_image` tokens. check: compare every trajectory with the chat template's rendering of its messages; the
-    drifting fractions go to the metrics (tools/tito_drift_frac: any finding; tools/tito_mask_drift_frac: a loss mask
-    or text that is wrong, not only split otherwise) and the first drift to the console: logged, not fatal. Returns
+    drifting fractions go to the metrics (tools/tito_drift_frac: any finding; tools/tito_split_frac: ids that split the
+    text otherwise; tools/tito_mask_drift_frac: a loss mask or text that is wrong) and the first drift to the console: logged, not fatal. Returns
     samples and this rank's metrics."""
     if tools == "none":
         return single_turn(engine, tokenizer, rows, group_size, sampling, first_group)
@@ -109,11 +109,12 @@ def collect(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampli
     if check:
         drifts = [(s, chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"], eot)) for s in samples]
         metrics["tools/tito_drift_frac"] = sum(bool(d) for _, d in drifts) / len(drifts)
+        metrics["tools/tito_split_frac"] = sum("ids" in d for _, d in drifts) / len(drifts)
         metrics["tools/tito_mask_drift_frac"] = sum(chat.mask_drifted(d) for _, d in drifts) / len(drifts)
         first = next(((s, d) for s, d in drifts if chat.mask_drifted(d)), None) or next(
             ((s, d) for s, d in drifts if d), None)
         if first is not None:
-            tqdm.write(f"rank {collectives.rank()}, task {data_prep.row_id(first[0].row)}: {'; '.join(first[1])}")
+            tqdm.write(f"rank {collectives.rank()}, task {data_prep.row_id(first[0].row)}: {'; '.join(first[1].values())}")
     return samples, metrics
 
 
@@ -536,5 +537,6 @@ def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict],
         drifts = [chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"], eot,
                                   s.info.get("open_turns", ())) for s in samples]
         metrics["tools/tito_drift_frac"] = sum(bool(d) for d in drifts) / len(drifts)
+        metrics["tools/tito_split_frac"] = sum("ids" in d for d in drifts) / len(drifts)
         metrics["tools/tito_mask_drift_frac"] = sum(chat.mask_drifted(d) for d in drifts) / len(drifts)
     return samples, metrics

@@ -128,7 +128,7 @@ def test_independent_schedule_gives_the_lockstep_samples_under_random_latencies(
                                           latency_toolbox(seed), LIMITS)
     assert [fields(s) for s in samples] == [fields(s) for s in reference]
     for s in samples:  # token-in-token-out and masks, whatever the interleaving
-        assert chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"]) == []
+        assert chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"]) == {}
         assert s.info["tool_calls"] == sum(m["role"] == "tool" for m in s.info["messages"])
     assert sum(engine.sizes) == sum(lockstep_sizes)  # every turn generated once,
     assert len(engine.sizes) > len(lockstep_sizes)  # some apart from the others (tools return 0-20 ms apart)

@@ -55,7 +55,7 @@ def test_claude_code_streams_its_turns_into_one_segment(tmp_path, monkeypatch):
     assert (tmp_path / "work" / "out.txt").read_text() == "hi\n"  # its Bash tool ran the scripted command
     assert [r.stream for r in seen] == [True, True]  # both turns streamed
     (segment,) = record["segments"]
-    assert segment["opened"] == "first" and segment["turns"] == 2 and segment["tito"] == []
+    assert segment["opened"] == "first" and segment["turns"] == 2 and segment["tito"] == {}
     assert [i for i, m in zip(segment["completion_ids"], segment["loss_mask"]) if m] == engine.emitted[0] + \
         engine.emitted[1]
     assert segment["messages"][-2]["role"] == "tool" and "KILN-WROTE" in segment["messages"][-2]["content"]

@@ -243,7 +243,7 @@ def test_tag_protocol_token_in_token_out(tokenizer):
         {"role": "user", "content": [{"type": "text", "text": "<sandbox_output>shown 1 image <|im_end|>\n"},
                                      {"type": "image"}, {"type": "text", "text": "</sandbox_output>"}]},
         {"role": "assistant", "content": "<answer>3</answer>"}]
-    assert chat.check_tito(tokenizer, sample, messages) == []
+    assert chat.check_tito(tokenizer, sample, messages) == {}
     ids, mask = chat.encode_conversation(tokenizer, messages)  # what SFT trains on: the same ids and mask
     n = len(sample.ids)
     assert ids[:n] == sample.ids and mask[:n] == [0] * len(sample.prompt_ids) + sample.loss_mask
@@ -304,7 +304,7 @@ def test_an_observation_that_does_not_fit_ends_the_trajectory_without_its_images
     assert sample.finish_reason == "max_total_tokens" and metrics["rollout/finish_max_total_tokens_frac"] == 1
     assert sample.images == [ROW_IMAGE] and sample.info["images"] == []
     assert sample.ids.count(chat.image_pad_id(tokenizer)) == 1 and all(sample.loss_mask)  # ends on the policy's turn
-    assert chat.check_tito(tokenizer, sample, sample.info["messages"]) == []  # ends right after </code>
+    assert chat.check_tito(tokenizer, sample, sample.info["messages"]) == {}  # ends right after </code>
     # The same observation fits a bigger budget: the images come with it.
     engine = TagEngine(tokenizer, [ACTION, "<answer>3</answer>"])
     limits = rollout.AgentLimits(max_turns=4, max_total_tokens=prompt + 600)
@@ -392,7 +392,7 @@ def test_codev_turns_end_at_code_stop_with_nothing_generated_after_it(parrot):
     assert sample.loss_mask[kept] == 0  # the end-of-turn token after </code> is the rollout's, then the observation
     assert sample.info["messages"][1] == {"role": "assistant", "content": ACTION + "\n"}
     assert sample.info["tool_calls"] == 1
-    assert chat.check_tito(tokenizer, sample, sample.info["messages"]) == []
+    assert chat.check_tito(tokenizer, sample, sample.info["messages"]) == {}
 
 
 # ----------------------------------------------------------------------------------------------- the python tool
@@ -424,4 +424,4 @@ def test_python_tool_gets_the_row_images_and_rewrites_mnt_data(tokenizer):
     samples, _ = rollout.collect(engine, tokenizer, [codev_row()], 1, engines.Sampling(max_new_tokens=100),
                                  tools="codev", check=True)
     assert samples[0].info["messages"][3]["content"][0]["text"] == "<sandbox_output>(56, 56)\n"
-    assert chat.check_tito(tokenizer, samples[0], samples[0].info["messages"]) == []
+    assert chat.check_tito(tokenizer, samples[0], samples[0].info["messages"]) == {}

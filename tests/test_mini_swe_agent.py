@@ -62,7 +62,7 @@ def test_tiny_model_run_completes_and_every_segment_passes_check_tito(docker_cli
     assert samples and all(s.info["agent_status"] == "ok" for s in samples)
     assert metrics["agents/requests"] == 3  # its step limit
     for s in samples:
-        assert chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"]) == []
+        assert chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"]) == {}
         assert s.info["tools"][0]["function"]["name"] == "bash"  # mini-swe-agent's tool, through the template
     assert left_behind(docker_client, {s.info["session"] for s in samples}) == []
 
@@ -82,7 +82,7 @@ def test_scripted_gold_fix_is_rewarded_and_only_sampled_ids_are_trained(docker_c
     assert sample.info["agent_status"] == "ok" and sample.text == gold
     assert [i for i, m in zip(sample.completion_ids, sample.loss_mask) if m] == engine.emitted["task-gold"]
     assert sum(sample.loss_mask) == len(engine.emitted["task-gold"])
-    assert chat.check_tito(tokenizer, sample, sample.info["messages"], sample.info["tools"]) == []
+    assert chat.check_tito(tokenizer, sample, sample.info["messages"], sample.info["tools"]) == {}
     assert rewards.score(row, sample.text).score == 1.0  # graded in a fresh container from the instance image
     assert left_behind(docker_client, [sample.info["session"]]) == []
 

@@ -174,7 +174,7 @@ def test_fixture_trajectory_matches_template_and_sft_encoding(any_tokenizer, nam
     tokenizer, messages = any_tokenizer, FIXTURES[name]
     sample, metrics, emitted = run_fixture(tokenizer, messages)
     assert sample.finish_reason == "stop"
-    assert chat.check_tito(tokenizer, sample, messages) == []
+    assert chat.check_tito(tokenizer, sample, messages) == {}
     # The same ids and mask as SFT's encode_conversation (which ends with the template's glue after the last turn:
     # Qwen's newline, nothing in Llama 3).
     ids, mask = chat.encode_conversation(tokenizer, messages)
@@ -203,7 +203,7 @@ def test_image_tool_output_is_placeholders_outside_the_mask(tokenizer):
 def test_check_tito_reports_non_canonical_tokens(tokenizer):
     sample, _, _ = run_fixture(tokenizer, FIXTURES["think"], split_tokens=True)
     findings = chat.check_tito(tokenizer, sample, FIXTURES["think"])
-    assert len(findings) == 1 and findings[0].startswith("ids drift at token")
+    assert list(findings) == ["ids"] and findings["ids"].startswith("ids drift at token")
 
 
 def test_check_tito_findings_are_escaped(tokenizer):
@@ -213,9 +213,10 @@ def test_check_tito_findings_are_escaped(tokenizer):
     escape = tokenizer.encode("\x1b", add_special_tokens=False)
     half = tokenizer.encode("\u2192", add_special_tokens=False)[:1]  # the first of an arrow's three UTF-8 bytes
     sample.completion_ids[-3:-1] = escape + half
-    finding, text = chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"])
+    findings = chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"])
+    assert list(findings) == ["ids", "text"]  # other characters: no mask to check against the template
+    finding = findings["ids"]
     assert finding.isascii() and finding.isprintable(), finding
-    assert text.startswith("text drift")  # other characters: no mask to check against the template
     assert f"trajectory {escape + half + sample.completion_ids[-1:]} '\\x1b\\ufffd" in finding, finding
 
 
@@ -223,33 +224,54 @@ def test_check_tito_reports_mask_drift(tokenizer):
     sample, _, _ = run_fixture(tokenizer, FIXTURES["consecutive_tools"])
     sample.loss_mask[-3] = 0
     findings = chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"])
-    assert len(findings) == 1 and findings[0].startswith("loss mask drift at 1 tokens")
+    assert list(findings) == ["mask"] and findings["mask"].startswith("loss mask drift at 1 tokens")
+    assert chat.mask_drifted(findings)
 
 
 def test_check_tito_checks_the_mask_of_a_sampled_split_too(tokenizer):
     """Ids the policy split otherwise than the tokenizer (a drift a T=1 rollout may sample) still get their loss mask
     checked, on their own tokens: a tool-output token trained is reported beside the ids drift."""
     sample, _, _ = run_fixture(tokenizer, FIXTURES["consecutive_tools"], split_tokens=True)
-    [finding] = chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"])
-    assert finding.startswith("ids drift at token")
+    findings = chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"])
+    assert list(findings) == ["ids"] and not chat.mask_drifted(findings)
     observation = sample.loss_mask.index(0, sample.loss_mask.index(1))  # the first token after a sampled turn
     sample.loss_mask[observation + 3] = 1
     findings = chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"])
-    assert len(findings) == 2 and findings[1].startswith("loss mask drift at 1 tokens"), findings
+    assert list(findings) == ["ids", "mask"] and findings["mask"].startswith("loss mask drift at 1 tokens"), findings
     sample.completion_ids[-2] = tokenizer.convert_tokens_to_ids("<|im_start|>")  # not the same text any more
-    assert chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"])[1].startswith("text drift")
+    assert list(chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"])) == ["ids", "text"]
 
 
 def test_check_tito_takes_another_stop_token_at_the_end_for_the_policys_own(tokenizer):
-    """A last turn the policy ended on <|endoftext|> (a stop token too) instead of the template's <|im_end|>: an ids
-    drift, its own sampled token, trained; the mask is still checked."""
+    """A last turn the policy ended on <|endoftext|> (a stop token too) instead of the template's <|im_end|> closes
+    that turn as <|im_end|> would: its own sampled token, trained. The mask is still checked, and a reply cut before
+    any stop token is still open."""
     sample, _, _ = run_fixture(tokenizer, FIXTURES["consecutive_tools"])
     assert sample.completion_ids[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>") and sample.loss_mask[-1] == 1
     sample.completion_ids[-1] = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    [finding] = chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"])
-    assert finding.startswith("ids drift") and not chat.mask_drifted([finding])
+    assert chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"]) == {}
     sample.loss_mask[-1] = 0
-    assert chat.mask_drifted(chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"]))
+    assert list(chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"])) == ["mask"]
+    del sample.completion_ids[-1], sample.loss_mask[-1]  # cut by a limit: the template closes it
+    assert chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"]) == {}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.lists(st.sampled_from(["x", " print(x)", "é", "中文", "\n", " ", "→", "<|im_end|>", "def"]),
+                     min_size=1, max_size=40).map("".join), cuts=st.lists(st.integers(0, 200), max_size=30))
+def test_decoded_offsets_are_those_of_every_prefix(any_tokenizer, text, cuts):
+    """decoded_offsets reads each token's characters off a short window of the tokens before it; that is what decoding
+    every prefix gives, for the tokenizer's own ids and for a split of them that cuts characters into bytes."""
+    tokenizer = any_tokenizer
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    byte_split = [i for t in ids for i in (tokenizer(tokenizer.decode([t]), add_special_tokens=False)["input_ids"]
+                                           if t not in tokenizer.all_special_ids else [t])]
+    for split in (ids, byte_split, [ids[k] for k in sorted(set(c % max(len(ids), 1) for c in cuts))] + ids[:0]):
+        decoded = tokenizer.decode(split, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        ends = [len(tokenizer.decode(split[:n], skip_special_tokens=False, clean_up_tokenization_spaces=False))
+                for n in range(1, len(split) + 1)]
+        assert chat.decoded_offsets(tokenizer, split, decoded) == list(zip([0] + ends[:-1], ends))
+    assert chat.decoded_offsets(tokenizer, ids, text + "x") is None
 
 
 WORDS = ["x", "print(x)", "def", "f(a):", "return", "a", "+", "1", "The", "answer", "is", "3.", "<think>", "</think>",
@@ -273,7 +295,7 @@ def test_random_conversations_masks_are_exactly_the_policy_tokens(any_tokenizer,
     else:
         messages.append({"role": "assistant", "content": final})
     sample, _, emitted = run_fixture(tokenizer, messages)
-    assert chat.check_tito(tokenizer, sample, messages) == []
+    assert chat.check_tito(tokenizer, sample, messages) == {}
     assert [i for i, m in zip(sample.completion_ids, sample.loss_mask) if m] == emitted
     ids, mask = chat.encode_conversation(tokenizer, messages)
     n = len(sample.ids)
@@ -306,7 +328,7 @@ def test_llama3_turns_stop_on_the_end_of_turn_token(tmp_path):
     assert sample.finish_reason == "stop" and sample.info["tool_calls"] == 1 and sample.info["turns"] == 2
     assert [i for i, m in zip(sample.completion_ids, sample.loss_mask) if m] == engine.emitted["task-L"]
     assert sample.completion_ids[-1] == eot and not set(run_on) & set(engine.emitted["task-L"][-3:])
-    assert chat.check_tito(tokenizer, sample, sample.info["messages"]) == []
+    assert chat.check_tito(tokenizer, sample, sample.info["messages"]) == {}
 
 
 def test_tool_output_cannot_inject_a_turn(any_tokenizer):
@@ -325,7 +347,7 @@ def test_tool_output_cannot_inject_a_turn(any_tokenizer):
     sample = runs[injection]
     assert [i for i in sample.ids if i in special] == [i for i in runs["42" + "x" * len(injection)].ids if i in special]
     assert injection in tokenizer.decode(sample.completion_ids)
-    assert chat.check_tito(tokenizer, sample, sample.info["messages"]) == []
+    assert chat.check_tito(tokenizer, sample, sample.info["messages"]) == {}
     ids, mask = chat.encode_conversation(tokenizer, sample.info["messages"])  # SFT on it: the same ids and mask
     n = len(sample.ids)
     assert ids[:n] == sample.ids and mask[:n] == [0] * len(sample.prompt_ids) + sample.loss_mask
@@ -453,7 +475,7 @@ def test_tool_schemas_are_rendered_in_the_prompt(tokenizer):
     samples, _ = agent(tokenizer, ["done"], {}, schemas=[PYTHON_SCHEMA])
     prompt = tokenizer.decode(samples[0].prompt_ids)
     assert prompt.startswith("<|im_start|>system\n# Tools") and '"name": "python"' in prompt
-    assert chat.check_tito(tokenizer, samples[0], samples[0].info["messages"], [PYTHON_SCHEMA]) == []
+    assert chat.check_tito(tokenizer, samples[0], samples[0].info["messages"], [PYTHON_SCHEMA]) == {}
 
 
 def test_python_tool_turns_reach_the_samples_outside_the_loss_mask(tokenizer):
@@ -465,7 +487,7 @@ def test_python_tool_turns_reach_the_samples_outside_the_loss_mask(tokenizer):
     sample = samples[0]
     assert [m["content"] for m in sample.info["messages"] if m["role"] == "tool"] == ["42\n", "43\n"]
     assert metrics["tools/calls_mean"] == 2 and metrics["tools/errors_mean"] == 0 and metrics["tools/seconds"] > 0
-    assert chat.check_tito(tokenizer, sample, sample.info["messages"], [tools.PYTHON_TOOL]) == []
+    assert chat.check_tito(tokenizer, sample, sample.info["messages"], [tools.PYTHON_TOOL]) == {}
     assert [i for i, m in zip(sample.completion_ids, sample.loss_mask) if m] == engine.emitted["task-P"]
     outside = tokenizer.decode([i for i, m in zip(sample.completion_ids, sample.loss_mask) if not m])
     assert outside.count("<tool_response>\n42\n\n</tool_response>") == 1 and "43\n\n</tool_response>" in outside

@@ -84,6 +84,6 @@ def test_tiny_model_run_through_qwen_code_completes_and_every_segment_passes_che
     assert metrics["agents/failed_frac"] == metrics["agents/timeout_frac"] == 0
     assert samples and metrics["agents/requests"] >= 1
     for s in samples:
-        assert chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"], None, s.info["open_turns"]) == []
+        assert chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"], None, s.info["open_turns"]) == {}
         assert sum(s.loss_mask) >= 1
     assert left_behind(docker_client, {s.info["session"] for s in samples}) == []

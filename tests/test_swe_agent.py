@@ -80,7 +80,7 @@ def test_scripted_agent_fix_resolves_noop_does_not_and_nothing_is_left(docker_cl
     assert own_containers(docker_client) == []  # every trajectory's container is gone once its diff is taken
     by_marker = {marker: s for marker, s in zip(scripts, samples)}
     for marker, s in by_marker.items():
-        assert chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"]) == [], marker
+        assert chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"]) == {}, marker
         assert s.info["turns"] == 3 and s.info["container_seconds"] > 0 and s.info["agent_seconds"] > 0
     sed, editor, noop = by_marker["task-sed"], by_marker["task-editor"], by_marker["task-noop"]
     tool_texts = [m["content"] for m in sed.info["messages"] if m["role"] == "tool"]
@@ -126,7 +126,7 @@ def test_scripted_agent_fixes_the_django_instance_through_bash_and_the_editor(do
     assert tool_texts[0].count("regex = r'^[\\w.@+-]+$'") == 2 and tool_texts[1] == f"Edited {validators}."
     assert tool_texts[2] == "<returncode>0</returncode>\n<output>\n2\n</output>"
     assert sample.finish_reason == "submit" and sample.text.count("+    regex = r'^[\\w.@+-]+\\Z'") == 2
-    assert chat.check_tito(tokenizer, sample, sample.info["messages"], sample.info["tools"]) == []
+    assert chat.check_tito(tokenizer, sample, sample.info["messages"], sample.info["tools"]) == {}
     graded = rewards.score(sample.row, sample.text)
     assert graded.score == 1.0 and graded.info["f2p"] == [2, 2] and graded.info["p2p"] == [20, 20]
     assert own_containers(docker_client) == []
