@@ -30,6 +30,7 @@ import losses  # noqa: E402
 import policy  # noqa: E402
 import rollout  # noqa: E402
 import tiny  # noqa: E402
+import ranks  # noqa: E402
 import train_grpo  # noqa: E402
 from test_multiturn import CORPUS, ScriptedEngine  # noqa: E402
 
@@ -548,8 +549,7 @@ def test_grpo_step_with_an_external_agent_on_two_ranks(tmp_path):
     data_prep.write_rows(train, tmp_path / "train.parquet")
     model = tiny.make_tiny_model(tmp_path / "tiny", CORPUS + [r["prompt"][-1]["content"] for r in train])
     (tmp_path / "agent.py").write_text(TRAIN_AGENT)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(ROOT / "train_grpo.py"), "--model", str(model), "--data", str(tmp_path / "train.parquet"),
+    run = subprocess.run([*ranks.torchrun(2, ROOT / "train_grpo.py"), "--model", str(model), "--data", str(tmp_path / "train.parquet"),
                           "--output-dir", str(tmp_path / "run"), "--prompts-per-step", "2", "--group-size", "2",
                           "--max-new-tokens", "8", "--total-steps", "1", "--lr", "1e-3", "--best-metric", "",
                           "--agent-cmd", f"{sys.executable} {tmp_path / 'agent.py'} {{row_file}} {{result}}"],

@@ -19,13 +19,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import demo  # noqa: E402
+import ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 MIN_LIFT = 0.20  # held-out pass rate, as a fraction
 
 
-def test_demo_lifts_the_held_out_pass_rate(tmp_path):
+def test_demo_lifts_the_held_out_pass_rate(tmp_path, monkeypatch):
+    monkeypatch.setattr(demo, "torchrun", ranks.torchrun)  # the same launches, ranks forked with their imports done
     args = demo.Args(output_dir=str(tmp_path), seed=0, n_test=50, sft_steps=450, grpo_steps=40, eval_every=0)
     result = demo.main(args)
 

@@ -20,6 +20,7 @@ import data_prep  # noqa: E402
 import engines  # noqa: E402
 import generate  # noqa: E402
 import policy  # noqa: E402
+import ranks  # noqa: E402
 import rewards  # noqa: E402
 import tiny  # noqa: E402
 import script_runner  # noqa: E402
@@ -181,8 +182,7 @@ def test_two_ranks_from_a_checkpoint_with_tools(toy, tmp_path):
         if created:
             dist.destroy_process_group()
     out = tmp_path / "samples.jsonl"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(ROOT / "generate.py"), "--model", str(checkpoint), "--data",
+    run = subprocess.run([*ranks.torchrun(2, ROOT / "generate.py"), "--model", str(checkpoint), "--data",
                           str(root / "rows.parquet"), "--out", str(out), "--n-samples", "2", "--temperature", "1.0",
                           "--max-new-tokens", "12", "--batch-size", "2", "--tools", "python"],
                          capture_output=True, text=True, timeout=600,

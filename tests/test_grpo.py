@@ -3,7 +3,6 @@ train-vs-engine logprob agreement, and a learning check on a reward a tiny model
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ sys.path.insert(0, str(ROOT))
 
 import data_prep  # noqa: E402
 import policy  # noqa: E402
+import ranks  # noqa: E402
 import tiny  # noqa: E402
 import train_sft  # noqa: E402
 from checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
@@ -40,8 +40,7 @@ def task(tmp_path_factory):
 
 
 def grpo_command(root: Path, model: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-            str(ROOT / "train_grpo.py"), "--model", str(model), "--data", str(root / "train.parquet"),
+    return [*ranks.torchrun(2, ROOT / "train_grpo.py"), "--model", str(model), "--data", str(root / "train.parquet"),
             "--output-dir", str(out), "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "64",
             "--lr", "1e-3", "--micro-batch-tokens", "512", "--save-every", "2", "--sample-every", "2", "--seed", "1", *extra]
 
@@ -95,12 +94,11 @@ def test_two_ranks_with_code_reward_then_kill_and_resume(task, tmp_path):
     # Kill a second run once its step-2 checkpoint is complete, resume it: the remaining steps are identical.
     killed = tmp_path / "killed"
     proc = subprocess.Popen(grpo_command(root, model, killed, "--total-steps", "6"), env=env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while latest_checkpoint(killed) is None and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    ranks.kill(proc)  # torchrun and its ranks: each rank has a session of its own, out of torchrun's group
     resumed_from = latest_checkpoint(killed)
     assert resumed_from is not None
     start = json.loads((resumed_from / "trainer_state.json").read_text())["step"]

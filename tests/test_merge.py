@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 
 import merge as merge_lib
 import policy
+import ranks
 import script_runner
 import tiny
 from checkpoint import save_checkpoint
@@ -52,8 +53,7 @@ def checkpoint(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("merge")
     model_dir = tiny.make_tiny_model(tmp / "tiny", CORPUS)
     (tmp / "train_and_save.py").write_text(TRAIN_AND_SAVE)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          str(tmp / "train_and_save.py"), str(model_dir), str(tmp / "run")],
+    run = subprocess.run(ranks.torchrun(2, tmp / "train_and_save.py", model_dir, tmp / "run", standalone=False),
                          capture_output=True, text=True, timeout=600, cwd=ROOT,
                          env=os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]

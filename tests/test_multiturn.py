@@ -2,6 +2,8 @@
 metrics, and check_tito, with the Qwen-style chat template and a Llama-3-style one. The engine is scripted (it emits
 given replies as token ids with known logprobs): the thing under test is the loop, not a model."""
 import io
+import json
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -18,6 +20,7 @@ import containers  # noqa: E402
 import data_prep  # noqa: E402
 import engines  # noqa: E402
 import policy  # noqa: E402
+import ranks  # noqa: E402
 import rollout  # noqa: E402
 import tiny  # noqa: E402
 import tools  # noqa: E402
@@ -495,21 +498,16 @@ def test_python_tool_turns_reach_the_samples_outside_the_loss_mask(tokenizer):
 
 @pytest.mark.slow
 def test_two_rank_grpo_with_the_python_tool(tmp_path):
-    import json
-    import subprocess
-
-    import data_prep
-
     train, _ = data_prep.toy_rows(40, 4, seed=0)
     data_prep.write_rows(train, tmp_path / "train.parquet")
     corpus = [r["prompt"][-1]["content"] + "\n" + r["extra_info"]["solution"] for r in train] + CORPUS
     model = tiny.make_tiny_model(tmp_path / "model", corpus, seed=0)
     root = Path(__file__).resolve().parents[1]
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                    str(root / "train_grpo.py"), "--model", str(model), "--data", str(tmp_path / "train.parquet"),
-                    "--output-dir", str(tmp_path / "out"), "--prompts-per-step", "2", "--group-size", "2",
-                    "--max-new-tokens", "16", "--total-steps", "2", "--save-every", "0", "--tools", "python",
-                    "--max-turns", "3", "--max-total-tokens", "400", "--check-tito", "--lr", "1e-3"],
+    subprocess.run(ranks.torchrun(2, root / "train_grpo.py", "--model", model, "--data", tmp_path / "train.parquet",
+                                  "--output-dir", tmp_path / "out", "--prompts-per-step", "2", "--group-size", "2",
+                                  "--max-new-tokens", "16", "--total-steps", "2", "--save-every", "0", "--tools",
+                                  "python", "--max-turns", "3", "--max-total-tokens", "400", "--check-tito", "--lr",
+                                  "1e-3"),
                    check=True, timeout=600, cwd=tmp_path)
     steps = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import engines
 import policy
+import ranks
 import tiny
 from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
@@ -593,8 +594,7 @@ def test_interrupted_save_is_ignored(model_dir, tmp_path, monkeypatch):
 def test_fsdp2_two_ranks(model_dir, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "tests" / "dist_policy.py"), str(model_dir), str(tmp_path)],
+        ranks.torchrun(2, ROOT / "tests" / "dist_policy.py", model_dir, tmp_path),
         capture_output=True, text=True, env=env, timeout=600)
     passed = {line[3:] for line in result.stdout.splitlines() if line.startswith("ok ")}
     expected = {"iter_full_weights", "packed_logprobs_sharded", "hf_engine_sharded", "gradients_sharded", "clip_grad_norm",

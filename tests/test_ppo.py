@@ -5,7 +5,6 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import engines  # noqa: E402
 import losses  # noqa: E402
 import policy  # noqa: E402
 import rewards  # noqa: E402
+import ranks  # noqa: E402
 import rollout  # noqa: E402
 import tiny  # noqa: E402
 from checkpoint import latest_checkpoint, load_checkpoint, save_hf  # noqa: E402
@@ -297,8 +297,7 @@ def test_multi_turn_tool_rollouts_train_on_policy_tokens_only(apps, tmp_path):
 
 def ppo_command(apps, out: Path, *extra: str) -> list[str]:
     root, model, _ = apps
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-            str(ROOT / "train_ppo.py"), "--model", str(model), "--data", str(root / "apps.parquet"),
+    return [*ranks.torchrun(2, ROOT / "train_ppo.py"), "--model", str(model), "--data", str(root / "apps.parquet"),
             "--eval-data", str(root / "apps.parquet"), "--output-dir", str(out), "--engine", "hf",
             "--prompts-per-step", "4", "--group-size", "2", "--max-prompt-tokens", "4096", "--max-new-tokens", "12",
             "--minibatches", "2", "--micro-batch-tokens", "4096", "--lr", "1e-3", "--critic-lr", "1e-3",
@@ -383,12 +382,11 @@ def test_two_ranks_on_apps_then_kill_and_resume(apps, tmp_path):
     # Kill a second run once its step-2 checkpoint is complete, resume it: the remaining steps are identical.
     killed = tmp_path / "killed"
     proc = subprocess.Popen(ppo_command(apps, killed), env=env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+                            stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
     while latest_checkpoint(killed) is None and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    ranks.kill(proc)  # torchrun and its ranks: each rank has a session of its own, out of torchrun's group
     resumed_from = latest_checkpoint(killed)
     assert resumed_from is not None
     start = json.loads((resumed_from / "trainer_state.json").read_text())["step"]

@@ -24,6 +24,7 @@ import policy  # noqa: E402
 import rewards  # noqa: E402
 import runlog  # noqa: E402
 import tiny  # noqa: E402
+import ranks  # noqa: E402
 import train_grpo  # noqa: E402
 import train_ppo  # noqa: E402
 import train_sft  # noqa: E402
@@ -349,8 +350,7 @@ def test_sft_refuses_an_earlier_run_and_overwrite_starts_clean(toy, tmp_path):
 def test_a_known_error_under_torchrun_is_one_line(toy, tmp_path):
     root, model = toy
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(ROOT / "train_grpo.py"), "--model", str(model), "--data", str(root / "train.parquet"),
+        [*ranks.torchrun(2, ROOT / "train_grpo.py"), "--model", str(model), "--data", str(root / "train.parquet"),
          "--eval-data", str(root / "one.parquet"), "--output-dir", str(tmp_path / "out"), "--prompts-per-step", "2"],
         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode != 0

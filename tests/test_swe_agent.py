@@ -22,6 +22,7 @@ import policy  # noqa: E402
 import rewards  # noqa: E402
 import swe_grading  # noqa: E402
 import rollout  # noqa: E402
+import ranks  # noqa: E402
 import tiny  # noqa: E402
 import tools  # noqa: E402
 from test_multiturn import CORPUS, ScriptedEngine  # noqa: E402
@@ -185,8 +186,7 @@ def test_two_rank_grpo_on_swebench_rows_leaves_no_container(docker_client, swe_r
     rows = [swe_rows[i] for i in sorted(swe_rows) if i.startswith("marshmallow")]
     data_prep.write_rows(rows, tmp_path / "swe.parquet")
     model = tiny.make_tiny_model(tmp_path / "model", CORPUS, max_position_embeddings=8192)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                    str(ROOT / "train_grpo.py"), "--model", str(model), "--data", str(tmp_path / "swe.parquet"),
+    subprocess.run([*ranks.torchrun(2, ROOT / "train_grpo.py"), "--model", str(model), "--data", str(tmp_path / "swe.parquet"),
                     "--output-dir", str(tmp_path / "out"), "--prompts-per-step", "2", "--group-size", "2",
                     "--max-new-tokens", "16", "--total-steps", "1", "--save-every", "0", "--tools", "swe",
                     "--max-turns", "2", "--max-prompt-tokens", "4000", "--max-total-tokens", "4100",
@@ -203,8 +203,7 @@ def test_a_ppo_step_on_swebench_rows_leaves_no_container(docker_client, swe_rows
     rows = [swe_rows[i] for i in sorted(swe_rows) if i.startswith("marshmallow")]
     data_prep.write_rows(rows, tmp_path / "swe.parquet")
     model = tiny.make_tiny_model(tmp_path / "model", CORPUS, max_position_embeddings=8192)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-                    str(ROOT / "train_ppo.py"), "--model", str(model), "--data", str(tmp_path / "swe.parquet"),
+    subprocess.run([*ranks.torchrun(1, ROOT / "train_ppo.py"), "--model", str(model), "--data", str(tmp_path / "swe.parquet"),
                     "--eval-data", "None", "--output-dir", str(tmp_path / "out"), "--engine", "hf",
                     "--prompts-per-step", "2", "--minibatches", "1", "--max-new-tokens", "16", "--total-steps", "1",
                     "--save-every", "0", "--tools", "swe", "--max-turns", "2", "--max-prompt-tokens", "4000",

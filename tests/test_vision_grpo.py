@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 import chat  # noqa: E402
 import data_prep  # noqa: E402
 import policy  # noqa: E402
+import ranks  # noqa: E402
 import tiny  # noqa: E402
 from checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 
@@ -87,8 +88,7 @@ def assert_same_step(got: dict, want: dict) -> None:
 def test_two_rank_grpo_on_vision_toy_with_the_python_tool(task, tmp_path):
     root, model = task
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(ROOT / "train_grpo.py"), "--model", str(model), "--data", str(root / "train.parquet"),
+    command = [*ranks.torchrun(2, ROOT / "train_grpo.py"), "--model", str(model), "--data", str(root / "train.parquet"),
                "--output-dir", str(out), "--tools", "codev", "--max-turns", "2", "--prompts-per-step", "2",
                "--group-size", "4", "--max-new-tokens", "24", "--max-total-tokens", "1024",
                "--max-prompt-tokens", "1000", "--total-steps", "2", "--lr", "1e-3", "--check-tito",

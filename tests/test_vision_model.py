@@ -24,6 +24,7 @@ import data_prep
 import engines
 import generate
 import policy
+import ranks
 import tiny
 import vision
 
@@ -323,8 +324,7 @@ def test_fsdp2_two_ranks_with_and_without_images(vlm_dir, tmp_path):
     gradients and changes, and HFEngine's replica of the sharded VL decodes with images like the plain model."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "tests" / "dist_vision.py"), str(vlm_dir)], capture_output=True, text=True, env=env, timeout=600)
+        ranks.torchrun(2, ROOT / "tests" / "dist_vision.py", vlm_dir), capture_output=True, text=True, env=env, timeout=600)
     passed = {line[3:] for line in result.stdout.splitlines() if line.startswith("ok ")}
     expected = {"blank_image_when_none", "logprobs_sharded", "vision_gradients", "vision_weights_change",
                 "hf_engine_sharded"}
