@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import data_prep  # noqa: E402
 import sandbox  # noqa: E402
 
 UID_BASE = 3_000_000_000 + os.getpid() % 1000 * sandbox.UID_RANGE
@@ -396,7 +397,6 @@ def test_no_visible_file_holds_a_tasks_answers(box, answers_beside_the_checkout)
     """A program walks everything it can see, decompressing .gz: no file holds an expected output or a reference
     solution (HumanEval's in its package, MBPP's and APPS's beside the checkout, a training set's), /proc shows no
     other process (the zygote's command line names the checkout), and no installed package but the stdlib imports."""
-    import data_prep
 
     humaneval = data_prep.humaneval_rows()[0]["extra_info"]["canonical_solution"]
     needles = [answers_beside_the_checkout, long_line(humaneval)]

@@ -23,6 +23,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import board  # noqa: E402
 import chat  # noqa: E402
 import data_prep  # noqa: E402
 import policy  # noqa: E402
@@ -160,7 +161,6 @@ def test_ppo_records_keep_per_token_advantages(run_dir, tmp_path):
 def test_samples_rotate_and_unnamed_images_go(tmp_path):
     """A run's sample files stay within --samples-max-mb; the board reads both generations, in order, and starts its
     index over when the files rotate under it."""
-    import board
     log = runlog.RunLog(tmp_path, rank=0, samples_max_bytes=4000)
     for k in range(14):  # about 380 bytes a line: rotated after the 6th and the 12th
         name = f"{k:016x}.png"
@@ -357,7 +357,6 @@ def test_a_swe_sample_shows_its_diff_and_tests(browser, board_url):
 def test_generate_output_and_the_api_page_through_samples(tmp_path):
     """generate.py's lines (no step, a tool-call count) open as step 0; /api/samples pages and filters by parsing
     only the chosen step's lines; a partly written last line waits for its end."""
-    import board
     lines = [{"task_id": f"toy/{k}", "sample": 0, "completion": "x", "finish_reason": "stop" if k % 2 else "length",
               "completion_tokens": 3, "tool_calls": k} for k in range(7)]
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"task_id": "to')

@@ -18,9 +18,13 @@ sys.path.insert(0, str(ROOT))
 import data_prep  # noqa: E402
 import policy  # noqa: E402
 import ranks  # noqa: E402
+import rewards  # noqa: E402
+import rollout  # noqa: E402
 import tiny  # noqa: E402
+import train_grpo  # noqa: E402
 import train_sft  # noqa: E402
 from checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
+from wandb_offline import logged, offline_run  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -118,7 +122,6 @@ class Score:
 
 def test_tiny_model_learns_a_simple_reward(task, tmp_path):
     """Reward = fraction of characters that are 'x': a signal GRPO must push up within a few dozen steps."""
-    import train_grpo
 
     root, model = task
 
@@ -138,8 +141,6 @@ def test_tiny_model_learns_a_simple_reward(task, tmp_path):
 def test_wandb_offline_logs_every_metric_of_every_step(task, tmp_path, monkeypatch):
     """--wandb-project with WANDB_MODE=offline (no network): the run lands under <output_dir>/wandb, and its log holds
     every key and value that metrics.jsonl holds (the step as wandb's own)."""
-    import train_grpo
-    from wandb_offline import logged, offline_run
 
     root, model = task
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -161,8 +162,6 @@ def test_minibatches_take_whole_groups_and_an_empty_one_takes_no_step(tmp_path):
     """update_policy() with --minibatches 2 on what dynamic sampling left of a batch, one group: one minibatch trains on
     the whole group, and the other is empty on every rank and must not step (AdamW's momentum would still move
     weights)."""
-    import rollout
-    import train_grpo
 
     model_dir = tiny.make_tiny_model(tmp_path / "model", ["def f(x):\n    return x + 1\n"] * 20)
     created = not torch.distributed.is_initialized()
@@ -199,9 +198,6 @@ def test_best_policy_follows_the_chosen_metric(tmp_path):
     """evaluate() at three steps whose rewards (scripted per step, with test counts) rank them differently by mean
     test pass rate (the default --best-metric) and by pass@1: best/ and best.json follow the chosen metric, the eval
     report holds every evaluation and the last one's band picture, and an unknown metric is refused by name."""
-    import rewards
-    import train_grpo
-
     train, test = data_prep.toy_rows(20, 4, seed=0, max_ops=2)
     data_prep.write_rows(test, tmp_path / "test.parquet")
     model_dir = tiny.make_tiny_model(tmp_path / "model", [r["prompt"][-1]["content"] for r in train], seed=0)

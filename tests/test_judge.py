@@ -26,6 +26,7 @@ import judge as judge_lib  # noqa: E402
 import policy  # noqa: E402
 import rewards  # noqa: E402
 import tiny  # noqa: E402
+import train_grpo  # noqa: E402
 import script_runner  # noqa: E402
 from checkpoint import latest_checkpoint  # noqa: E402
 from judge_server import Script, engine_answer, make_handler, scripted_judge, serve  # noqa: E402
@@ -358,7 +359,6 @@ def vl_task(tmp_path_factory):
 
 
 def grpo_args(root, model, out, url, **overrides):
-    import train_grpo
 
     return train_grpo.Args(**{"model": str(model), "data": str(root / "train.parquet"), "output_dir": str(out),
                               "total_steps": 2, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8,
@@ -388,7 +388,6 @@ def test_grpo_leaves_out_judge_failures_and_counts_them(vl_task, tmp_path, monke
     """Two GRPO steps on vl_agent rows with a rubric judge that sends a malformed body for some completions: exactly
     those samples have no reward (not 0), leave the update and are counted; every other sample's reward is the rubric
     score's share, and every metric stays finite."""
-    import train_grpo
 
     root, model = vl_task
     answer = rubric_by_completion(fail={0})
@@ -447,7 +446,6 @@ def test_grpo_leaves_out_judge_failures_and_counts_them(vl_task, tmp_path, monke
 def test_grpo_stops_on_a_failing_judge_naming_it(vl_task, tmp_path):
     """Past --judge-max-failure-rate the run stops before the update, naming the judge and its errors; a dead judge,
     or vl_agent rows without --judge-url, stop it at setup."""
-    import train_grpo
 
     root, model = vl_task
     with serve(make_handler("scripted", rubric_by_completion(fail={0, 1, 2, 3}))) as url:

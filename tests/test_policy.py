@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch._dynamo.backends.common import aot_autograd
+from torch.nn.attention.flex_attention import create_mask
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import engines
@@ -337,8 +339,6 @@ def test_pack_counts_a_shared_prompt_once_per_micro_batch(model_dir):
 def test_branch_block_mask_says_what_packed_sdpa_attends():
     """The flex mask of the layout above, token by token: a sequence's first run is causal, a branch sees its prefix
     (the first p tokens of its sequence) and itself, nothing crosses sequences or other branches."""
-    from torch.nn.attention.flex_attention import create_mask
-
     positions = torch.tensor([0, 1, 2, 3, 2, 0, 1, 1, 2])  # [5, 6, 7, 8] + branch [3] | [9, 1] + branch [1, 2]
     mask = policy.branch_block_mask(positions)
     dense = create_mask(mask.mask_mod, None, None, 9, 9, device="cpu")[0, 0]
@@ -470,8 +470,6 @@ def test_compiled_checkpointing_recomputes_what_eager_does(model_dir):
     """Under compile_layers (the GPU setup) the checkpointed layer is traced whole, and what backward recomputes is
     decided by torch.compile's partitioner from the save policy: the compiled backward graph of a decoder layer holds
     its 2 x 7 gradient matmuls, plus the 6 recomputed projections with "full", and none extra with "selective"."""
-    from torch._dynamo.backends.common import aot_autograd
-
     matmuls = {}
     for mode in ("none", "full", "selective"):
         model = policy.load_model(model_dir)

@@ -25,8 +25,10 @@ import rewards  # noqa: E402
 import ranks  # noqa: E402
 import rollout  # noqa: E402
 import tiny  # noqa: E402
+import train_ppo  # noqa: E402
 from checkpoint import latest_checkpoint, load_checkpoint, save_hf  # noqa: E402
 from test_runs import undocumented  # noqa: E402
+from wandb_offline import logged, offline_run  # noqa: E402
 
 APPS_DIR = ROOT.parent / "shared" / "data" / "apps"  # 5 real problems: 2 introductory, 2 interview, 1 competition
 
@@ -119,7 +121,6 @@ def answers_with_known_scores(rows) -> tuple[dict[str, str], dict[str, float]]:
 
 
 def make_trainer(apps, out: Path, **overrides):
-    import train_ppo
 
     root, model, _ = apps
     settings = dict(model=str(model), data=str(root / "apps.parquet"), eval_data=str(root / "apps.parquet"),
@@ -402,8 +403,6 @@ def test_two_ranks_on_apps_then_kill_and_resume(apps, tmp_path):
 def test_wandb_offline_logs_every_metric_of_every_step(apps, tmp_path, monkeypatch):
     """--wandb-project with WANDB_MODE=offline: one run under <output_dir>/wandb whose log holds every key and value
     of every metrics.jsonl record (the step as wandb's own), the step-0 evaluation included."""
-    import train_ppo
-    from wandb_offline import logged, offline_run
 
     root, model, _ = apps
     monkeypatch.setenv("WANDB_MODE", "offline")

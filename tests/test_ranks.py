@@ -8,10 +8,10 @@ from pathlib import Path
 
 import ranks
 
-PROBE = """
+PROBE = r"""
 import json, os, sys, time
-print(json.dumps({"rank": os.environ["RANK"], "argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0],
-                  "preimported": "transformers" in sys.modules, "pid": os.getpid()}), flush=True)
+sys.stdout.write(json.dumps({"rank": os.environ["RANK"], "argv": sys.argv[1:], "cwd": os.getcwd(),
+                             "path0": sys.path[0], "preimported": "transformers" in sys.modules}) + "\n")  # one write
 if sys.argv[1] == "fail" and os.environ["RANK"] == "1":
     raise SystemExit(3)
 if sys.argv[1] == "hang":

@@ -6,6 +6,7 @@ import signal
 import sys
 import threading
 import time
+from itertools import combinations
 from pathlib import Path
 
 import pytest
@@ -125,8 +126,6 @@ def test_unknown_data_source_names_the_known_ones():
 
 
 def test_pass_at_k_matches_the_definition():
-    from itertools import combinations
-
     n, c = 5, 2
     for k in range(1, 6):
         draws = list(combinations([1] * c + [0] * (n - c), k))

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -224,8 +225,6 @@ def test_test_pass_rate_comes_from_the_graded_tests():
 
 
 def test_band_histogram_png_per_difficulty(tmp_path):
-    from PIL import Image
-
     png = eval_report.plot_report(hand_made_report(), tmp_path / "report.png", "hand-made")
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and png.stat().st_size > 10_000
     with Image.open(png) as image:

@@ -1,4 +1,5 @@
 """sandbox.py: program runs, the three test drivers, output comparison, the batch API, zygote restarts."""
+import hashlib
 import os
 import signal
 import subprocess
@@ -46,8 +47,6 @@ def test_exit_statuses_like_python():
 def test_binary_and_large_stdin():
     data = bytes(range(256)) * 4096  # 1 MiB, more than a pipe holds
     result = run("import sys, hashlib\nprint(hashlib.md5(sys.stdin.buffer.read()).hexdigest())", data)
-    import hashlib
-
     assert result.stdout.strip() == hashlib.md5(data).hexdigest()
 
 

@@ -2,6 +2,7 @@
 sequence driven against a small in-memory stand-in for `vllm.LLM` (the real API is checked by `make test-vllm`)."""
 import hashlib
 import io
+import os
 import sys
 import types
 from dataclasses import dataclass
@@ -193,8 +194,6 @@ def engine(monkeypatch):
 
 
 def test_vllm_engine_step_sequence(engine):
-    import os
-
     llm = engine.llm
     assert llm.kwargs["model"] == "some/model" and llm.kwargs["seed"] == 3
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
