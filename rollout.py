@@ -379,10 +379,10 @@ def run_trajectories(engine: Engine, tokenizer, trajectories: list[Trajectory], 
     results, are in), in trajectory order; meanwhile the tools of the others run on a thread pool, and between calls
     the main thread waits only when nothing is ready. lockstep: an engine call waits until no tool call is running
     (every live trajectory is ready), as one turn of all trajectories at a time. Every token appended gets `version`
-    (Trajectory.versions). The engine's peers
-    (`engines.call_group`, a tensor-parallel vLLM engine's ranks) agree before each call, a peer with nothing ready
-    calling with no prompts; other ranks never meet here. Returns the schedule's metrics: engine and tool busy
-    fractions of the wall time, engine calls and trajectories per call, most tool calls running at once."""
+    (Trajectory.versions). The engine's peers (`engines.call_group`, a tensor-parallel vLLM engine's ranks) agree
+    before each call, a peer with nothing ready calling with no prompts; other ranks never meet here. Returns the
+    schedule's metrics: engine and tool busy fractions of the wall time, engine calls and trajectories per call, most
+    tool calls running at once."""
     start, eot_id, group = time.monotonic(), tokenizer.convert_tokens_to_ids(eot), engines.call_group(engine)
     order = {id(traj): k for k, traj in enumerate(trajectories)}
     ready = [traj for traj in trajectories if not traj.finish_reason]

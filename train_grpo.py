@@ -499,10 +499,11 @@ def collect_batch(run: Run, seconds: dict) -> tuple[list[rollout.Sample], list[r
 def sample_prompts(run: Run, tries: int, seconds: dict) -> tuple[list[rollout.Sample], dict]:
     """Phases 1-4: this rank's next prompts (a seeded shuffle per epoch, so resuming replays the same order), the
     engine woken with the current weights, `group_size` rollouts of each (seeded per sample and turn), the engine put
-    back to sleep. With --partial-rollouts the rollouts go on with the groups in flight; a step with none (the first)
-    takes two rounds of prompts."""
+    back to sleep. With --partial-rollouts the rollouts go on with the groups in flight; a step with none on any rank
+    (the first) takes two rounds of prompts."""
     args, per_rank = run.args, run.args.prompts_per_step // run.world
-    count = per_rank * (2 if run.in_flight is not None and not run.in_flight.group_ids() else 1)
+    starting = run.in_flight is not None and not collectives.any_rank(bool(run.in_flight.group_ids()))
+    count = per_rank * (2 if starting else 1)
     rows = data_prep.in_epoch_order(run.rows, run.data_pos + run.rank * count, count, args.seed)
     # Group ids are unique over ranks and rounds; groups carried across steps take their row's data position, unique
     # over steps too and where a resumed run finds the row again.

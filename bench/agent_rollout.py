@@ -23,11 +23,14 @@ one in ten (drawn per trajectory) 10x as many; replies, tool times and outputs p
 Step time (the rollout phase; the update is the same work at equal trained groups) without partial rollouts (every
 step's groups to their end) against with them (rollout.InFlight: twice the groups in flight, a step ends once it
 holds --groups complete groups, unfinished trajectories carried, restarted past staleness 1), --steps steps each on
-the same plan (a restarted trajectory replays its own). Goal: >= 1.5x.
+the same plan (a restarted trajectory replays its own). Goal: >= 1.5x. On this CPU a decoding step costs more
+with more rows, and partial rollouts batch twice the trajectories; --fixed-step-ms gives the engine a GPU's cost shape
+(a step costs the same at any rows) in the same loop.
 
     .venv/bin/python bench/agent_rollout.py [--trajectories 64 --scale 8 --seed 0]
     .venv/bin/python bench/agent_rollout.py --simulate
     .venv/bin/python bench/agent_rollout.py --long-tail [--steps 8 --groups 4 --group-size 4 --turns 4]
+    .venv/bin/python bench/agent_rollout.py --long-tail --fixed-step-ms 5
 """
 from __future__ import annotations
 
@@ -86,6 +89,9 @@ class Args:
     """long tail: trajectories per group"""
     turns: int = 4
     """long tail: turns of a trajectory (one in ten takes 10x as many)"""
+    fixed_step_ms: float | None = None
+    """long tail: instead of decoding with the tiny model, each engine call waits this many ms per decoding step
+    whatever its rows (a memory-bound GPU's cost shape, which the CPU's does not have); tools scale to it"""
 
 
 @dataclass
@@ -157,8 +163,9 @@ class SeededReplies:
     rollout derives it from them: rollout.sample_seeds), and it decodes as ScriptedReplies does; the reply is the
     plan's, its `bash` call naming the trajectory and the turn (for the tool's time), none on the last turn."""
 
-    def __init__(self, engine: engines.HFEngine, tokenizer, lengths: dict[tuple[int, int], list[int]], seed: int):
-        self.engine, self.tokenizer, self.lengths = engine, tokenizer, lengths
+    def __init__(self, engine: engines.HFEngine, tokenizer, lengths: dict[tuple[int, int], list[int]], seed: int,
+                 fixed_step: float | None = None):
+        self.engine, self.tokenizer, self.lengths, self.fixed_step = engine, tokenizer, lengths, fixed_step
         self.keys = {engines.derive_seed(seed, g, i, t): (g, i, t) for (g, i), turns in lengths.items()
                      for t in range(len(turns))}
         self.eot = tokenizer.convert_tokens_to_ids(chat.end_of_turn(tokenizer))
@@ -174,8 +181,12 @@ class SeededReplies:
     def generate(self, prompts, sampling, seeds):
         replies = [self.reply(*self.keys[seed]) for seed in seeds]
         steps = min(max(len(r) for r in replies), sampling.max_new_tokens)
-        real = self.engine.generate(prompts, dataclasses.replace(sampling, max_new_tokens=steps, stop_token_ids=[],
-                                                                 seed=None))
+        if self.fixed_step is not None:  # a GPU's cost shape: the call's steps, whatever its rows
+            time.sleep(steps * self.fixed_step)
+            real = [engines.Completion([], [-1.0] * steps, "length") for _ in replies]
+        else:
+            real = self.engine.generate(prompts, dataclasses.replace(sampling, max_new_tokens=steps,
+                                                                     stop_token_ids=[], seed=None))
         return [engines.Completion(r[:steps], c.logprobs[: len(r[:steps])], "stop" if len(r) <= steps else "length")
                 for r, c in zip(replies, real)]
 
@@ -262,6 +273,8 @@ def run(args: Args) -> None:
 def run_long_tail(args: Args) -> None:
     groups, size = args.groups, args.group_size
     tokenizer, engine, step = tiny_engine(args, 2 * groups * size)
+    fixed_step = args.fixed_step_ms / 1000 if args.fixed_step_ms else None
+    step = fixed_step or step
     workload = long_tail_plan((args.steps + 1) * groups, size, args.turns, args.seed)
     lengths = {k: [max(8, round(t.reply_tokens / args.scale)) for t in turns] for k, turns in workload.items()}
     times = {k: [t.tool_seconds * step / GPU_STEP_SECONDS / args.scale for t in turns] for k, turns in workload.items()}
@@ -273,7 +286,8 @@ def run_long_tail(args: Args) -> None:
     long = {g for (g, _), turns in workload.items() if len(turns) > args.turns}
     print(f"long tail: {args.steps} steps of {groups} groups of {size}, {args.turns} turns a trajectory and "
           f"{10 * args.turns} for {sum(len(t) > args.turns for t in workload.values())} of {len(workload)} "
-          f"(in {len(long)} of {len(rows)} groups), scale 1/{args.scale:g}; decoding step here {step * 1000:.1f} ms")
+          f"(in {len(long)} of {len(rows)} groups), scale 1/{args.scale:g}; decoding step "
+          + (f"fixed at {step * 1000:.1f} ms whatever the rows" if fixed_step else f"here {step * 1000:.1f} ms"))
     seconds, report = {}, {}
     for partial in (False, True):
         in_flight = rollout.InFlight(groups=groups, max_staleness=1) if partial else None
@@ -282,7 +296,7 @@ def run_long_tail(args: Args) -> None:
         for version in range(args.steps):
             count = groups * (2 if partial and not in_flight.group_ids() else 1)
             samples, metrics = rollout.multi_turn(
-                SeededReplies(engine, tokenizer, lengths, args.seed), tokenizer, rows[next_group: next_group + count],
+                SeededReplies(engine, tokenizer, lengths, args.seed, fixed_step), tokenizer, rows[next_group: next_group + count],
                 size, sampling, seeded_toolbox(times, outputs), limits, first_group=next_group, in_flight=in_flight,
                 version=version)
             next_group += count
