@@ -206,8 +206,8 @@ def staleness(traj: Trajectory, version: int) -> int:
 
 @dataclass
 class InFlight:
-    """Partial rollouts (train_grpo --partial-rollouts): what one rollout phase hands to the next. A phase returns the
-    first `groups` groups to complete (a group is complete when all its trajectories are, and is never split); the
+    """Partial rollouts (train_grpo --partial-rollouts): what one rollout phase hands to the next. A phase ends once
+    `groups` groups are complete (all their trajectories finished; a group is never split) and returns that many; the
     trajectories of the other groups stay here, the unfinished ones paused between turns with their tokens, engine
     logprobs, versions and live toolbox (no tool call runs while paused), to go on in the next phase under its
     weights. A trajectory whose oldest token is more than `max_staleness` versions older than the next phase's
@@ -247,8 +247,8 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
     (tag protocol) stops on </code>, can call tools. Lengths count each image as `count_image` tokens; an observation
     that does not fit ends the trajectory before it, images and all. Every token appended is of policy `version`
     (Sample.versions). in_flight (partial rollouts, InFlight): the phase also runs the trajectories it holds (the stale
-    ones restarted) and its groups to regenerate, returns its first in_flight.groups complete groups (the oldest
-    first, each group's samples together) and leaves the rest in it. Returns samples (info: messages, the images the
+    ones restarted) and its groups to regenerate, returns in_flight.groups complete groups (those with the oldest
+    tokens first, then by group id; each group's samples together) and leaves the rest in it. Returns samples (info: messages, the images the
     tools returned, tool schemas, turn and tool counts) and metrics. Toolboxes are closed once their group is
     returned, and all of them (in_flight's too) on an error or Ctrl-C, each even when another's close fails. A prompt
     that leaves no room under max_total_tokens is refused (ValueError) before anything is generated. Ranks do not
@@ -283,8 +283,11 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
         trajectories.sort(key=lambda traj: (traj.group, traj.index))
         schedule = run_trajectories(engine, tokenizer, trajectories, sampling, limits, eot, count_image, lockstep,
                                     in_flight.groups if in_flight is not None else None, version)
-        if in_flight is not None:
-            returned = set(complete_groups(trajectories)[: in_flight.groups])
+        if in_flight is not None:  # the stalest complete groups first: they are the next to be restarted
+            age = {}
+            for traj in trajectories:
+                age[traj.group] = max(age.get(traj.group, 0), staleness(traj, version))
+            returned = set(sorted(complete_groups(trajectories), key=lambda g: (-age[g], g))[: in_flight.groups])
             paused = [traj for traj in trajectories if traj.group not in returned]
             trajectories = [traj for traj in trajectories if traj.group in returned]
             partial["partial/paused"] = float(sum(not traj.finish_reason for traj in paused))
