@@ -248,11 +248,11 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
     that does not fit ends the trajectory before it, images and all. Every token appended is of policy `version`
     (Sample.versions). in_flight (partial rollouts, InFlight): the phase also runs the trajectories it holds (the stale
     ones restarted) and its groups to regenerate, returns in_flight.groups complete groups (those with the oldest
-    tokens first, then by group id; each group's samples together) and leaves the rest in it. Returns samples (info: messages, the images the
-    tools returned, tool schemas, turn and tool counts) and metrics. Toolboxes are closed once their group is
-    returned, and all of them (in_flight's too) on an error or Ctrl-C, each even when another's close fails. A prompt
-    that leaves no room under max_total_tokens is refused (ValueError) before anything is generated. Ranks do not
-    meet here (but for a tensor-parallel engine's peers, at each engine call)."""
+    tokens first, then by group id; each group's samples together) and leaves the rest in it. Returns samples (info:
+    messages, the images the tools returned, tool schemas, turn and tool counts) and metrics. Toolboxes are closed
+    once their group is returned, and all of them (in_flight's too) on an error or Ctrl-C, each even when another's
+    close fails. A prompt that leaves no room under max_total_tokens is refused (ValueError) before anything is
+    generated. Ranks do not meet here (but for a tensor-parallel engine's peers, at each engine call)."""
     start = time.perf_counter()
     eot = eot or chat.end_of_turn(tokenizer)
     starts = [(first_group + i // group_size, i % group_size, rows[i // group_size])

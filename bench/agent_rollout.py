@@ -44,7 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -270,6 +270,19 @@ def run(args: Args) -> None:
     print(f"lockstep / independent: {seconds['lockstep'] / seconds['independent']:.2f}x (goal >= 2.5x)")
 
 
+@dataclass
+class Variant:
+    """One side of the long-tail comparison: its groups in flight (partial rollouts) and what its steps did."""
+
+    in_flight: rollout.InFlight | None
+    next_group: int = 0
+    seconds: list[float] = field(default_factory=list)
+    engine_calls: float = 0.0
+    restarted: float = 0.0
+    ages: list[int] = field(default_factory=list)  # of the trained tokens, in steps
+    trained: list[int] = field(default_factory=list)  # group ids
+
+
 def run_long_tail(args: Args) -> None:
     groups, size = args.groups, args.group_size
     tokenizer, engine, step = tiny_engine(args, 2 * groups * size)
@@ -288,35 +301,38 @@ def run_long_tail(args: Args) -> None:
           f"{10 * args.turns} for {sum(len(t) > args.turns for t in workload.values())} of {len(workload)} "
           f"(in {len(long)} of {len(rows)} groups), scale 1/{args.scale:g}; decoding step "
           + (f"fixed at {step * 1000:.1f} ms whatever the rows" if fixed_step else f"here {step * 1000:.1f} ms"))
-    seconds, report = {}, {}
-    for partial in (False, True):
-        in_flight = rollout.InFlight(groups=groups, max_staleness=1) if partial else None
-        engine_calls, restarted, ages, trained, next_group = 0, 0, [], [], 0
-        start = time.perf_counter()
-        for version in range(args.steps):
-            count = groups * (2 if partial and not in_flight.group_ids() else 1)
-            samples, metrics = rollout.multi_turn(
-                SeededReplies(engine, tokenizer, lengths, args.seed, fixed_step), tokenizer, rows[next_group: next_group + count],
-                size, sampling, seeded_toolbox(times, outputs), limits, first_group=next_group, in_flight=in_flight,
-                version=version)
-            next_group += count
-            planned = [len(workload[s.group, k % size]) for k, s in enumerate(samples)]  # whole groups, in order
-            if len(samples) != groups * size or [s.info["turns"] for s in samples] != planned:
-                raise RuntimeError(f"step {version}: trajectories ran other turns than planned, or groups were split")
-            engine_calls += metrics["rollout/engine_calls"]
-            restarted += metrics.get("partial/restarted_stale", 0)
-            ages += [version - v for s in samples for v, m in zip(s.versions, s.loss_mask) if m]
-            trained += sorted({s.group for s in samples})
-        seconds[partial] = (time.perf_counter() - start) / args.steps
-        left = in_flight.group_ids() if partial else []
-        if partial:
-            in_flight.close()
-        name = "partial" if partial else "without"
-        print(f"{name:>8}: {seconds[partial]:6.2f} s a step; {len(trained)} groups trained ({len(long & set(trained))} "
-              f"with a long trajectory), engine calls {engine_calls:.0f}, staleness of trained tokens mean "
-              f"{sum(ages) / len(ages):.2f} max {max(ages)}, trajectories restarted {restarted:.0f}, groups in flight "
-              f"at the end {len(left)}")
-    print(f"without / partial: {seconds[False] / seconds[True]:.2f}x (goal >= 1.5x)")
+    variants = {"without": Variant(None), "partial": Variant(rollout.InFlight(groups=groups, max_staleness=1))}
+    try:
+        for version in range(args.steps):  # the variants alternate: both see the same load of a shared machine
+            for name, variant in variants.items():
+                in_flight = variant.in_flight
+                count = groups * (2 if in_flight is not None and not in_flight.group_ids() else 1)
+                replies = SeededReplies(engine, tokenizer, lengths, args.seed, fixed_step)
+                start = time.perf_counter()
+                samples, metrics = rollout.multi_turn(
+                    replies, tokenizer, rows[variant.next_group: variant.next_group + count], size, sampling,
+                    seeded_toolbox(times, outputs), limits, first_group=variant.next_group, in_flight=in_flight,
+                    version=version)
+                variant.seconds.append(time.perf_counter() - start)
+                variant.next_group += count
+                planned = [len(workload[s.group, k % size]) for k, s in enumerate(samples)]  # whole groups, in order
+                if len(samples) != groups * size or [s.info["turns"] for s in samples] != planned:
+                    raise RuntimeError(f"{name}, step {version}: trajectories ran other turns than planned, or groups "
+                                       "were split")
+                variant.engine_calls += metrics["rollout/engine_calls"]
+                variant.restarted += metrics.get("partial/restarted_stale", 0)
+                variant.ages += [version - v for s in samples for v, m in zip(s.versions, s.loss_mask) if m]
+                variant.trained += sorted({s.group for s in samples})
+    finally:
+        variants["partial"].in_flight.close()
+    for name, v in variants.items():
+        print(f"{name:>8}: {statistics.mean(v.seconds):6.2f} s a step ({' '.join(f'{x:.1f}' for x in v.seconds)}); "
+              f"{len(v.trained)} groups trained ({len(long & set(v.trained))} with a long trajectory), engine calls "
+              f"{v.engine_calls:.0f}, staleness of trained tokens mean {statistics.mean(v.ages):.2f} max "
+              f"{max(v.ages)}, trajectories restarted {v.restarted:.0f}, groups in flight at the end "
+              f"{len(v.in_flight.group_ids()) if v.in_flight else 0}")
+    ratio = statistics.mean(variants["without"].seconds) / statistics.mean(variants["partial"].seconds)
+    print(f"without / partial: {ratio:.2f}x (goal >= 1.5x)")
 
 
 # The event simulation.

@@ -24,7 +24,7 @@ import tiny  # noqa: E402
 import tools  # noqa: E402
 import train_grpo  # noqa: E402
 from test_async_rollout import CORPUS, TokenEngine, call, latency_toolbox  # noqa: E402
-from test_async_rollout import tokenizer  # noqa: E402,F401 -- a fixture
+from test_async_rollout import tokenizer  # noqa: E402,F401,F811 -- a fixture
 
 SAMPLING = engines.Sampling(max_new_tokens=200)
 LIMITS = rollout.AgentLimits(max_turns=8, max_total_tokens=900, max_tool_response_tokens=16)
@@ -216,9 +216,9 @@ def task(tmp_path_factory):
     kinds = [None] * len(KINDS)
     for position, item in enumerate(order):
         kinds[item] = KINDS[position]
-    data_prep.write_rows([data_prep.make_row("toy", f"{kind}: solve it", {"test_list": ["assert True"], "test_setup_code": ""},
-                                             {"index": k, "split": "train"}) for k, kind in enumerate(kinds)],
-                         root / "train.parquet")
+    tests = {"test_list": ["assert True"], "test_setup_code": ""}
+    data_prep.write_rows([data_prep.make_row("toy", f"{kind}: solve it", tests, {"index": k, "split": "train"})
+                          for k, kind in enumerate(kinds)], root / "train.parquet")
     return root, tiny.make_tiny_model(root / "model", CORPUS, seed=0)
 
 
@@ -236,7 +236,7 @@ def make_run(task, output_dir, **kwargs) -> train_grpo.Run:
 def test_grpo_trains_carried_groups_whole_with_versions_and_corrected_weights(task, tmp_path, monkeypatch, capsys):
     """Two steps of train_step with --partial-rollouts, the loss's correction weights caught on their way; a
     checkpoint after them keeps the groups in flight, a resumed run regenerates them from their prompts and says so;
-    main() releases the paused sessions when training is interrupted. 3 s (31 s with the imports, on a loaded machine)."""
+    main() releases the paused sessions when training is interrupted. 3 s (the module: 15-30 s with its imports)."""
     opened, batches, corrections = [], [], []
     monkeypatch.setitem(rollout.TOOLBOXES, "python", recording(tools.python_toolbox, opened))
     real_update, real_correction = train_grpo.update_policy, losses.rollout_correction
@@ -248,7 +248,8 @@ def test_grpo_trains_carried_groups_whole_with_versions_and_corrected_weights(ta
 
     metrics = train_grpo.train_step(run)
     run.step += 1
-    assert [(s.group, s.row["prompt"][0]["content"][:6]) for s in batches[0]] == [(1, "task-S")] * 2 + [(2, "task-S")] * 2
+    assert [(s.group, s.row["prompt"][0]["content"][:6]) for s in batches[0]] == [(1, "task-S")] * 2 + [
+        (2, "task-S")] * 2
     assert metrics["partial/paused"] == 4 and metrics["partial/staleness_max"] == 0 and run.data_pos == 4
     assert run.in_flight.group_ids() == [0, 3] and all(session_open(t.box) for t in run.in_flight.trajectories)
 
