@@ -323,14 +323,14 @@ def run_long_tail(args: Args) -> None:
                 variant.restarted += metrics.get("partial/restarted_stale", 0)
                 variant.ages += [version - v for s in samples for v, m in zip(s.versions, s.loss_mask) if m]
                 variant.trained += sorted({s.group for s in samples})
+        for name, v in variants.items():
+            print(f"{name:>8}: {statistics.mean(v.seconds):6.2f} s a step ({' '.join(f'{x:.1f}' for x in v.seconds)})"
+                  f"; {len(v.trained)} groups trained ({len(long & set(v.trained))} with a long trajectory), engine "
+                  f"calls {v.engine_calls:.0f}, staleness of trained tokens mean {statistics.mean(v.ages):.2f} max "
+                  f"{max(v.ages)}, trajectories restarted {v.restarted:.0f}, groups in flight at the end "
+                  f"{len(v.in_flight.group_ids()) if v.in_flight else 0}")
     finally:
         variants["partial"].in_flight.close()
-    for name, v in variants.items():
-        print(f"{name:>8}: {statistics.mean(v.seconds):6.2f} s a step ({' '.join(f'{x:.1f}' for x in v.seconds)}); "
-              f"{len(v.trained)} groups trained ({len(long & set(v.trained))} with a long trajectory), engine calls "
-              f"{v.engine_calls:.0f}, staleness of trained tokens mean {statistics.mean(v.ages):.2f} max "
-              f"{max(v.ages)}, trajectories restarted {v.restarted:.0f}, groups in flight at the end "
-              f"{len(v.in_flight.group_ids()) if v.in_flight else 0}")
     ratio = statistics.mean(variants["without"].seconds) / statistics.mean(variants["partial"].seconds)
     print(f"without / partial: {ratio:.2f}x (goal >= 1.5x)")
 
