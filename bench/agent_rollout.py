@@ -23,9 +23,9 @@ one in ten (drawn per trajectory) 10x as many; replies, tool times and outputs p
 Step time (the rollout phase; the update is the same work at equal trained groups) without partial rollouts (every
 step's groups to their end) against with them (rollout.InFlight: twice the groups in flight, a step ends once it
 holds --groups complete groups, unfinished trajectories carried, restarted past staleness 1), --steps steps each on
-the same plan (a restarted trajectory replays its own). Goal: >= 1.5x. On this CPU a decoding step costs more
-with more rows, and partial rollouts batch twice the trajectories; --fixed-step-ms gives the engine a GPU's cost shape
-(a step costs the same at any rows) in the same loop.
+the same plan (a restarted trajectory replays its own), the two alternating step by step. Goal: >= 1.5x. On this CPU
+a decoding step costs more with more rows, and partial rollouts batch twice the trajectories; --fixed-step-ms gives
+the engine a GPU's cost shape (a step costs the same at any rows) in the same loop.
 
     .venv/bin/python bench/agent_rollout.py [--trajectories 64 --scale 8 --seed 0]
     .venv/bin/python bench/agent_rollout.py --simulate
