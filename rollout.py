@@ -48,6 +48,8 @@ class Sample:
     advantage: float = 0.0  # the sample's share of the signal, set by the trainer from the rewards of its batch
     info: dict = field(default_factory=dict)
     images: list[bytes] = field(default_factory=list)  # encoded images, one per placeholder in `ids`, in that order
+    versions: list[int] = field(default_factory=list)  # multi-turn, per completion token: the policy version (the
+    # trainer's step) whose weights sampled it, or, outside the loss mask, in force when it was appended
 
     @property
     def ids(self) -> list[int]:
@@ -93,20 +95,22 @@ def load_rows_within(source: str, tokenizer, max_prompt_tokens: int, verbose: bo
 
 def collect(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampling: Sampling, tools: str = "none",
             limits: AgentLimits | None = None, first_group: int = 0, check: bool = False,
-            eot: str | None = None,
-            count_image: Callable[[bytes], int] = placeholder_only) -> tuple[list[Sample], dict]:
+            eot: str | None = None, count_image: Callable[[bytes], int] = placeholder_only,
+            in_flight: InFlight | None = None, version: int = 0) -> tuple[list[Sample], dict]:
     """`group_size` samples of each row: single-turn, or multi-turn agent rollouts with the toolbox `tools` names
     (TOOLBOXES) whose turns end with the token `eot` (default: end_of_turn's), budgets counting each image as
-    `count_image` tokens. check: compare every trajectory with the chat template's rendering of its messages; the
-    drifting fractions go to the metrics (tools/tito_drift_frac: any finding; tools/tito_split_frac: ids that split the
-    text otherwise; tools/tito_mask_drift_frac: a loss mask or text that is wrong) and the first drift to the console: logged, not fatal. Returns
-    samples and this rank's metrics."""
+    `count_image` tokens (in_flight and version: multi_turn's, for partial rollouts). check: compare every trajectory
+    with the chat template's rendering of its messages; the drifting fractions go to the metrics
+    (tools/tito_drift_frac: any finding; tools/tito_split_frac: ids that split the text otherwise;
+    tools/tito_mask_drift_frac: a loss mask or text that is wrong) and the first drift to the console: logged, not
+    fatal. Returns samples and this rank's metrics."""
     if tools == "none":
         return single_turn(engine, tokenizer, rows, group_size, sampling, first_group)
     eot = eot or chat.end_of_turn(tokenizer)
     samples, metrics = multi_turn(engine, tokenizer, rows, group_size, sampling, TOOLBOXES[tools],
-                                  limits or AgentLimits(), first_group, eot, count_image)
-    if check:
+                                  limits or AgentLimits(), first_group, eot, count_image, in_flight=in_flight,
+                                  version=version)
+    if check and samples:
         drifts = [(s, chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"], eot)) for s in samples]
         metrics["tools/tito_drift_frac"] = sum(bool(d) for _, d in drifts) / len(drifts)
         metrics["tools/tito_split_frac"] = sum("ids" in d for _, d in drifts) / len(drifts)
@@ -187,8 +191,9 @@ class Trajectory:
     # images
     finish_reason: str = ""  # "stop", "submit", "length" (a turn ran out of tokens), "max_turns", "max_total_tokens",
     # "max_seconds"
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=time.monotonic)  # moved on by the time it spent paused
     seconds: float = 0.0  # wall clock from the start to the end of its last turn
+    versions: list[int] = field(default_factory=list)  # per completion token (Sample.versions)
 
     @property
     def length(self) -> int:
@@ -196,26 +201,72 @@ class Trajectory:
         return len(self.prompt_ids) + len(self.completion_ids) + self.image_tokens
 
 
+def staleness(traj: Trajectory, version: int) -> int:
+    """How many versions older than `version` the trajectory's oldest token is (0 for one with no token yet)."""
+    return version - min(traj.versions, default=version)
+
+
+@dataclass
+class InFlight:
+    """Partial rollouts (train_grpo --partial-rollouts): what one rollout phase hands to the next. A phase ends once
+    `groups` groups are complete (all their trajectories finished; a group is never split) and returns that many; the
+    trajectories of the other groups stay here, the unfinished ones paused between turns with their tokens, engine
+    logprobs, versions and live toolbox (no tool call runs while paused), to go on in the next phase under its
+    weights. A trajectory whose oldest token is more than `max_staleness` versions older than the next phase's
+    restarts there from its prompt, on a fresh toolbox. `regenerate`: groups (id, row) to start from their prompts in
+    the next phase (a resumed run's: its paused trajectories were not checkpointed). `close` releases every toolbox it
+    holds: call it on every exit path."""
+
+    groups: int
+    max_staleness: int
+    trajectories: list[Trajectory] = field(default_factory=list)
+    regenerate: list[tuple[int, dict]] = field(default_factory=list)
+    paused_at: float = 0.0  # time.monotonic() when the last phase ended
+
+    def group_ids(self) -> list[int]:
+        return sorted({traj.group for traj in self.trajectories} | {group for group, _ in self.regenerate})
+
+    def close(self) -> None:
+        boxes, self.trajectories = [traj.box for traj in self.trajectories], []
+        close_all(boxes)
+
+
+def complete_groups(trajectories: list[Trajectory]) -> list[int]:
+    """Ids, in order, of the groups whose every trajectory has finished."""
+    live = {traj.group for traj in trajectories if not traj.finish_reason}
+    return sorted({traj.group for traj in trajectories} - live)
+
+
 def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampling: Sampling,
                new_toolbox: Callable[[dict], ToolBox], limits: AgentLimits = AgentLimits(),
                first_group: int = 0, eot: str | None = None,
-               count_image: Callable[[bytes], int] = placeholder_only, lockstep: bool = False) -> tuple[list[Sample], dict]:
+               count_image: Callable[[bytes], int] = placeholder_only, lockstep: bool = False,
+               in_flight: InFlight | None = None, version: int = 0) -> tuple[list[Sample], dict]:
     """Multi-turn rollout: each row's prompt (and images) `group_size` times, every trajectory on its own
     (`run_trajectories`): its next turn goes to the engine as soon as its tool results are in, its tool calls start as
     soon as its reply is parsed. lockstep: the reference the tests and bench/agent_rollout.py compare against, every
     engine call waiting for every live trajectory. A turn that ends with the token `eot` (default: end_of_turn's), or
     (tag protocol) stops on </code>, can call tools. Lengths count each image as `count_image` tokens; an observation
-    that does not fit ends the trajectory before it, images and all. Returns samples (info: messages, the images the
-    tools returned, tool schemas, turn and tool counts) and metrics. Toolboxes are always closed, each even when
-    another's close fails. A prompt that leaves no room under max_total_tokens is refused (ValueError) before anything
-    is generated. Ranks do not meet here (but for a tensor-parallel engine's peers, at each engine call)."""
+    that does not fit ends the trajectory before it, images and all. Every token appended is of policy `version`
+    (Sample.versions). in_flight (partial rollouts, InFlight): the phase also runs the trajectories it holds (the stale
+    ones restarted) and its groups to regenerate, returns in_flight.groups complete groups (those with the oldest
+    tokens first, then by group id; each group's samples together) and leaves the rest in it. Returns samples (info:
+    messages, the images the tools returned, tool schemas, turn and tool counts) and metrics. Toolboxes are closed
+    once their group is returned, and all of them (in_flight's too) on an error or Ctrl-C, each even when another's
+    close fails. A prompt that leaves no room under max_total_tokens is refused (ValueError) before anything is
+    generated. Ranks do not meet here (but for a tensor-parallel engine's peers, at each engine call)."""
     start = time.perf_counter()
     eot = eot or chat.end_of_turn(tokenizer)
-    trajectories: list[Trajectory] = []
+    starts = [(first_group + i // group_size, i % group_size, rows[i // group_size])
+              for i in range(len(rows) * group_size)]  # (group, index in the group, row) to start from the prompt
+    trajectories: list[Trajectory] = []  # every one whose toolbox the `finally` closes: all but the paused
+    paused: list[Trajectory] = []
     start_failures = []  # trajectories whose container the daemon would not start, even after retries
+    partial = {}
     try:
-        for i in range(len(rows) * group_size):
-            row = rows[i // group_size]
+        if in_flight is not None:
+            trajectories, starts, partial = _resume(in_flight, version, group_size, starts)
+        for group, index, row in starts:
             try:
                 box = new_toolbox(row)
             except containers.ContainerStartFailed as e:  # lost, but counted (swe/start_failures), never scored
@@ -223,16 +274,29 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
                 continue
             images = data_prep.row_images(row)
             prompt_text = chat.render(tokenizer, row["prompt"], box.schemas, add_generation_prompt=True)
-            traj = Trajectory(row, first_group + i // group_size, i % group_size, box, list(row["prompt"]),
+            traj = Trajectory(row, group, index, box, list(row["prompt"]),
                               tokenizer(prompt_text, add_special_tokens=False)["input_ids"], images=images,
                               prompt_images=len(images), image_tokens=sum(count_image(im) - 1 for im in images))
             trajectories.append(traj)
             if traj.length >= limits.max_total_tokens:
-                task = data_prep.row_id(row) if "extra_info" in row else f"rows[{i // group_size}]"
+                task = data_prep.row_id(row) if "extra_info" in row else f"rows[{group - first_group}]"
                 raise ValueError(f"{task}: the prompt is {traj.length} tokens with the tool signatures and its "
                                  f"images, no room for an answer within max_total_tokens {limits.max_total_tokens}")
-        schedule = run_trajectories(engine, tokenizer, trajectories, sampling, limits, eot, count_image, lockstep)
+        trajectories.sort(key=lambda traj: (traj.group, traj.index))
+        schedule = run_trajectories(engine, tokenizer, trajectories, sampling, limits, eot, count_image, lockstep,
+                                    in_flight.groups if in_flight is not None else None, version)
+        if in_flight is not None:  # the stalest complete groups first: they are the next to be restarted
+            age = {}
+            for traj in trajectories:
+                age[traj.group] = max(age.get(traj.group, 0), staleness(traj, version))
+            returned = set(sorted(complete_groups(trajectories), key=lambda g: (-age[g], g))[: in_flight.groups])
+            paused = [traj for traj in trajectories if traj.group not in returned]
+            trajectories = [traj for traj in trajectories if traj.group in returned]
+            partial["partial/paused"] = float(sum(not traj.finish_reason for traj in paused))
+            partial["partial/groups_in_flight"] = float(len({traj.group for traj in paused}))
     finally:
+        if in_flight is not None:  # empty after an error: every toolbox closes below
+            in_flight.trajectories, in_flight.paused_at = paused, time.monotonic()
         close_all([traj.box for traj in trajectories])
     samples, pad_id = [], chat.image_pad_id(tokenizer)
     for traj in trajectories:
@@ -244,7 +308,7 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
             info={"messages": traj.messages, "images": traj.images[traj.prompt_images:], "tools": traj.box.schemas,
                   "turns": traj.turns, "tool_calls": traj.tool_calls, "tool_errors": traj.tool_errors,
                   "agent_seconds": traj.seconds, "tool_log": traj.tool_log} | traj.box.info,
-            images=traj.images))
+            images=traj.images, versions=traj.versions))
         check_images(samples[-1], pad_id)
     seconds = time.perf_counter() - start
     n = max(1, len(trajectories))  # a rank can run a round without rows of its own
@@ -259,7 +323,7 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
         "tools/seconds": sum(traj.tool_seconds for traj in trajectories),
         "tools/truncated_responses": sum(traj.truncated_responses for traj in trajectories),
         "tools/agent_seconds_mean": sum(traj.seconds for traj in trajectories) / n,
-    } | schedule
+    } | schedule | partial
     if start_failures:
         tqdm.write(f"rank {collectives.rank()}: {len(start_failures)} of {len(rows) * group_size} trajectories had no "
                    f"container (left out): {start_failures[0]}")
@@ -270,6 +334,29 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
     for reason in ("length", "max_turns", "max_total_tokens", "max_seconds", "submit"):
         metrics[f"rollout/finish_{reason}_frac"] = sum(traj.finish_reason == reason for traj in trajectories) / n
     return samples, metrics
+
+
+def _resume(in_flight: InFlight, version: int, group_size: int,
+            starts: list[tuple[int, int, dict]]) -> tuple[list[Trajectory], list[tuple[int, int, dict]], dict]:
+    """Take in_flight's trajectories into a phase of `version`: (those that go on, their paused time taken off their
+    wall clock; `starts` with the stale ones' and the regenerated groups' trajectories in front; partial/ metrics).
+    The stale ones' toolboxes are closed."""
+    carried, in_flight.trajectories = in_flight.trajectories, []
+    regenerated, in_flight.regenerate = in_flight.regenerate, []
+    stale = [traj for traj in carried if staleness(traj, version) > in_flight.max_staleness]
+    kept = [traj for traj in carried if staleness(traj, version) <= in_flight.max_staleness]
+    try:
+        close_all([traj.box for traj in stale])
+    except BaseException:
+        close_all([traj.box for traj in kept])
+        raise
+    for traj in kept:
+        traj.started += time.monotonic() - in_flight.paused_at
+    starts = ([(traj.group, traj.index, traj.row) for traj in stale]
+              + [(group, index, row) for group, row in regenerated for index in range(group_size)] + starts)
+    return kept, starts, {"partial/resumed": float(sum(not traj.finish_reason for traj in kept)),
+                          "partial/restarted_stale": float(len(stale)),
+                          "partial/regenerated": float(len(regenerated) * group_size)}
 
 
 def close_all(boxes: list[ToolBox]) -> None:
@@ -290,14 +377,17 @@ MAX_TOOL_THREADS = 64  # tool calls running at once on a rank (SWE: docker execs
 
 def run_trajectories(engine: Engine, tokenizer, trajectories: list[Trajectory], sampling: Sampling,
                      limits: AgentLimits, eot: str, count_image: Callable[[bytes], int] = placeholder_only,
-                     lockstep: bool = False) -> dict:
-    """Drive every trajectory to its finish_reason. Each engine call takes every trajectory that is ready (its prompt,
-    or its tool results, are in), in trajectory order; meanwhile the tools of the others run on a thread pool, and
-    between calls the main thread waits only when nothing is ready. lockstep: an engine call waits until no tool call
-    is running (every live trajectory is ready), as one turn of all trajectories at a time. The engine's peers
-    (`engines.call_group`, a tensor-parallel vLLM engine's ranks) agree before each call, a peer with nothing ready
-    calling with no prompts; other ranks never meet here. Returns the schedule's metrics: engine and tool busy
-    fractions of the wall time, engine calls and trajectories per call, most tool calls running at once."""
+                     lockstep: bool = False, groups: int | None = None, version: int = 0) -> dict:
+    """Drive every trajectory to its finish_reason, or with `groups` until that many groups are complete (no engine
+    call starts after that; the tool calls running then return and are appended, and the unfinished trajectories are
+    left ready for their next turn). Each engine call takes every trajectory that is ready (its prompt, or its tool
+    results, are in), in trajectory order; meanwhile the tools of the others run on a thread pool, and between calls
+    the main thread waits only when nothing is ready. lockstep: an engine call waits until no tool call is running
+    (every live trajectory is ready), as one turn of all trajectories at a time. Every token appended gets `version`
+    (Trajectory.versions). The engine's peers (`engines.call_group`, a tensor-parallel vLLM engine's ranks) agree
+    before each call, a peer with nothing ready calling with no prompts; other ranks never meet here. Returns the
+    schedule's metrics: engine and tool busy fractions of the wall time, engine calls and trajectories per call, most
+    tool calls running at once."""
     start, eot_id, group = time.monotonic(), tokenizer.convert_tokens_to_ids(eot), engines.call_group(engine)
     order = {id(traj): k for k, traj in enumerate(trajectories)}
     ready = [traj for traj in trajectories if not traj.finish_reason]
@@ -315,8 +405,9 @@ def run_trajectories(engine: Engine, tokenizer, trajectories: list[Trajectory], 
                 if _take_tool_results(tokenizer, traj, [(call, r, s) for call, r, s, _, _ in results], limits, eot,
                                       count_image):
                     ready.append(traj)
-            batch = sorted(ready, key=lambda t: order[id(t)]) if not (lockstep and running) else []
-            generating, live = bool(batch), bool(ready or running)
+            enough = groups is not None and len(complete_groups(trajectories)) >= groups
+            batch = sorted(ready, key=lambda t: order[id(t)]) if not (enough or (lockstep and running)) else []
+            generating, live = bool(batch), bool(running or (ready and not enough))
             if group is not None:
                 generating, live = collectives.any_ranks(generating, live, group=group)
             if not live:
@@ -336,6 +427,8 @@ def run_trajectories(engine: Engine, tokenizer, trajectories: list[Trajectory], 
             most_running = max(most_running, sum(len(futures) for _, futures in running))
     finally:  # on an error or Ctrl-C, calls not started are dropped; the running ones end before the boxes close
         pool.shutdown(wait=True, cancel_futures=True)
+    for traj in trajectories:
+        traj.versions += [version] * (len(traj.completion_ids) - len(traj.versions))
     seconds = max(time.monotonic() - start, 1e-9)
     return {"rollout/engine_busy_frac": engine_seconds / seconds, "tools/busy_frac": _covered(spans) / seconds,
             "rollout/engine_calls": float(calls), "rollout/in_flight_mean": batched / max(1, calls),

@@ -209,6 +209,15 @@ class Args:
     answer); killed past --max-agent-seconds; replies within --max-total-tokens (docs/agents.md)"""
     agent_keep_failed: bool = False
     """with --agent-cmd: also train on the sessions of agents that exit non-zero or are killed (default: dropped)"""
+    partial_rollouts: bool = False
+    """agent rollouts across steps (--tools; rollout.InFlight): each rank keeps twice its groups in flight, a step's
+    rollouts end once it holds its groups complete (never split), and the other trajectories pause between turns
+    with their tokens, engine logprobs and live tools to go on next step under the new weights; combine with
+    --rollout-is token (the engine's logprobs are the behaviour policy). A resumed run drops the paused ones (tool
+    state is not checkpointed) and starts their groups again from their prompts"""
+    max_staleness: int = 1
+    """with --partial-rollouts: a trajectory whose oldest token was sampled more than N steps before the current one
+    restarts from its prompt on fresh tools (counted: partial/restarted_stale)"""
 
     judge_url: str | None = None
     """OpenAI-compatible base URL of the LLM judge that vl_agent rows need, e.g. http://judge-node:8000/v1 (bearer
@@ -255,6 +264,7 @@ class Run:
     best: dict = field(default_factory=dict)  # {"step", "metric", "value"} of the policy kept in best/
     evals: list[dict] = field(default_factory=list)  # every eval's eval_report.report summary and step, for the report
     judge: judge_lib.Judge | None = None  # the LLM judge of vl_agent rows (--judge-url)
+    in_flight: rollout.InFlight | None = None  # trajectories carried between steps (--partial-rollouts)
 
 
 def main(args: Args, score_fn: rewards.ScoreFn = rewards.score_batch) -> Run | None:
@@ -265,16 +275,20 @@ def main(args: Args, score_fn: rewards.ScoreFn = rewards.score_batch) -> Run | N
     if run.step == 0 and run.eval_rows:
         run.log.metrics(runlog.announced_eval(evaluate, run) | {"step": 0})
     bar = tqdm(total=args.total_steps, initial=run.step, desc="grpo", disable=run.rank != 0)
-    while run.step < args.total_steps:
-        metrics = train_step(run)
-        run.step += 1
-        if args.eval_every and run.step % args.eval_every == 0 and run.step < args.total_steps and run.eval_rows:
-            metrics |= runlog.announced_eval(evaluate, run)
-        run.log.metrics(metrics | {"step": run.step})
-        bar.update(1)
-        bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}")
-        if run.step % (args.save_every or args.total_steps) == 0 or run.step == args.total_steps:
-            save(run)
+    try:
+        while run.step < args.total_steps:
+            metrics = train_step(run)
+            run.step += 1
+            if args.eval_every and run.step % args.eval_every == 0 and run.step < args.total_steps and run.eval_rows:
+                metrics |= runlog.announced_eval(evaluate, run)
+            run.log.metrics(metrics | {"step": run.step})
+            bar.update(1)
+            bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}")
+            if run.step % (args.save_every or args.total_steps) == 0 or run.step == args.total_steps:
+                save(run)
+    finally:  # the paused trajectories' tools (sessions, containers) end with training, however it ends
+        if run.in_flight is not None:
+            run.in_flight.close()
     bar.close()
     if run.eval_rows and run.step > 0:  # step 0 was evaluated above
         run.log.metrics(runlog.announced_eval(evaluate, run) | {"step": run.step})
@@ -298,6 +312,11 @@ def check_variants(args: Args) -> None:
     if args.tis_cap is not None and (args.rollout_is or args.rollout_rs or args.rollout_veto_threshold):
         raise ValueError("--tis-cap is rollout correction's token-level weight: use --rollout-is token "
                          "--rollout-is-threshold instead of combining them")
+    if args.partial_rollouts and (args.tools == "none" or args.agent_cmd is not None or args.dynamic_sampling):
+        raise ValueError("--partial-rollouts pauses kiln's own agent trajectories between turns: it needs --tools, and "
+                         "takes neither --agent-cmd nor --dynamic-sampling")
+    if args.max_staleness < 0:
+        raise ValueError(f"--max-staleness must be >= 0, got {args.max_staleness}")
     if args.overlong_buffer and (args.tools != "none" or not 0 < args.overlong_buffer <= args.max_new_tokens):
         raise ValueError(f"--overlong-buffer {args.overlong_buffer} must be in (0, --max-new-tokens "
                          f"{args.max_new_tokens}] and measures single-turn answers (--tools none)")
@@ -405,12 +424,21 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
         step, data_pos = state["step"], state["data_pos"]
         if rank == 0:
             print(f"resumed from {checkpoint} at step {step}")
+    in_flight = None
+    if args.partial_rollouts:
+        in_flight = rollout.InFlight(groups=args.prompts_per_step // world, max_staleness=args.max_staleness)
+        regenerated = state.get("in_flight_groups", [])
+        in_flight.regenerate = [(group, data_prep.in_epoch_order(rows, group, 1, args.seed)[0])
+                                for group in regenerated[rank::world]]
+        if regenerated and rank == 0:
+            print(f"--partial-rollouts: the {len(regenerated)} groups in flight at the checkpoint start again from "
+                  "their prompts (paused trajectories and their tools are not checkpointed: dropped)")
     log = runlog.start(args.output_dir, rank, dataclasses.asdict(args), args.wandb_project,
                        resume_step=step if args.resume else None, samples_max_mb=args.samples_max_mb)
     return Run(args=args, rank=rank, world=world, model=model, ref_model=ref_model, optimizer=optimizer,
                scheduler=scheduler, engine=engine, tokenizer=tokenizer, sampling=sampling, limits=limits, rows=rows,
                eval_rows=eval_rows, score_fn=score_fn, log=log, step=step, data_pos=data_pos,
-               best=state.get("best", {}), evals=state.get("evals", []), judge=judge)
+               best=state.get("best", {}), evals=state.get("evals", []), judge=judge, in_flight=in_flight)
 
 
 def train_step(run: Run) -> dict:
@@ -427,8 +455,9 @@ def train_step(run: Run) -> dict:
     # 8. Minibatch updates: per micro-batch packed forward -> policy loss (+ KL) -> backward; then clip -> step.
     with runlog.timed(seconds, "update"):
         update_metrics = update_epochs(run, batch, old_logprobs, ref_logprobs)
-    # 9. Throughput, timings and sample records.
-    return metrics | advantage_metrics | update_metrics | step_metrics(run, samples, seconds, recorded_logprobs)
+    # 9. Throughput, timings, staleness of the trained tokens and sample records.
+    return (metrics | advantage_metrics | update_metrics | staleness_metrics(run, batch)
+            | step_metrics(run, samples, seconds, recorded_logprobs))
 
 
 def collect_batch(run: Run, seconds: dict) -> tuple[list[rollout.Sample], list[rollout.Sample], dict]:
@@ -470,17 +499,22 @@ def collect_batch(run: Run, seconds: dict) -> tuple[list[rollout.Sample], list[r
 def sample_prompts(run: Run, tries: int, seconds: dict) -> tuple[list[rollout.Sample], dict]:
     """Phases 1-4: this rank's next prompts (a seeded shuffle per epoch, so resuming replays the same order), the
     engine woken with the current weights, `group_size` rollouts of each (seeded per sample and turn), the engine put
-    back to sleep."""
+    back to sleep. With --partial-rollouts the rollouts go on with the groups in flight; a step with none on any rank
+    (the first) takes two rounds of prompts."""
     args, per_rank = run.args, run.args.prompts_per_step // run.world
-    rows = data_prep.in_epoch_order(run.rows, run.data_pos + run.rank * per_rank, per_rank, args.seed)
-    run.data_pos += args.prompts_per_step
-    first_group = tries * args.prompts_per_step + run.rank * per_rank  # group ids unique over ranks and rounds
+    starting = run.in_flight is not None and not collectives.any_rank(bool(run.in_flight.group_ids()))
+    count = per_rank * (2 if starting else 1)
+    rows = data_prep.in_epoch_order(run.rows, run.data_pos + run.rank * count, count, args.seed)
+    # Group ids are unique over ranks and rounds; groups carried across steps take their row's data position, unique
+    # over steps too and where a resumed run finds the row again.
+    first_group = (run.data_pos if run.in_flight is not None else tries * args.prompts_per_step) + run.rank * count
+    run.data_pos += count * run.world
     # Each sample's tokens come from its own seed (step, round, group, index, turn): a resumed run repeats them.
     sampling = dataclasses.replace(run.sampling, seed=engines.derive_seed(args.seed, run.step, tries))
     with runlog.timed(seconds, "wake_and_sync"):
         wake_with_current_weights(run)
     with runlog.timed(seconds, "rollout"):
-        samples, metrics = run_rollouts(run, rows, args.group_size, sampling, first_group)
+        samples, metrics = run_rollouts(run, rows, args.group_size, sampling, first_group, in_flight=run.in_flight)
         run.engine.sleep()
     return samples, metrics
 
@@ -516,8 +550,9 @@ def reward_metrics(run: Run, samples: list[rollout.Sample], rollout_metrics: dic
     """Rollout metrics (tool, SWE and agent families averaged over ranks); rewards by data source, error kinds and
     lengths of the samples that have a reward; with --tools swe the verdict counts."""
     tool_metrics = {k: v for k, v in rollout_metrics.items() if k.startswith(("tools/", "swe/", "agents/"))}
+    counts = {k: v for k, v in rollout_metrics.items() if k.startswith("partial/")}  # trajectories, over all ranks
     metrics = (rollout_metrics | collectives.mean_dicts_over_ranks(tool_metrics)
-               | getattr(run.engine, "last_metrics", {}))
+               | collectives.sum_dicts_over_ranks(counts) | getattr(run.engine, "last_metrics", {}))
     sources, scores, errors, lengths, isolations = zip(*collectives.gather_objects(
         [(s.row["data_source"], s.reward, s.info.get("error"), len(s.completion_ids), s.info.get("sandbox_isolation"))
          for s in samples if math.isfinite(s.reward)]))
@@ -677,6 +712,17 @@ def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_log
     return collectives.sum_dicts_over_ranks(stats) | policy.step_if_finite(run.optimizer, grad_norm, "actor")
 
 
+def staleness_metrics(run: Run, batch: list[rollout.Sample]) -> dict:
+    """With --partial-rollouts: how many steps before this one each trained token was sampled (run.step minus its
+    version), mean and max over the loss-mask tokens of every rank's batch. Collective."""
+    if run.in_flight is None:
+        return {}
+    ages = [run.step - v for s in batch for v, m in zip(s.versions, s.loss_mask) if m]
+    tokens = collectives.sum_over_ranks(len(ages))
+    return {"partial/staleness_mean": collectives.sum_over_ranks(sum(ages)) / max(tokens, 1),
+            "partial/staleness_max": float(max(collectives.gather_objects([max(ages, default=0)])))}
+
+
 def step_metrics(run: Run, samples: list[rollout.Sample], seconds: dict,
                  recorded_logprobs: torch.Tensor | None = None) -> dict:
     """Phase 9: seconds per phase, sample tokens per second over all ranks, the learning rate; every --sample-every
@@ -699,15 +745,16 @@ def wake_with_current_weights(run: Run) -> None:
 
 
 def run_rollouts(run: Run, rows: list[dict], group_size: int, sampling: engines.Sampling, first_group: int,
-                 evaluation: bool = False) -> tuple[list[rollout.Sample], dict]:
-    """kiln's own rollout loops (rollout.collect; images counted as the model expands them), or with --agent-cmd one
-    external agent per trajectory (rollout.external_agents). An evaluation keeps failed agents' sessions: their
-    result is graded like any other."""
+                 evaluation: bool = False,
+                 in_flight: rollout.InFlight | None = None) -> tuple[list[rollout.Sample], dict]:
+    """kiln's own rollout loops (rollout.collect; images counted as the model expands them; tokens of version
+    run.step; in_flight: partial rollouts), or with --agent-cmd one external agent per trajectory
+    (rollout.external_agents). An evaluation keeps failed agents' sessions: their result is graded like any other."""
     args = run.args
     common = dict(first_group=first_group, check=args.check_tito, eot=args.end_of_turn)
     if args.agent_cmd is None:
         return rollout.collect(run.engine, run.tokenizer, rows, group_size, sampling, args.tools, run.limits,
-                               **common, **image_counting(args.model))
+                               **common, **image_counting(args.model), in_flight=in_flight, version=run.step)
     return rollout.external_agents(args.agent_cmd, run.engine, run.tokenizer, rows, group_size, sampling, args.tools,
                                    run.limits, keep_failed=args.agent_keep_failed or evaluation, **common)
 
@@ -752,6 +799,8 @@ def evaluate(run: Run) -> dict:
 def save(run: Run) -> None:
     state = {"step": run.step, "data_pos": run.data_pos, "scheduler": run.scheduler.state_dict(), "best": run.best,
              "evals": run.evals}
+    if run.in_flight is not None:  # their rows, to start again at a resume (their trajectories and tools are not kept)
+        state["in_flight_groups"] = sorted(collectives.gather_objects(run.in_flight.group_ids()))
     path = save_checkpoint(run.args.output_dir, run.step, run.model, run.optimizer, state,
                            hf_source_dir=run.args.model, keep_last=run.args.keep_checkpoints)
     if run.rank == 0:

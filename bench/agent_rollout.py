@@ -18,8 +18,19 @@ Simulated (--simulate): the unscaled workload on a GPU, in an event simulation: 
 engine call per batch of ready trajectories (as the HF engine does); independent with continuous batching (vLLM,
 each reply as long as its own tokens), each at 20 and 40 ms a decoding step.
 
+Long tail (--long-tail): GRPO steps of --groups groups of --group-size trajectories, each trajectory --turns turns but
+one in ten (drawn per trajectory) 10x as many; replies, tool times and outputs per turn drawn and scaled as above.
+Step time (the rollout phase; the update is the same work at equal trained groups) without partial rollouts (every
+step's groups to their end) against with them (rollout.InFlight: twice the groups in flight, a step ends once it
+holds --groups complete groups, unfinished trajectories carried, restarted past staleness 1), --steps steps each on
+the same plan (a restarted trajectory replays its own), the two alternating step by step. Goal: >= 1.5x. On this CPU
+a decoding step costs more with more rows, and partial rollouts batch twice the trajectories; --fixed-step-ms gives
+the engine a GPU's cost shape (a step costs the same at any rows) in the same loop.
+
     .venv/bin/python bench/agent_rollout.py [--trajectories 64 --scale 8 --seed 0]
     .venv/bin/python bench/agent_rollout.py --simulate
+    .venv/bin/python bench/agent_rollout.py --long-tail [--steps 8 --groups 4 --group-size 4 --turns 4]
+    .venv/bin/python bench/agent_rollout.py --long-tail --fixed-step-ms 5
 """
 from __future__ import annotations
 
@@ -33,7 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -68,6 +79,19 @@ class Args:
     step_ms: float | None = None
     """this machine's decoding step for the tool-time scaling, fixed (default: measured at the start, which follows
     the machine's load at that moment)"""
+    long_tail: bool = False
+    """run the long-tail variant: step time with partial rollouts against without"""
+    steps: int = 8
+    """long tail: steps of each variant"""
+    groups: int = 4
+    """long tail: groups trained per step"""
+    group_size: int = 4
+    """long tail: trajectories per group"""
+    turns: int = 4
+    """long tail: turns of a trajectory (one in ten takes 10x as many)"""
+    fixed_step_ms: float | None = None
+    """long tail: instead of decoding with the tiny model, each engine call waits this many ms per decoding step
+    whatever its rows (a memory-bound GPU's cost shape, which the CPU's does not have); tools scale to it"""
 
 
 @dataclass
@@ -77,17 +101,27 @@ class Turn:
     output_chars: int
 
 
+def lognormal(rng: random.Random, median: float, sigma: float) -> float:
+    return median * math.exp(rng.gauss(0.0, sigma))
+
+
+def draw_turn(rng: random.Random) -> Turn:
+    return Turn(min(4096, max(1, round(lognormal(rng, 200, 1.0)))), min(60.0, lognormal(rng, 0.3, 1.7)),
+                max(1, round(lognormal(rng, 30, 1.0))))
+
+
 def plan(trajectories: int, seed: int) -> list[list[Turn]]:
     """Each trajectory's turns, drawn from the workload's distributions."""
     rng = random.Random(seed)
-
-    def lognormal(median: float, sigma: float) -> float:
-        return median * math.exp(rng.gauss(0.0, sigma))
-
-    return [[Turn(min(4096, max(1, round(lognormal(200, 1.0)))), min(60.0, lognormal(0.3, 1.7)),
-                  max(1, round(lognormal(30, 1.0))))
-             for _ in range(min(40, max(2, round(lognormal(16, 0.4)))))]
+    return [[draw_turn(rng) for _ in range(min(40, max(2, round(lognormal(rng, 16, 0.4)))))]
             for _ in range(trajectories)]
+
+
+def long_tail_plan(groups: int, group_size: int, turns: int, seed: int) -> dict[tuple[int, int], list[Turn]]:
+    """The turns of trajectory (group, index in the group): `turns`, or for one in ten 10x as many."""
+    rng = random.Random(seed)
+    return {(g, i): [draw_turn(rng) for _ in range(turns * (10 if rng.random() < 0.1 else 1))]
+            for g in range(groups) for i in range(group_size)}
 
 
 # The real loop.
@@ -124,6 +158,50 @@ class ScriptedReplies:
                 for r, c in zip(replies, real)]
 
 
+class SeededReplies:
+    """The long-tail variant's engine: each prompt's trajectory (group, index) and turn are read off its seed (the
+    rollout derives it from them: rollout.sample_seeds), and it decodes as ScriptedReplies does; the reply is the
+    plan's, its `bash` call naming the trajectory and the turn (for the tool's time), none on the last turn."""
+
+    def __init__(self, engine: engines.HFEngine, tokenizer, lengths: dict[tuple[int, int], list[int]], seed: int,
+                 fixed_step: float | None = None):
+        self.engine, self.tokenizer, self.lengths, self.fixed_step = engine, tokenizer, lengths, fixed_step
+        self.keys = {engines.derive_seed(seed, g, i, t): (g, i, t) for (g, i), turns in lengths.items()
+                     for t in range(len(turns))}
+        self.eot = tokenizer.convert_tokens_to_ids(chat.end_of_turn(tokenizer))
+        self.filler = tokenizer("step", add_special_tokens=False)["input_ids"][:1]
+        self.done = tokenizer("the file is fixed now", add_special_tokens=False)["input_ids"]
+
+    def reply(self, g: int, i: int, t: int) -> list[int]:
+        tail = self.done if t == len(self.lengths[g, i]) - 1 else self.tokenizer(
+            f'<tool_call>\n{{"name": "bash", "arguments": {{"command": "test {g} {i} {t}"}}}}\n</tool_call>',
+            add_special_tokens=False)["input_ids"]
+        return self.filler * max(0, self.lengths[g, i][t] - len(tail) - 1) + tail + [self.eot]
+
+    def generate(self, prompts, sampling, seeds):
+        replies = [self.reply(*self.keys[seed]) for seed in seeds]
+        steps = min(max(len(r) for r in replies), sampling.max_new_tokens)
+        if self.fixed_step is not None:  # a GPU's cost shape: the call's steps, whatever its rows
+            time.sleep(steps * self.fixed_step)
+            real = [engines.Completion([], [-1.0] * steps, "length") for _ in replies]
+        else:
+            real = self.engine.generate(prompts, dataclasses.replace(sampling, max_new_tokens=steps,
+                                                                     stop_token_ids=[], seed=None))
+        return [engines.Completion(r[:steps], c.logprobs[: len(r[:steps])], "stop" if len(r) <= steps else "length")
+                for r, c in zip(replies, real)]
+
+
+def seeded_toolbox(times: dict[tuple[int, int], list[float]], outputs: dict[tuple[int, int], list[int]]):
+    """A `bash` tool whose call `test g i t` takes times[g, i][t] seconds and prints outputs[g, i][t] characters."""
+    def new_toolbox(row):
+        def bash(arguments):
+            g, i, t = map(int, arguments["command"].split()[1:])
+            time.sleep(times[g, i][t])
+            return tools.ToolResult("ok " * (outputs[g, i][t] // 3))
+        return tools.ToolBox({"bash": bash}, [])
+    return new_toolbox
+
+
 def toolbox(times: list[list[float]], outputs: list[list[int]]):
     """A `bash` tool per trajectory whose k-th call takes times[task][k] seconds and prints outputs[task][k]
     characters."""
@@ -150,13 +228,18 @@ def step_seconds(engine: engines.HFEngine, rows: int) -> float:
     return max(1e-4, ((middle - start) - (time.perf_counter() - middle)) / 64)
 
 
-def run(args: Args) -> None:
+def tiny_engine(args: Args, rows: int) -> tuple[object, engines.HFEngine, float]:
+    """The tokenizer, the tiny model's HF engine taking `rows` prompts a call, and this machine's decoding step."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model_dir = tiny.make_tiny_model(tempfile.mkdtemp(prefix="kiln-bench-"), CORPUS, max_position_embeddings=32768)
     tokenizer, model = policy.load_tokenizer(model_dir), policy.load_model(model_dir)
-    engine = engines.HFEngine(model, tokenizer.pad_token_id, batch_size=args.trajectories)
-    step = args.step_ms / 1000 if args.step_ms else step_seconds(engine, min(16, args.trajectories))
+    engine = engines.HFEngine(model, tokenizer.pad_token_id, batch_size=rows)
+    return tokenizer, engine, args.step_ms / 1000 if args.step_ms else step_seconds(engine, min(16, rows))
+
+
+def run(args: Args) -> None:
+    tokenizer, engine, step = tiny_engine(args, args.trajectories)
     workload = plan(args.trajectories, args.seed)
     lengths = [[max(8, round(t.reply_tokens / args.scale)) for t in turns] for turns in workload]
     times = [[t.tool_seconds * step / GPU_STEP_SECONDS / args.scale for t in turns] for turns in workload]
@@ -185,6 +268,71 @@ def run(args: Args) -> None:
               f"{metrics['rollout/engine_busy_frac']:.0%}, tools busy {metrics['tools/busy_frac']:.0%}, "
               f"most tool calls at once {metrics['tools/running_max']:.0f}")
     print(f"lockstep / independent: {seconds['lockstep'] / seconds['independent']:.2f}x (goal >= 2.5x)")
+
+
+@dataclass
+class Variant:
+    """One side of the long-tail comparison: its groups in flight (partial rollouts) and what its steps did."""
+
+    in_flight: rollout.InFlight | None
+    next_group: int = 0
+    seconds: list[float] = field(default_factory=list)
+    engine_calls: float = 0.0
+    restarted: float = 0.0
+    ages: list[int] = field(default_factory=list)  # of the trained tokens, in steps
+    trained: list[int] = field(default_factory=list)  # group ids
+
+
+def run_long_tail(args: Args) -> None:
+    groups, size = args.groups, args.group_size
+    tokenizer, engine, step = tiny_engine(args, 2 * groups * size)
+    fixed_step = args.fixed_step_ms / 1000 if args.fixed_step_ms else None
+    step = fixed_step or step
+    workload = long_tail_plan((args.steps + 1) * groups, size, args.turns, args.seed)
+    lengths = {k: [max(8, round(t.reply_tokens / args.scale)) for t in turns] for k, turns in workload.items()}
+    times = {k: [t.tool_seconds * step / GPU_STEP_SECONDS / args.scale for t in turns] for k, turns in workload.items()}
+    outputs = {k: [t.output_chars for t in turns] for k, turns in workload.items()}
+    rows = [{"prompt": [{"role": "user", "content": f"task-{g}: make the tests pass"}]}
+            for g in range((args.steps + 1) * groups)]
+    limits = rollout.AgentLimits(max_turns=10 * args.turns, max_total_tokens=32768, max_tool_response_tokens=64)
+    sampling = engines.Sampling(max_new_tokens=4096, temperature=1.0, seed=args.seed)
+    long = {g for (g, _), turns in workload.items() if len(turns) > args.turns}
+    print(f"long tail: {args.steps} steps of {groups} groups of {size}, {args.turns} turns a trajectory and "
+          f"{10 * args.turns} for {sum(len(t) > args.turns for t in workload.values())} of {len(workload)} "
+          f"(in {len(long)} of {len(rows)} groups), scale 1/{args.scale:g}; decoding step "
+          + (f"fixed at {step * 1000:.1f} ms whatever the rows" if fixed_step else f"here {step * 1000:.1f} ms"))
+    variants = {"without": Variant(None), "partial": Variant(rollout.InFlight(groups=groups, max_staleness=1))}
+    try:
+        for version in range(args.steps):  # the variants alternate: both see the same load of a shared machine
+            for name, variant in variants.items():
+                in_flight = variant.in_flight
+                count = groups * (2 if in_flight is not None and not in_flight.group_ids() else 1)
+                replies = SeededReplies(engine, tokenizer, lengths, args.seed, fixed_step)
+                start = time.perf_counter()
+                samples, metrics = rollout.multi_turn(
+                    replies, tokenizer, rows[variant.next_group: variant.next_group + count], size, sampling,
+                    seeded_toolbox(times, outputs), limits, first_group=variant.next_group, in_flight=in_flight,
+                    version=version)
+                variant.seconds.append(time.perf_counter() - start)
+                variant.next_group += count
+                planned = [len(workload[s.group, k % size]) for k, s in enumerate(samples)]  # whole groups, in order
+                if len(samples) != groups * size or [s.info["turns"] for s in samples] != planned:
+                    raise RuntimeError(f"{name}, step {version}: trajectories ran other turns than planned, or groups "
+                                       "were split")
+                variant.engine_calls += metrics["rollout/engine_calls"]
+                variant.restarted += metrics.get("partial/restarted_stale", 0)
+                variant.ages += [version - v for s in samples for v, m in zip(s.versions, s.loss_mask) if m]
+                variant.trained += sorted({s.group for s in samples})
+        for name, v in variants.items():
+            print(f"{name:>8}: {statistics.mean(v.seconds):6.2f} s a step ({' '.join(f'{x:.1f}' for x in v.seconds)})"
+                  f"; {len(v.trained)} groups trained ({len(long & set(v.trained))} with a long trajectory), engine "
+                  f"calls {v.engine_calls:.0f}, staleness of trained tokens mean {statistics.mean(v.ages):.2f} max "
+                  f"{max(v.ages)}, trajectories restarted {v.restarted:.0f}, groups in flight at the end "
+                  f"{len(v.in_flight.group_ids()) if v.in_flight else 0}")
+    finally:
+        variants["partial"].in_flight.close()
+    ratio = statistics.mean(variants["without"].seconds) / statistics.mean(variants["partial"].seconds)
+    print(f"without / partial: {ratio:.2f}x (goal >= 1.5x)")
 
 
 # The event simulation.
@@ -239,4 +387,4 @@ def simulate(args: Args) -> None:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    simulate(args) if args.simulate else run(args)
+    simulate(args) if args.simulate else run_long_tail(args) if args.long_tail else run(args)

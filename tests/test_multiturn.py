@@ -498,6 +498,7 @@ def test_python_tool_turns_reach_the_samples_outside_the_loss_mask(tokenizer):
 
 @pytest.mark.slow
 def test_two_rank_grpo_with_the_python_tool(tmp_path):
+    """2 ranks under torchrun with the python tool, partial rollouts and rollout correction on."""
     train, _ = data_prep.toy_rows(40, 4, seed=0)
     data_prep.write_rows(train, tmp_path / "train.parquet")
     corpus = [r["prompt"][-1]["content"] + "\n" + r["extra_info"]["solution"] for r in train] + CORPUS
@@ -507,10 +508,15 @@ def test_two_rank_grpo_with_the_python_tool(tmp_path):
                                   "--output-dir", tmp_path / "out", "--prompts-per-step", "2", "--group-size", "2",
                                   "--max-new-tokens", "16", "--total-steps", "2", "--save-every", "0", "--tools",
                                   "python", "--max-turns", "3", "--max-total-tokens", "400", "--check-tito", "--lr",
-                                  "1e-3"),
+                                  "1e-3", "--partial-rollouts", "--rollout-is", "token"),
                    check=True, timeout=600, cwd=tmp_path)
     steps = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
     for s in steps:
         assert s["tools/turns_mean"] >= 1 and "tools/calls_mean" in s and "tools/errors_mean" in s
         assert "tools/tito_drift_frac" in s and "rollout/finish_max_turns_frac" in s
+        # --partial-rollouts on 2 ranks: each trains its one group a step, counts summed over ranks, within staleness 1
+        assert s["partial/staleness_max"] <= 1 and s["partial/groups_in_flight"] >= 0 and "rollout_corr/kl" in s
+    assert steps[1]["partial/resumed"] == steps[0]["partial/paused"]
+    # Step 1 starts two groups a rank and trains one; the other trains in step 2 (the stalest first), a version old.
+    assert steps[0]["partial/staleness_max"] == 0 and steps[1]["partial/staleness_max"] == 1
