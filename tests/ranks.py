@@ -4,6 +4,7 @@ rank pays those imports (torch, transformers, FSDP, swebench, wandb) before any 
 2 cores, two ranks per launch and some thirty launches in the suite. The zygote pays them once per test worker.
 torchrun itself, its rendezvous, the process groups, signals, exit codes and output are all the real ones."""
 import atexit
+import contextlib
 import os
 import signal
 import subprocess
@@ -61,8 +62,6 @@ def kill(launch: subprocess.Popen) -> None:
     is not enough: torchrun starts each rank in a session of its own, and a rank whose torchrun is gone trains on.
     (Here a rank is rank_stub.py's process, and its forked rank dies with it.)"""
     for pid in [launch.pid, *descendants(launch.pid)]:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # exited meanwhile
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     launch.wait()

@@ -199,8 +199,7 @@ class TrainerEngine(TokenEngine):
         return super().generate(prompts, sampling)
 
     def load_weights(self, weights):
-        for _ in weights:
-            pass
+        list(weights)  # consumed as an engine does: the stream gathers each weight as it is read
 
     def sleep(self):
         return None
