@@ -7,13 +7,11 @@ end only the stub holds). The zygote reports each child's exit status to its stu
     python tests/rank_zygote.py SOCKET_PATH"""
 import json
 import os
-import runpy
 import select
 import signal
 import socket
 import sys
 import threading
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,6 +22,7 @@ import torch  # noqa: E402
 import train_grpo  # noqa: E402,F401  the imports every rank pays: done once, before any fork
 import train_ppo  # noqa: E402,F401
 import train_sft  # noqa: E402,F401
+from as_main import run_as_main  # noqa: E402
 
 MAX_FDS = 4  # the stub's stdin, stdout, stderr and the read end of its life pipe
 
@@ -51,30 +50,11 @@ def become_rank(request: dict, fds: list[int]) -> None:
     for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
         os.dup2(fd, target)
         os.close(fd)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
     signal.signal(signal.SIGINT, signal.SIG_IGN if request["sigint_ignored"] else signal.default_int_handler)
-    if "OMP_NUM_THREADS" in os.environ:  # read by a fresh interpreter's torch at import, here set by hand
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if "OMP_NUM_THREADS" in request["env"]:  # read by a fresh interpreter's torch at import, here set by hand
+        torch.set_num_threads(int(request["env"]["OMP_NUM_THREADS"]))
     threading.Thread(target=die_with, args=(alive,), daemon=True).start()
-    script = str(Path(request["cwd"], request["argv"][0]))
-    sys.argv = [script, *request["argv"][1:]]
-    pythonpath = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
-    sys.path[:] = [str(Path(script).parent), *pythonpath, *BASE_PATH]  # what `python script.py` starts with
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except KeyboardInterrupt:  # as the interpreter: the traceback, then death by SIGINT
-        traceback.print_exc()
-        sys.stderr.flush()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    except SystemExit:
-        raise
-    except BaseException:
-        traceback.print_exc()
-        raise SystemExit(1)
-    raise SystemExit(0)
+    raise SystemExit(run_as_main(request["argv"], request["cwd"], request["env"], BASE_PATH))
 
 
 def serve(path: str) -> None:

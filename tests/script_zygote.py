@@ -3,18 +3,18 @@ request that runs one script as `__main__` with its own argv, working directory,
 files, and reports the child's exit status. One JSON request per stdin line; replies {"pid"} then {"returncode"}."""
 import json
 import os
-import runpy
 import sys
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+BASE_PATH = sys.path[1:]  # the interpreter's own entries, after this script's directory
 sys.path.insert(0, str(ROOT))
 
 import data_prep  # noqa: E402,F401  the imports every script pays: done once, before any fork
 import judge  # noqa: E402,F401
 import merge  # noqa: E402,F401
 import rewards  # noqa: E402,F401
+from as_main import run_as_main  # noqa: E402
 
 
 def run_child(request: dict) -> None:
@@ -23,22 +23,7 @@ def run_child(request: dict) -> None:
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    script = str(Path(request["cwd"], request["argv"][0]))
-    sys.argv = [script, *request["argv"][1:]]
-    sys.path[0] = str(Path(script).parent)  # what `python script.py` puts first
-    code = 0
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as e:
-        if isinstance(e.code, str):
-            print(e.code, file=sys.stderr)
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
-    except BaseException:  # what the interpreter does with an uncaught exception
-        traceback.print_exc()
-        code = 1
+    code = run_as_main(request["argv"], request["cwd"], request["env"], BASE_PATH)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
