@@ -118,7 +118,8 @@ def collect(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampli
         first = next(((s, d) for s, d in drifts if chat.mask_drifted(d)), None) or next(
             ((s, d) for s, d in drifts if d), None)
         if first is not None:
-            tqdm.write(f"rank {collectives.rank()}, task {data_prep.row_id(first[0].row)}: {'; '.join(first[1].values())}")
+            task, findings = data_prep.row_id(first[0].row), "; ".join(first[1].values())
+            tqdm.write(f"rank {collectives.rank()}, task {task}: {findings}")
     return samples, metrics
 
 
