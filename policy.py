@@ -489,7 +489,14 @@ class PackedRow:
     dest: torch.Tensor  # that token's index in the concatenated sequences given (unexpanded)
     targets: torch.Tensor  # that token's id
     mask: object  # the attention mask to pass: None, or flex_attention's block mask for a row with branches
+    attention_options: dict  # extra keyword arguments for the attention function (flex_attention's kernel options)
     vision_inputs: dict  # pixel_values and image_grid_thw, in the order their placeholders occur in the row
+
+
+# Compiled, a forward-only flex_attention with fewer than 128 query tokens runs inductor's flex_decoding kernel, whose
+# logprobs disagree with eager ones (bench/RESULTS.md, update_mfu.py). A checkpointed layer's forward is forward-only,
+# and short rows occur (tests, small micro-batches): always the main kernel.
+_FLEX_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
 
 
 def _packed_row(model, sequences: list[list[int]], score_from: list[int], share_prefixes: bool,
@@ -518,8 +525,9 @@ def _packed_row(model, sequences: list[list[int]], score_from: list[int], share_
         source, dest = source[keep], batch.given_index()[dest[keep]]
     elif branched and vision.text_attention(config) == "flex_attention":
         mask = branch_block_mask(positions[0].to(device))
+    options = {"kernel_options": _FLEX_KERNEL_OPTIONS} if vision.text_attention(config) == "flex_attention" else {}
     return PackedRow(torch.tensor(ids, dtype=torch.long, device=device)[None], positions.to(device),
-                     source.to(device), dest.to(device), given[dest].to(device), mask, vision_inputs)
+                     source.to(device), dest.to(device), given[dest].to(device), mask, options, vision_inputs)
 
 
 def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0, chunk_size: int = 512,
@@ -553,7 +561,7 @@ def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0,
     head.forward = chosen_token_head
     try:  # use_cache=False matters: with a cache, transformers skips the per-sequence (block-diagonal) mask
         out = model(input_ids=row.ids, position_ids=row.positions, attention_mask=row.mask, use_cache=False,
-                    **row.vision_inputs).logits
+                    **row.attention_options, **row.vision_inputs).logits
     finally:
         del head.forward
     zeros = out.new_zeros(sum(map(len, sequences)))
@@ -572,7 +580,7 @@ def packed_values(value_model, sequences: list[list[int]], score_from: list[int]
     with warnings.catch_warnings():  # FSDP2 warns that the head's output is a view; it is only read out of place here
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         out = value_model(input_ids=row.ids, position_ids=row.positions, attention_mask=row.mask,
-                          use_cache=False).logits[0, :, 0].float()
+                          use_cache=False, **row.attention_options).logits[0, :, 0].float()
     return out.new_zeros(sum(map(len, sequences))).index_copy(0, row.dest, out[row.source])
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch._dynamo.backends.common import aot_autograd
 from torch.nn.attention.flex_attention import create_mask
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import engines
 import policy
@@ -371,6 +372,24 @@ def test_flex_attention_shares_prefixes_through_a_block_mask(model_dir, device):
     torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=0)
     for got, want in zip(grads, want_grads):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_flex_attention_always_runs_its_main_kernel(model_dir, monkeypatch):
+    """Compiled, a forward-only flex_attention with under 128 query tokens (a checkpointed layer's forward, a short
+    row) would run inductor's flex_decoding kernel, whose logprobs disagree with eager ones on CUDA (bench/RESULTS.md):
+    both packed forwards ask every flex_attention call for the main kernel."""
+    seen = []
+
+    def recording(module, query, key, value, attention_mask, **kwargs):  # what each call asks; the numbers do not matter
+        seen.append(kwargs.get("kernel_options"))
+        return torch.zeros_like(query).transpose(1, 2), None
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "flex_attention", recording)
+    with torch.no_grad():
+        policy.packed_logprobs(policy.load_model(model_dir, attn_implementation="flex_attention"), SEQUENCES)
+        policy.packed_values(policy.load_value_model(model_dir, attn_implementation="flex_attention"), SEQUENCES)
+    layers = policy.load_model(model_dir).config.num_hidden_layers
+    assert seen == [{"FORCE_USE_FLEX_ATTENTION": True}] * (2 * layers)
 
 
 def test_minibatches_take_whole_groups():
