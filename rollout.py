@@ -207,16 +207,26 @@ def staleness(traj: Trajectory, version: int) -> int:
     return version - min(traj.versions, default=version)
 
 
+def due(traj: Trajectory, version: int, max_staleness: int) -> bool:
+    """Whether an unfinished trajectory must finish in the phase of `version`: carried into the next phase, its
+    oldest token (this phase's, if it has no older one) would be more than `max_staleness` versions old."""
+    if traj.finish_reason or not traj.completion_ids:
+        return False
+    return version + 1 - min(traj.versions, default=version) > max_staleness
+
+
 @dataclass
 class InFlight:
     """Partial rollouts (train_grpo --partial-rollouts): what one rollout phase hands to the next. A phase ends once
     `groups` groups are complete (all their trajectories finished; a group is never split) and returns that many; the
     trajectories of the other groups stay here, the unfinished ones paused between turns with their tokens, engine
     logprobs, versions and live toolbox (no tool call runs while paused), to go on in the next phase under its
-    weights. A trajectory whose oldest token is more than `max_staleness` versions older than the next phase's
-    restarts there from its prompt, on a fresh toolbox. `regenerate`: groups (id, row) to start from their prompts in
-    the next phase (a resumed run's: its paused trajectories were not checkpointed). `close` releases every toolbox it
-    holds: call it on every exit path."""
+    weights. No trajectory is carried past `max_staleness`: one whose oldest token would be more than that many
+    versions old in the next phase is due, and the phase waits for it to finish (its work is never thrown away). A
+    complete group left waiting past the bound (more groups completed than a phase takes) restarts from its prompts in
+    the next phase, on fresh toolboxes. `regenerate`: groups (id, row) to start from their prompts in the next phase
+    (a resumed run's: its paused trajectories were not checkpointed). `close` releases every toolbox it holds: call it
+    on every exit path."""
 
     groups: int
     max_staleness: int
@@ -285,7 +295,7 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
                                  f"images, no room for an answer within max_total_tokens {limits.max_total_tokens}")
         trajectories.sort(key=lambda traj: (traj.group, traj.index))
         schedule = run_trajectories(engine, tokenizer, trajectories, sampling, limits, eot, count_image, lockstep,
-                                    in_flight.groups if in_flight is not None else None, version)
+                                    in_flight, version)
         if in_flight is not None:  # the stalest complete groups first: they are the next to be restarted
             age = {}
             for traj in trajectories:
@@ -378,22 +388,23 @@ MAX_TOOL_THREADS = 64  # tool calls running at once on a rank (SWE: docker execs
 
 def run_trajectories(engine: Engine, tokenizer, trajectories: list[Trajectory], sampling: Sampling,
                      limits: AgentLimits, eot: str, count_image: Callable[[bytes], int] = placeholder_only,
-                     lockstep: bool = False, groups: int | None = None, version: int = 0) -> dict:
-    """Drive every trajectory to its finish_reason, or with `groups` until that many groups are complete (no engine
-    call starts after that; the tool calls running then return and are appended, and the unfinished trajectories are
-    left ready for their next turn). Each engine call takes every trajectory that is ready (its prompt, or its tool
+                     lockstep: bool = False, in_flight: InFlight | None = None, version: int = 0) -> dict:
+    """Drive every trajectory to its finish_reason, or with `in_flight` until its number of groups are complete and
+    no unfinished trajectory is due (`due`; no engine call starts after that; the tool calls running then return and
+    are appended, and the unfinished trajectories are left ready for their next turn). Each engine call takes every trajectory that is ready (its prompt, or its tool
     results, are in), in trajectory order; meanwhile the tools of the others run on a thread pool, and between calls
     the main thread waits only when nothing is ready. lockstep: an engine call waits until no tool call is running
     (every live trajectory is ready), as one turn of all trajectories at a time. Every token appended gets `version`
     (Trajectory.versions). The engine's peers (`engines.call_group`, a tensor-parallel vLLM engine's ranks) agree
     before each call, a peer with nothing ready calling with no prompts; other ranks never meet here. Returns the
     schedule's metrics: engine and tool busy fractions of the wall time, engine calls and trajectories per call, most
-    tool calls running at once."""
+    tool calls running at once, and with in_flight the seconds it waited for due trajectories once it had its groups."""
     start, eot_id, group = time.monotonic(), tokenizer.convert_tokens_to_ids(eot), engines.call_group(engine)
     order = {id(traj): k for k, traj in enumerate(trajectories)}
     ready = [traj for traj in trajectories if not traj.finish_reason]
     running: list[tuple[Trajectory, list[Future]]] = []  # trajectories whose tool calls have not all returned
     engine_seconds, calls, batched, spans, most_running = 0.0, 0, 0, [], 0
+    had_groups_at = None  # when the phase first held its groups (partial rollouts); it may then wait for due ones
     pool = ThreadPoolExecutor(max_workers=MAX_TOOL_THREADS, thread_name_prefix="kiln-tools")
     try:
         while True:
@@ -406,7 +417,9 @@ def run_trajectories(engine: Engine, tokenizer, trajectories: list[Trajectory], 
                 if _take_tool_results(tokenizer, traj, [(call, r, s) for call, r, s, _, _ in results], limits, eot,
                                       count_image):
                     ready.append(traj)
-            enough = groups is not None and len(complete_groups(trajectories)) >= groups
+            have_groups = in_flight is not None and len(complete_groups(trajectories)) >= in_flight.groups
+            had_groups_at = had_groups_at or (time.monotonic() if have_groups else None)
+            enough = have_groups and not any(due(traj, version, in_flight.max_staleness) for traj in trajectories)
             batch = sorted(ready, key=lambda t: order[id(t)]) if not (enough or (lockstep and running)) else []
             generating, live = bool(batch), bool(running or (ready and not enough))
             if group is not None:
@@ -430,10 +443,12 @@ def run_trajectories(engine: Engine, tokenizer, trajectories: list[Trajectory], 
         pool.shutdown(wait=True, cancel_futures=True)
     for traj in trajectories:
         traj.versions += [version] * (len(traj.completion_ids) - len(traj.versions))
-    seconds = max(time.monotonic() - start, 1e-9)
+    end = time.monotonic()
+    seconds = max(end - start, 1e-9)
     return {"rollout/engine_busy_frac": engine_seconds / seconds, "tools/busy_frac": _covered(spans) / seconds,
             "rollout/engine_calls": float(calls), "rollout/in_flight_mean": batched / max(1, calls),
-            "tools/running_max": float(most_running)}
+            "tools/running_max": float(most_running)} | (
+        {"rollout/due_wait_seconds": end - (had_groups_at or end)} if in_flight is not None else {})
 
 
 def _timed_call(box: ToolBox, call: dict | str) -> tuple:

@@ -216,8 +216,9 @@ class Args:
     --rollout-is token (the engine's logprobs are the behaviour policy). A resumed run drops the paused ones (tool
     state is not checkpointed) and starts their groups again from their prompts"""
     max_staleness: int = 1
-    """with --partial-rollouts: a trajectory whose oldest token was sampled more than N steps before the current one
-    restarts from its prompt on fresh tools (counted: partial/restarted_stale)"""
+    """with --partial-rollouts: no token trains more than N steps after it was sampled. A step waits for an
+    unfinished trajectory that would pass that (rollout/due_wait_seconds); a complete group left waiting that long
+    restarts from its prompts on fresh tools (partial/restarted_stale)"""
 
     judge_url: str | None = None
     """OpenAI-compatible base URL of the LLM judge that vl_agent rows need, e.g. http://judge-node:8000/v1 (bearer

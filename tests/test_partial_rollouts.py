@@ -1,7 +1,7 @@
 """Partial rollouts across steps (rollout.InFlight, train_grpo --partial-rollouts): a phase returns whole groups only,
 the oldest first; unfinished trajectories pause with their tokens, engine logprobs, versions and live tool state and
-go on in the next phase; every token records the version that sampled it; a trajectory past the staleness bound
-restarts from its prompt; nothing leaks on an error or Ctrl-C; the loss corrects carried tokens with the engine
+go on in the next phase; every token records the version that sampled it; a phase waits for a trajectory the
+staleness bound would pass, and a complete group left waiting past it restarts from its prompts; nothing leaks on an error or Ctrl-C; the loss corrects carried tokens with the engine
 logprobs recorded when they were sampled; a checkpoint keeps the groups in flight, which a resumed run regenerates.
 The engine is scripted (test_async_rollout's TokenEngine: replies depend only on a trajectory's tokens)."""
 import json
@@ -95,30 +95,48 @@ def test_a_paused_trajectory_resumes_with_its_python_session_and_versions(tokeni
     assert not any(session_open(b) for b in opened)
 
 
-def test_staleness_bound_restarts_a_trajectory_from_its_prompt(tokenizer):
-    """task-Z needs 6 turns; each phase needs one group and a fresh one-turn group completes it after one engine call,
-    so task-Z advances a turn a phase. At version 2 its version-0 tokens are 2 steps old (> 1): its two trajectories
-    close their toolboxes and start again from the prompt. Then it runs to the end within the bound: every group is
-    returned whole, and every trained token is at most 1 version old."""
+def test_a_trajectory_the_bound_would_pass_finishes_in_its_phase(tokenizer):
+    """task-Z needs 6 turns; each phase needs one group. Phase 0: task-S's group completes on the first engine call
+    and task-Z pauses after one turn. Phase 1: a fresh one-turn group completes at once, but task-Z's version-0 tokens
+    would be 2 versions old in phase 2, past the bound (1): the phase waits for it, and returns it (the stalest),
+    with no work thrown away. The fresh group waits, complete, and goes in phase 2 with no engine call."""
     closed = []
     in_flight = rollout.InFlight(groups=1, max_staleness=1)
     engine = TokenEngine(tokenizer, SCRIPTS)
     toolbox = counting_closes(latency_toolbox(0, 0.0), closed)
-    returned, restarted = [], []
-    for version, new in enumerate([("task-Z", "task-S"), ("task-T",), ("task-U",), ()]):
+    returned, turns = [], []  # trajectory turns the engine ran, per phase
+    for version, new in enumerate([("task-Z", "task-S"), ("task-T",), ()]):
         samples, metrics = rollout.multi_turn(engine, tokenizer, rows(*new), 2, SAMPLING, toolbox, LIMITS,
                                               first_group=10 * version, in_flight=in_flight, version=version)
         returned.append(sorted(by_group(samples)))
-        restarted.append(metrics["partial/restarted_stale"] if version else 0)
+        turns.append(sum(engine.sizes) - sum(turns))
         assert all(len(members) == 2 for members in by_group(samples).values())  # whole groups
-        if version == 2:
-            assert [(t.turns, set(t.versions)) for t in in_flight.trajectories] == [(1, {2})] * 2  # from the prompt
-    assert returned == [[1], [10], [20], [0]] and restarted == [0, 0, 2, 0]
-    assert closed.count("task-Z") == 4 and len(closed) == 10  # task-Z's: the two stale toolboxes, the restarted ones
-    for s in samples:
-        assert s.finish_reason == "stop" and s.info["turns"] == 6
-        assert set(s.versions) == {2, 3} and s.versions == sorted(s.versions)
-        assert max(3 - v for v, m in zip(s.versions, s.loss_mask) if m) == 1
+        assert metrics.get("partial/restarted_stale", 0) == 0
+        if version == 1:
+            assert metrics["rollout/due_wait_seconds"] > 0 and metrics["partial/paused"] == 0
+            for s in samples:
+                assert s.finish_reason == "stop" and s.info["turns"] == 6
+                first = s.versions.index(1)
+                assert 0 < first and s.versions == [0] * first + [1] * (len(s.versions) - first)
+    assert returned == [[1], [0], [10]] and turns == [4, 2 + 2 * 5, 0]
+    assert closed.count("task-Z") == 2 and len(closed) == 6  # each toolbox once, when its group was returned
+
+
+def test_a_complete_group_left_past_the_bound_restarts_from_its_prompts(tokenizer):
+    """Three one-turn groups complete in phase 0's one engine call; each phase takes one. The third waits two phases:
+    in phase 2 its version-0 tokens would train 2 versions late, so it starts again from its prompts on fresh
+    toolboxes, and is returned with version-2 tokens only."""
+    closed = []
+    in_flight = rollout.InFlight(groups=1, max_staleness=1)
+    engine = TokenEngine(tokenizer, SCRIPTS)
+    toolbox = counting_closes(latency_toolbox(0, 0.0), closed)
+    returned = []
+    for version, new in enumerate([("task-S", "task-T", "task-U"), (), ()]):
+        samples, metrics = rollout.multi_turn(engine, tokenizer, rows(*new), 2, SAMPLING, toolbox, LIMITS,
+                                              in_flight=in_flight, version=version)
+        returned.append([(s.group, set(s.versions)) for s in samples])
+    assert returned == [[(0, {0})] * 2, [(1, {0})] * 2, [(2, {2})] * 2] and metrics["partial/restarted_stale"] == 2
+    assert closed.count("task-U") == 4 and engine.sizes == [6, 2]  # the stale toolboxes, then the restarted ones
 
 
 def test_complete_groups_beyond_the_need_wait_stalest_first(tokenizer):
