@@ -389,16 +389,17 @@ MAX_TOOL_THREADS = 64  # tool calls running at once on a rank (SWE: docker execs
 def run_trajectories(engine: Engine, tokenizer, trajectories: list[Trajectory], sampling: Sampling,
                      limits: AgentLimits, eot: str, count_image: Callable[[bytes], int] = placeholder_only,
                      lockstep: bool = False, in_flight: InFlight | None = None, version: int = 0) -> dict:
-    """Drive every trajectory to its finish_reason, or with `in_flight` until its number of groups are complete and
-    no unfinished trajectory is due (`due`; no engine call starts after that; the tool calls running then return and
-    are appended, and the unfinished trajectories are left ready for their next turn). Each engine call takes every trajectory that is ready (its prompt, or its tool
-    results, are in), in trajectory order; meanwhile the tools of the others run on a thread pool, and between calls
-    the main thread waits only when nothing is ready. lockstep: an engine call waits until no tool call is running
-    (every live trajectory is ready), as one turn of all trajectories at a time. Every token appended gets `version`
-    (Trajectory.versions). The engine's peers (`engines.call_group`, a tensor-parallel vLLM engine's ranks) agree
-    before each call, a peer with nothing ready calling with no prompts; other ranks never meet here. Returns the
-    schedule's metrics: engine and tool busy fractions of the wall time, engine calls and trajectories per call, most
-    tool calls running at once, and with in_flight the seconds it waited for due trajectories once it had its groups."""
+    """Drive every trajectory to its finish_reason, or with `in_flight` until it holds its groups complete and no
+    unfinished trajectory is `due` (no engine call starts after that; the tool calls running then return and are
+    appended, and the unfinished trajectories are left ready for their next turn). Each engine call takes every
+    trajectory that is ready (its prompt, or its tool results, are in), in trajectory order; meanwhile the tools of the
+    others run on a thread pool, and between calls the main thread waits only when nothing is ready. lockstep: an engine
+    call waits until no tool call is running (every live trajectory is ready), as one turn of all trajectories at a
+    time. Every token appended gets `version` (Trajectory.versions). The engine's peers (`engines.call_group`, a
+    tensor-parallel vLLM engine's ranks) agree before each call, a peer with nothing ready calling with no prompts;
+    other ranks never meet here. Returns the schedule's metrics: engine and tool busy fractions of the wall time, engine
+    calls and trajectories per call, most tool calls running at once, and with in_flight the seconds it waited for due
+    trajectories once it had its groups."""
     start, eot_id, group = time.monotonic(), tokenizer.convert_tokens_to_ids(eot), engines.call_group(engine)
     order = {id(traj): k for k, traj in enumerate(trajectories)}
     ready = [traj for traj in trajectories if not traj.finish_reason]

@@ -1,9 +1,10 @@
-"""Partial rollouts across steps (rollout.InFlight, train_grpo --partial-rollouts): a phase returns whole groups only,
-the oldest first; unfinished trajectories pause with their tokens, engine logprobs, versions and live tool state and
-go on in the next phase; every token records the version that sampled it; a phase waits for a trajectory the
-staleness bound would pass, and a complete group left waiting past it restarts from its prompts; nothing leaks on an error or Ctrl-C; the loss corrects carried tokens with the engine
-logprobs recorded when they were sampled; a checkpoint keeps the groups in flight, which a resumed run regenerates.
-The engine is scripted (test_async_rollout's TokenEngine: replies depend only on a trajectory's tokens)."""
+"""Partial rollouts across steps (rollout.InFlight, train_grpo --partial-rollouts): a phase returns whole groups
+only, the oldest first; unfinished trajectories pause with their tokens, engine logprobs, versions and live tool
+state and go on in the next phase; every token records the version that sampled it; a phase waits for a trajectory
+the staleness bound would pass, and a complete group left waiting past it restarts from its prompts; nothing leaks on
+an error or Ctrl-C; the loss corrects carried tokens with the engine logprobs recorded when they were sampled; a
+checkpoint keeps the groups in flight, which a resumed run regenerates. The engine is scripted (test_async_rollout's
+TokenEngine: replies depend only on a trajectory's tokens)."""
 import json
 import math
 import sys

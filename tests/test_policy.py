@@ -380,7 +380,7 @@ def test_flex_attention_always_runs_its_main_kernel(model_dir, monkeypatch):
     both packed forwards ask every flex_attention call for the main kernel."""
     seen = []
 
-    def recording(module, query, key, value, attention_mask, **kwargs):  # what each call asks; the numbers do not matter
+    def recording(module, query, key, value, attention_mask, **kwargs):  # what each call asks, not its numbers
         seen.append(kwargs.get("kernel_options"))
         return torch.zeros_like(query).transpose(1, 2), None
 
