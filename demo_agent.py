@@ -179,8 +179,8 @@ def held_out(model: str, rows: list[dict], samples_path: Path) -> dict:
     """Greedy agent rollouts of `model` (a Hugging Face folder or a kiln checkpoint) on `rows`, in this process, as
     the trainer runs them; each checked with chat.check_tito and graded. Returns the pass rate, the share of tasks
     where the agent called its tool, the shares of calls that ran without error and that printed the right answer,
-    the trajectories that split the text otherwise than the tokenizer (ids drift) and with a mask or text drift, and the eval_report.report summary. The
-    trajectories go to `samples_path`."""
+    the trajectories that split the text otherwise than the tokenizer (ids drift) and with a mask or text drift, and
+    the eval_report.report summary. The trajectories go to `samples_path`."""
     hf_dir = Path(generate.hf_folder(model))
     tokenizer = policy.load_tokenizer(str(hf_dir))
     engine = generate.load_generator(generate.GenerateArgs(model=model, data=""), tokenizer, torch.device("cpu"))

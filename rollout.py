@@ -112,9 +112,7 @@ def collect(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampli
                                   version=version)
     if check and samples:
         drifts = [(s, chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"], eot)) for s in samples]
-        metrics["tools/tito_drift_frac"] = sum(bool(d) for _, d in drifts) / len(drifts)
-        metrics["tools/tito_split_frac"] = sum("ids" in d for _, d in drifts) / len(drifts)
-        metrics["tools/tito_mask_drift_frac"] = sum(chat.mask_drifted(d) for _, d in drifts) / len(drifts)
+        metrics |= tito_metrics([d for _, d in drifts])
         first = next(((s, d) for s, d in drifts if chat.mask_drifted(d)), None) or next(
             ((s, d) for s, d in drifts if d), None)
         if first is not None:
@@ -202,6 +200,14 @@ class Trajectory:
         return len(self.prompt_ids) + len(self.completion_ids) + self.image_tokens
 
 
+def tito_metrics(drifts: list[dict]) -> dict:
+    """Fractions of trajectories by chat.check_tito's findings (one dict each): any finding, ids that split the text
+    otherwise than the tokenizer (trained as sampled), a loss mask or text that is wrong."""
+    return {"tools/tito_drift_frac": sum(bool(d) for d in drifts) / len(drifts),
+            "tools/tito_split_frac": sum("ids" in d for d in drifts) / len(drifts),
+            "tools/tito_mask_drift_frac": sum(chat.mask_drifted(d) for d in drifts) / len(drifts)}
+
+
 def staleness(traj: Trajectory, version: int) -> int:
     """How many versions older than `version` the trajectory's oldest token is (0 for one with no token yet)."""
     return version - min(traj.versions, default=version)
@@ -210,9 +216,7 @@ def staleness(traj: Trajectory, version: int) -> int:
 def due(traj: Trajectory, version: int, max_staleness: int) -> bool:
     """Whether an unfinished trajectory must finish in the phase of `version`: carried into the next phase, its
     oldest token (this phase's, if it has no older one) would be more than `max_staleness` versions old."""
-    if traj.finish_reason or not traj.completion_ids:
-        return False
-    return version + 1 - min(traj.versions, default=version) > max_staleness
+    return bool(not traj.finish_reason and traj.completion_ids and staleness(traj, version) + 1 > max_staleness)
 
 
 @dataclass
@@ -419,7 +423,8 @@ def run_trajectories(engine: Engine, tokenizer, trajectories: list[Trajectory], 
                                       count_image):
                     ready.append(traj)
             have_groups = in_flight is not None and len(complete_groups(trajectories)) >= in_flight.groups
-            had_groups_at = had_groups_at or (time.monotonic() if have_groups else None)
+            if have_groups and had_groups_at is None:
+                had_groups_at = time.monotonic()
             enough = have_groups and not any(due(traj, version, in_flight.max_staleness) for traj in trajectories)
             batch = sorted(ready, key=lambda t: order[id(t)]) if not (enough or (lockstep and running)) else []
             generating, live = bool(batch), bool(running or (ready and not enough))
@@ -646,7 +651,5 @@ def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict],
     if check and samples:
         drifts = [chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"], eot,
                                   s.info.get("open_turns", ())) for s in samples]
-        metrics["tools/tito_drift_frac"] = sum(bool(d) for d in drifts) / len(drifts)
-        metrics["tools/tito_split_frac"] = sum("ids" in d for d in drifts) / len(drifts)
-        metrics["tools/tito_mask_drift_frac"] = sum(chat.mask_drifted(d) for d in drifts) / len(drifts)
+        metrics |= tito_metrics(drifts)
     return samples, metrics
