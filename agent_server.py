@@ -305,6 +305,7 @@ class AgentServer:
         self.lock = threading.Lock()  # sessions and ended: read by handler threads, written by the main thread
         self.pending: queue.Queue[Request] = queue.Queue()
         self.waiting: list[Request] = []  # taken from the queue, not generated yet
+        self.generating: dict[int, tuple] = {}  # submitted to a continuous engine: id(request) -> _prepare's tuple
         self.requests = self.generate_calls = self.retries = 0
         self.http = ThreadingHTTPServer((host, port), _Handler)
         self.http.daemon_threads = True
@@ -328,9 +329,11 @@ class AgentServer:
         if self.thread.is_alive():  # shutdown waits for serve_forever, which never started otherwise
             self.http.shutdown()
         self.http.server_close()
-        for request in self.waiting + _drain(self.pending):
+        for request in self.waiting + _drain(self.pending) + [p[0] for p in self.generating.values()]:
             _answer(request, 503, _error("the endpoint shut down", "unavailable"))
-        self.waiting = []
+        if self.generating:  # the engine must be empty for the next weights
+            self.engine.abort()
+        self.waiting, self.generating = [], {}
 
     def end_session(self, key: str) -> list[Segment]:
         """Close a session for good (its agent is done or gone) and return its segments; later requests with that
@@ -353,23 +356,34 @@ class AgentServer:
         self.pending.put(request)
 
     def step(self, busy: bool = True) -> bool:
-        """Wait up to TICK_SECONDS for a request (no longer: a request is taken when it arrives), then generate for
-        the waiting requests of distinct sessions that share the oldest one's sampling, in one engine call. Only a
-        tensor-parallel engine's peers (`engines.call_group`) meet here, to call it together. `busy`: this rank still
-        expects requests (its agents run). Returns whether this rank (or a peer) is busy or has requests waiting."""
-        if not self.waiting:
+        """Take the requests that have arrived, waiting up to TICK_SECONDS for one when nothing is generating (no
+        longer: a request is taken when it arrives). A continuous engine (`engines.continuous`) gets each request of a
+        session not generating yet, with the running ones' sampling, and does one decoding step; a request is
+        answered at the step that ends its reply. Any other engine gets the waiting requests of distinct sessions that
+        share the oldest one's sampling, in one call. Only a tensor-parallel engine's peers (`engines.call_group`)
+        meet here, to call it together. `busy`: this rank still expects requests (its agents run). Returns whether this
+        rank (or a peer) is busy or has requests waiting or generating."""
+        if not self.waiting and not self.generating:
             try:
                 self.waiting.append(self.pending.get(timeout=TICK_SECONDS))
             except queue.Empty:
                 pass
         self.waiting += _drain(self.pending)
-        batch, sessions = [], set()
+        running = [p[0] for p in self.generating.values()]
+        batch, sessions = [], {r.key for r in running}
         for request in self.waiting:
-            if request.sampling == self.waiting[0].sampling and request.key not in sessions:
+            if request.sampling == (running or self.waiting)[0].sampling and request.key not in sessions:
                 batch.append(request)
                 sessions.add(request.key)
         self.waiting = [r for r in self.waiting if r not in batch]
         prepared = [p for p in (self._prepare(r) for r in batch) if p is not None]
+        if engines.continuous(self.engine):
+            for p in prepared:
+                self.engine.submit(id(p[0]), p[1].ids + p[2], self._sampling(p[0], p[-1]))
+                self.generating[id(p[0])] = p
+            if self.generating:
+                self._step_engine()
+            return busy or bool(self.waiting) or bool(self.generating)
         busy, generating = busy or bool(self.waiting) or bool(prepared), bool(prepared)
         if (group := engines.call_group(self.engine)) is not None:
             busy, generating = collectives.any_ranks(busy, generating, group=group)
@@ -461,13 +475,32 @@ class AgentServer:
         system = [template_form(m) for m in request.messages[:1] if m["role"] == "system"]
         return first.tools == request.tools and system == [m for m in first.messages[:1] if m["role"] == "system"]
 
+    def _sampling(self, request: Request, budget: int) -> Sampling:
+        temperature, top_p = request.sampling
+        return dataclasses.replace(self.sampling, temperature=temperature, top_p=top_p, max_new_tokens=budget)
+
+    def _step_engine(self) -> None:
+        """One step of a continuous engine; the requests it finished are recorded and answered."""
+        try:
+            finished = self.engine.step()
+        except Exception as e:  # the agents get an answer, the rank the error
+            for request, *_ in self.generating.values():
+                _answer(request, 500, _error(f"generation failed: {type(e).__name__}: {e}", "server_error"))
+            self.generating = {}
+            self.engine.abort()
+            raise
+        self.generate_calls += 1
+        for key, completion in finished:
+            request, segment, new_ids, new_messages, new_segment, budget = self.generating.pop(key)
+            self.requests += 1
+            _answer(request, 200, self._record(request, segment, new_ids, new_messages, new_segment, completion,
+                                               budget))
+
     def _generate(self, prepared: list) -> None:
         if not prepared:  # a tensor-parallel peer generates: this rank's share of the call is empty
             self.engine.generate([], self.sampling)
             return
-        temperature, top_p = prepared[0][0].sampling
-        sampling = dataclasses.replace(self.sampling, temperature=temperature, top_p=top_p,
-                                       max_new_tokens=max(p[-1] for p in prepared))
+        sampling = self._sampling(prepared[0][0], max(p[-1] for p in prepared))
         prompts = [segment.ids + new_ids for _, segment, new_ids, _, _, _ in prepared]
         try:
             completions = self.engine.generate(prompts, sampling)

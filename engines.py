@@ -6,13 +6,16 @@ ids and return completions as token ids plus the logprob of each sampled token u
 sampled (after temperature, top-k, top-p). Nothing is decoded here but to match stop strings (`Sampling.stop`),
 which end a completion at the token that completes one, that token kept whole. A vision-language policy (Qwen2.5-VL)
 takes each prompt's images beside its ids (one unexpanded `<|image_pad|>` per image); both engines ban the image and
-video placeholders from sampling, as the trainer's logprobs do.
+video placeholders from sampling, as the trainer's logprobs do. Both also batch continuously (`ContinuousEngine`:
+requests submitted one at a time join the running batch at the next decoding step and leave it at their last), for
+agent rollouts whose turns must not wait for each other; HFEngine for Llama-layout text models.
 """
 from __future__ import annotations
 
 import copy
 import hashlib
 import importlib.util
+import itertools
 import os
 import sys
 import time
@@ -55,6 +58,16 @@ class Engine(Protocol):
     def wake_up(self) -> None: ...
 
 
+class ContinuousEngine(Engine, Protocol):
+    """An engine that also batches continuously (`continuous` says whether it can now): `submit` a request, and each
+    `step()` decodes one token of every running request and returns the finished ones."""
+    continuous: bool
+
+    def submit(self, key: object, prompt: list[int], sampling: Sampling, seed: int | None = None) -> None: ...
+    def step(self) -> list[tuple[object, Completion]]: ...
+    def abort(self) -> None: ...
+
+
 def derive_seed(*parts: int | str) -> int:
     """A seed from `parts` (a run's seed, a step, a sample, a turn): the same parts give the same seed in any process on
     any machine (no Python hash), other parts an unrelated one. 63 bits, what torch.Generator and vLLM's seed take."""
@@ -64,6 +77,14 @@ def derive_seed(*parts: int | str) -> int:
 def check_seeds(prompts: list, seeds: list[int] | None) -> None:
     if seeds is not None and len(seeds) != len(prompts):
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts: one seed per prompt")
+
+
+def continuous(engine) -> bool:
+    """Whether `engine` batches continuously: requests are `submit`ted one at a time and every `step()` decodes one
+    token for each running request, admitting new ones and returning finished ones at any step, so a trajectory's turn
+    neither waits for an engine call to end nor for the next one to start. A tensor-parallel engine's peers must
+    submit together, so theirs are calls (`generate`)."""
+    return bool(getattr(engine, "continuous", False)) and call_group(engine) is None
 
 
 def call_group(engine) -> object | None:
@@ -80,6 +101,25 @@ def truncate_at_stop(token_ids: list[int], logprobs: list[float], stop_ids: set[
     return Completion(token_ids, logprobs, "length")
 
 
+@dataclass
+class Request:
+    """A request in an engine's continuous batch: what was submitted, and the tokens drawn so far."""
+    key: object
+    prompt: list[int]
+    sampling: Sampling
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Running:
+    """HFEngine's running batch: row i of `cache` and `logits` (its next token's) is `requests[i]`."""
+    requests: list[Request]
+    cache: KVBuffer
+    logits: torch.Tensor
+
+
 class HFEngine:
     """Generation with the policy's own Hugging Face model (a KV-cached decoding loop): CPU tests, debugging,
     machines without vLLM.
@@ -94,6 +134,10 @@ class HFEngine:
 
     Stop strings are matched in each row's decoded completion (special tokens written out, as chat.code_stop reads
     it) with `tokenizer`, by default the model folder's (loaded the first time a Sampling has stop strings).
+
+    A text model that `decode_step` decodes also batches continuously (`continuous`, `submit`, `step`): each request
+    joins the running batch at the next step and leaves it with its last token, rows of different lengths side by
+    side in one KVBuffer. It draws the tokens generate() draws for the same prompt and seed.
     """
 
     def __init__(self, model, pad_token_id: int, batch_size: int = 64, tokenizer=None):
@@ -104,8 +148,17 @@ class HFEngine:
         self.batch_size = batch_size
         self.banned = vision.banned_token_ids(model.config)
         self.tokenizer = tokenizer
+        self.queued: list[Request] = []  # submitted, prefilled at the next step
+        self.running: Running | None = None
+
+    @property
+    def continuous(self) -> bool:
+        return (self.model is not None and not vision.is_vision_model(self.model.config)
+                and lean_decoding_supported(self.model))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.queued or self.running:
+            raise RuntimeError("HFEngine.load_weights while submitted requests are unfinished: step() them to the end")
         if not self.sharded:
             return None
         weights = dict(weights)
@@ -145,14 +198,7 @@ class HFEngine:
         if self.model is None:
             raise RuntimeError("HFEngine on an FSDP-sharded policy: call load_weights(policy.iter_full_weights(model)) "
                                "before generate")
-        if sampling.max_new_tokens < 1:
-            raise ValueError(f"Sampling.max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
-        if sampling.stop and self.tokenizer is None:
-            try:
-                self.tokenizer = AutoTokenizer.from_pretrained(self.policy.name_or_path, local_files_only=True)
-            except (OSError, ValueError) as e:
-                raise ValueError(f"HFEngine: stop strings {sampling.stop} need a tokenizer and the model's folder "
-                                 f"{self.policy.name_or_path!r} has none: pass HFEngine(tokenizer=...)") from e
+        self._check_sampling(sampling)
         if images is None or not vision.is_vision_model(self.model.config):  # a text model sees only placeholders
             images = [[] for _ in prompts]
         images = [list(i or []) for i in images]
@@ -163,6 +209,114 @@ class HFEngine:
             out += self._generate_batch(prompts[start:end], sampling, images[start:end],
                                         None if seeds is None else seeds[start:end])
         return out
+
+    def _check_sampling(self, sampling: Sampling) -> None:
+        if sampling.max_new_tokens < 1:
+            raise ValueError(f"Sampling.max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+        if sampling.stop and self.tokenizer is None:
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(self.policy.name_or_path, local_files_only=True)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"HFEngine: stop strings {sampling.stop} need a tokenizer and the model's folder "
+                                 f"{self.policy.name_or_path!r} has none: pass HFEngine(tokenizer=...)") from e
+
+    def submit(self, key: object, prompt: list[int], sampling: Sampling, seed: int | None = None) -> None:
+        """Queue a request named `key` (step() returns it with its completion); the next step() prefills it and decodes
+        it with the running ones. Requests running together share temperature, top-k and top-p; their max_new_tokens,
+        stop tokens and stop strings are their own. `seed` seeds its own generator, as generate()'s `seeds`."""
+        if not self.continuous:
+            raise RuntimeError("HFEngine.submit: continuous batching decodes text models that decode_step serves "
+                               "(engines.continuous); call generate()")
+        self._check_sampling(sampling)
+        others = self.queued + (self.running.requests if self.running else [])
+        shape = (sampling.temperature, sampling.top_k, sampling.top_p)
+        if others and shape != (others[0].sampling.temperature, others[0].sampling.top_k, others[0].sampling.top_p):
+            raise ValueError(f"HFEngine.submit: temperature, top_k, top_p {shape} differ from the running requests'; "
+                             "finish those first")
+        device = next(self.model.parameters()).device
+        generator = None if seed is None else torch.Generator(device).manual_seed(seed)
+        self.queued.append(Request(key, list(prompt), sampling, generator))
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[object, Completion]]:
+        """One step of continuous batching: the queued requests are prefilled and join the running batch, each running
+        request draws its next token, and those that end with it (a stop token, a completed stop string, their
+        max_new_tokens) leave it: returns their (key, completion), the completion as generate() would give it."""
+        if self.queued:
+            self._admit(self.queued)
+            self.queued = []
+        if self.running is None:
+            return []
+        was_training = self.model.training
+        self.model.eval()
+        run, device = self.running, self.running.logits.device
+        requests = run.requests
+        generators = [r.generator for r in requests]
+        token, logprob = Picker(requests[0].sampling, self.banned, device)(
+            run.logits, generators if all(generators) else None)
+        finished, keep = [], []
+        for i, (request, t, lp) in enumerate(zip(requests, token.tolist(), logprob.tolist())):
+            request.tokens.append(t)
+            request.logprobs.append(lp)
+            stop = t in request.sampling.stop_token_ids or bool(request.sampling.stop) and any(
+                s in self.tokenizer.decode(request.tokens, skip_special_tokens=False) for s in request.sampling.stop)
+            if stop or len(request.tokens) == request.sampling.max_new_tokens:
+                reason = "stop" if stop else "length"
+                finished.append((request.key, Completion(request.tokens, request.logprobs, reason)))
+            else:
+                keep.append(i)
+        cache = run.cache
+        if len(keep) < len(requests):  # the finished rows leave the buffer
+            index = torch.tensor(keep, dtype=torch.long, device=device)
+            lengths = [len(requests[i].prompt) + len(requests[i].tokens) - 1 for i in keep]
+            cache = KVBuffer([k[index] for k in cache.keys], [v[index] for v in cache.values], cache.lengths[index],
+                             max(lengths, default=0))
+            token, requests = token[index], [requests[i] for i in keep]
+        if not requests:
+            self.running = None
+        else:
+            attend = (torch.arange(cache.span + 1, device=device) <= cache.lengths[:, None])[:, None, None, :]
+            rotary = self.model.model.rotary_emb(run.logits[:1, None], cache.lengths[:, None])
+            self.running = Running(requests, cache, decode_step(self.model, cache, token, rotary, attend))
+        self.model.train(was_training)
+        return finished
+
+    def abort(self) -> None:
+        """Drop every submitted request unfinished (the rollout that submitted them failed or was interrupted)."""
+        self.queued, self.running = [], None
+
+    def _admit(self, requests: list[Request]) -> None:
+        """Prefill `requests` (each distinct prompt once) and add their rows to the running batch, every row's cache
+        starting at position 0, in buffers long enough for every request's prompt and max_new_tokens."""
+        device = next(self.model.parameters()).device
+        prompts = [r.prompt for r in requests]
+        input_ids, attention_mask = left_padded(prompts, self.pad_token_id, device)
+        first, which = distinct_rows([tuple(p) for p in prompts], device)
+        prefill = DynamicCache(config=self.model.config)
+        was_training = self.model.training
+        self.model.eval()
+        logits = self.model(input_ids=input_ids[first], attention_mask=attention_mask[first],
+                            position_ids=(attention_mask[first].cumsum(-1) - 1).clamp_(min=0),
+                            past_key_values=prefill, use_cache=True, logits_to_keep=1).logits[:, -1][which]
+        self.model.train(was_training)
+        running = self.running.requests if self.running else []
+        capacity = max(len(r.prompt) + r.sampling.max_new_tokens for r in running + requests)
+        capacity = max(capacity, self.running.cache.keys[0].shape[2] if self.running else 0)
+        width, rows = input_ids.shape[1], which.tolist()
+        keys, values = [], []
+        for layer in prefill.layers:
+            for tensors, cached in ((keys, layer.keys), (values, layer.values)):
+                block = cached.new_zeros(len(requests), cached.shape[1], capacity, cached.shape[3])
+                for i, (p, d) in enumerate(zip(prompts, rows)):  # left padding dropped: each row from position 0
+                    block[i, :, : len(p)] = cached[d, :, width - len(p) :]
+                tensors.append(block)
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        if self.running:
+            old = self.running.cache
+            keys = [torch.cat([grown(k, capacity), new]) for k, new in zip(old.keys, keys)]
+            values = [torch.cat([grown(v, capacity), new]) for v, new in zip(old.values, values)]
+            lengths, logits = torch.cat([old.lengths, lengths]), torch.cat([self.running.logits, logits])
+        self.running = Running(running + requests, KVBuffer(keys, values, lengths, int(lengths.max())), logits)
 
     def _generate_batch(self, prompts: list[list[int]], sampling: Sampling, images: list[list],
                         seeds: list[int] | None) -> list[Completion]:
@@ -182,20 +336,13 @@ class HFEngine:
                        for p, g in zip(prompts, grids)]
         else:
             keys = [tuple(p) for p in prompts]
-        rows, width, new = len(prompts), max(len(p) for p in prompts), sampling.max_new_tokens
-        input_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.ones((rows, width + new), dtype=torch.long)  # generated tokens are always attended
-        for i, p in enumerate(prompts):  # left padding, so every row continues at the same position
-            input_ids[i, width - len(p) :] = torch.tensor(p)
-            attention_mask[i, : width - len(p)] = 0
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        rows, new = len(prompts), sampling.max_new_tokens
+        input_ids, attention_mask = left_padded(prompts, self.pad_token_id, device)
+        width = input_ids.shape[1]
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, new)], 1)  # generated: attended
         positions = (attention_mask[:, :width].cumsum(-1) - 1).clamp_(min=0)
-        greedy = sampling.temperature <= 0
-        generators = None if greedy or seeds is None else [torch.Generator(device).manual_seed(s) for s in seeds]
-        warpers = [] if greedy else (  # called directly: LogitsProcessorList inspects signatures at every call
-            [TemperatureLogitsWarper(sampling.temperature)]
-            + ([TopKLogitsWarper(sampling.top_k)] if sampling.top_k > 0 else [])
-            + ([TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1 else []))
+        generators = None if seeds is None else [torch.Generator(device).manual_seed(s) for s in seeds]
+        pick = Picker(sampling, self.banned, device)
         stop_tokens = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=device)
         tokens = torch.full((rows, new), self.pad_token_id, dtype=torch.long, device=device)
         logprobs = torch.zeros((rows, new), device=device)
@@ -203,16 +350,11 @@ class HFEngine:
         string_end = [new] * rows  # tokens up to and including the one that completed a stop string
         was_training = self.model.training
         self.model.eval()
-        # A group's samples share their prompt: each distinct prompt is prefilled once, then its cache row is copied.
-        distinct: dict[tuple, tuple[int, int]] = {}  # prompt -> (its number, its first row)
-        for i, key in enumerate(keys):
-            distinct.setdefault(key, (len(distinct), i))
-        first = torch.tensor([row for _, row in distinct.values()], device=device)
-        which = torch.tensor([distinct[key][0] for key in keys], device=device)
+        first, which = distinct_rows(keys, device)  # a group's samples share their prompt: prefilled once
         cache = DynamicCache(config=self.model.config)
         extra = {}
         if multimodal:  # 3-D positions over the images at prefill; text tokens after them run at position + delta
-            row_images = [image for _, row in distinct.values() for image in images[row]]
+            row_images = [image for row in first.tolist() for image in images[row]]
             grid = None
             if row_images:
                 pixel_values, grid = (t.to(device) for t in vision.pixels(processor, row_images))
@@ -229,7 +371,6 @@ class HFEngine:
                             **extra).logits[:, -1]
         cache.reorder_cache(which)
         logits = logits[which]
-        banned = torch.tensor(self.banned, dtype=torch.long, device=device)
         lean = lean_decoding_supported(self.model)
         if lean:
             cache = KVBuffer.from_prefill(cache, width + new - 1)
@@ -238,14 +379,8 @@ class HFEngine:
             ahead = positions[:, -1:] + torch.arange(1, new, device=device)
             cos, sin = self.model.model.rotary_emb(logits[:, None], ahead)
         for step in range(new):
-            scores = logits.float()
-            scores[:, banned] = -torch.inf
-            for warp in warpers:
-                scores = warp(None, scores)  # these warpers never look at the ids
-            probs = scores.softmax(-1)
-            token = scores.argmax(-1) if greedy else sample_from(probs, generators)
+            token, logprobs[:, step] = pick(logits, generators)
             tokens[:, step] = token.masked_fill(stopped, self.pad_token_id)
-            logprobs[:, step] = probs.gather(1, token[:, None]).squeeze(1).log()  # no [rows, vocab] log_softmax
             stopped |= torch.isin(token, stop_tokens)
             if sampling.stop:
                 for row in self._completed_stop_strings(tokens[:, : step + 1], stopped, sampling.stop):
@@ -293,6 +428,51 @@ def sample_from(probs: torch.Tensor, generators: list[torch.Generator] | None = 
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
+class Picker:
+    """The next token of each row and its logprob under the distribution `sampling` describes: banned tokens
+    removed, then transformers' own warpers (temperature, top-k, top-p), then greedy or a draw (`sample_from`)."""
+
+    def __init__(self, sampling: Sampling, banned: list[int], device: torch.device):
+        self.greedy = sampling.temperature <= 0
+        self.banned = torch.tensor(banned, dtype=torch.long, device=device)
+        self.warpers = [] if self.greedy else (  # called directly: LogitsProcessorList inspects signatures every call
+            [TemperatureLogitsWarper(sampling.temperature)]
+            + ([TopKLogitsWarper(sampling.top_k)] if sampling.top_k > 0 else [])
+            + ([TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1 else []))
+
+    def __call__(self, logits: torch.Tensor, generators: list[torch.Generator] | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = logits.float()
+        scores[:, self.banned] = -torch.inf
+        for warp in self.warpers:
+            scores = warp(None, scores)  # these warpers never look at the ids
+        probs = scores.softmax(-1)
+        token = scores.argmax(-1) if self.greedy else sample_from(probs, generators)
+        return token, probs.gather(1, token[:, None]).squeeze(1).log()  # no [rows, vocab] log_softmax
+
+
+def left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [rows, longest prompt], padded on the left so that every row ends at the same
+    position."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.ones((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p) :] = torch.tensor(p)
+        attention_mask[i, : width - len(p)] = 0
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def distinct_rows(keys: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, which): the first row of each distinct key, and each row's distinct number; prefilling rows `first` and
+    taking `which` of the result prefills every distinct prompt once (a group's samples share their prompt)."""
+    distinct: dict = {}  # key -> (its number, its first row)
+    for i, key in enumerate(keys):
+        distinct.setdefault(key, (len(distinct), i))
+    return (torch.tensor([row for _, row in distinct.values()], device=device),
+            torch.tensor([distinct[key][0] for key in keys], device=device))
+
+
 LEAN_DECODING_TYPES = ("llama", "qwen2", "qwen3")  # Mistral: its window is in the config, not the layers
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                "mlp.up_proj", "mlp.down_proj")
@@ -317,25 +497,35 @@ def lean_decoding_supported(model) -> bool:
 @dataclass
 class KVBuffer:
     """Keys and values of every layer in preallocated [rows, kv_heads, capacity, head_dim] buffers: a decoding step
-    writes one position instead of concatenating a longer cache."""
+    writes one position per row instead of concatenating a longer cache. Row i holds `lengths[i]` cached positions
+    (the next one is written there); `span` is the most any row holds, kept on the host so that a step needs no sync."""
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    length: int
+    lengths: torch.Tensor
+    span: int
 
     @classmethod
     def from_prefill(cls, cache: DynamicCache, capacity: int) -> KVBuffer:
-        def grown(t):
-            buffer = t.new_empty(*t.shape[:2], capacity, t.shape[3])
-            buffer[:, :, : t.shape[2]] = t
-            return buffer
-        return cls([grown(layer.keys) for layer in cache.layers], [grown(layer.values) for layer in cache.layers],
-                   cache.get_seq_length())
+        """The buffer of a left-padded batch's prefill: every row at the batch's length."""
+        rows, length = cache.layers[0].keys.shape[0], cache.get_seq_length()
+        return cls([grown(layer.keys, capacity) for layer in cache.layers],
+                   [grown(layer.values, capacity) for layer in cache.layers],
+                   torch.full((rows,), length, device=cache.layers[0].keys.device), length)
+
+
+def grown(t: torch.Tensor, capacity: int) -> torch.Tensor:
+    """`t` [rows, heads, positions, dim] in a zeroed buffer of `capacity` positions (zeros: a row shorter than the
+    span attends past its end with weight 0, and 0 * uninitialised memory could be NaN)."""
+    buffer = t.new_zeros(*t.shape[:2], capacity, t.shape[3])
+    buffer[:, :, : t.shape[2]] = t
+    return buffer
 
 
 def decode_step(model, cache: KVBuffer, token: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 attend: torch.Tensor) -> torch.Tensor:
     """Next-token logits [rows, vocab] after `token` [rows] whose rotary angles are `rotary` (cos, sin of
-    `model.model.rotary_emb` at its positions), attending to the cached keys where `attend` [rows, 1, 1, keys] is True.
+    `model.model.rotary_emb` at its positions): each row's key and value are written at its own length in `cache`, and
+    it attends to the cached keys where `attend` [rows, 1, 1, cache.span + 1] is True.
     A Llama-layout decoder's computation in its order, with the model's own weights, norms, activation and rotation,
     without the generic forward's per-step mask building, cache bookkeeping and output objects, which dominate a small
     model's decoding step. Modules are entered through `forward` and projections through `F.linear`, skipping
@@ -344,7 +534,7 @@ def decode_step(model, cache: KVBuffer, token: torch.Tensor, rotary: tuple[torch
     rope = sys.modules[type(inner.layers[0].self_attn).__module__].apply_rotary_pos_emb  # the model's own
     cos, sin = rotary
     hidden = inner.embed_tokens.forward(token[:, None])
-    at = cache.length
+    rows, at, span = torch.arange(token.shape[0], device=token.device), cache.lengths, cache.span + 1
     for keys, values, layer in zip(cache.keys, cache.values, inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
         x = layer.input_layernorm.forward(hidden)
@@ -353,14 +543,15 @@ def decode_step(model, cache: KVBuffer, token: torch.Tensor, rotary: tuple[torch
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
             q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
         q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        keys[:, :, at] = k[:, :, 0]
-        values[:, :, at] = v[:, 0]
+        keys[rows, :, at] = k[:, :, 0]
+        values[rows, :, at] = v[:, 0]
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, keys[:, :, : at + 1], values[:, :, : at + 1], attn_mask=attend, scale=attn.scaling, enable_gqa=True)
+            q, keys[:, :, :span], values[:, :, :span], attn_mask=attend, scale=attn.scaling, enable_gqa=True)
         hidden = hidden + linear(attn.o_proj, out.transpose(1, 2).reshape(x.shape[0], 1, -1))
         x = layer.post_attention_layernorm.forward(hidden)
         hidden = hidden + linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x))
-    cache.length += 1
+    cache.lengths += 1
+    cache.span += 1
     return linear(model.lm_head, inner.norm.forward(hidden))[:, -1]
 
 
@@ -522,6 +713,12 @@ class VLLMEngine:
         self.param_names = self.llm.apply_model(lambda m: {name for name, _ in m.named_parameters()})[0]
         self.state = "awake"  # "asleep" -> wake_up() -> "weights" -> load_weights() -> "awake" -> sleep()
         self.last_metrics: dict[str, float] = {}
+        self.submitted: dict[str, tuple[object, list[int], list]] = {}  # request id -> (key, prompt, images)
+        self.request_numbers = itertools.count()
+
+    @property
+    def continuous(self) -> bool:
+        return self.tp_group is None  # tensor-parallel peers drive one engine and must add the same requests
 
     def wake_up(self) -> None:
         if self.state != "asleep":
@@ -567,6 +764,8 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         check_seeds(prompts, seeds)
+        if self.submitted:
+            raise RuntimeError("VLLMEngine.generate while submitted requests are unfinished: step() them to the end")
         images = images if images is not None else [None] * len(prompts)
         first, count = 0, len(prompts)
         if self.tp_group is not None:  # TP peers drive one engine together, so they must submit the same requests
@@ -577,29 +776,73 @@ class VLLMEngine:
             if any(s is not None for _, _, s in parts):  # peers' rollouts share their Sampling, so all or none
                 seeds = [s for ps, _, ss in parts for s in (ss if ss is not None else [None] * len(ps))]
         for p, i in zip(prompts, images):
-            if i and (self.image_processor is None or p.count(self.image_token_id) != len(i)):
-                raise ValueError(f"a prompt with {len(i)} images and {p.count(self.image_token_id)} image "
-                                 f"placeholders, for a {'vision' if self.image_processor else 'text-only'} model")
+            self._check_images(p, i)
         start = time.perf_counter()
         params = SamplingParams(**vllm_sampling_kwargs(sampling, self.banned)) if seeds is None else \
             [SamplingParams(**vllm_sampling_kwargs(sampling, self.banned, seed)) for seed in seeds]
         outputs = self.llm.generate([vllm_prompt(p, i) for p, i in zip(prompts, images)], params, use_tqdm=False)
         seconds = time.perf_counter() - start
         for p, i, output in zip(prompts, images, outputs):
-            if i:  # the engine's expansion must be the trainer's, token for token
-                want = len(p) + sum(vision.image_tokens(self.image_processor, image) - 1 for image in i)
-                if len(output.prompt_token_ids) != want:
-                    raise RuntimeError(f"vLLM expanded a prompt with {len(i)} images to {len(output.prompt_token_ids)} "
-                                       f"tokens where kiln's image processor gives {want}: the engine preprocesses "
-                                       "images differently (mm_processor_kwargs?) from the trainer")
+            self._check_expansion(p, i, output)
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         self.last_metrics |= {"vllm/generate_seconds": seconds,
                               "vllm/generate_tokens_per_s": tokens / max(seconds, 1e-9)}
         return [completion_from_vllm(o) for o in outputs[first : first + count]]
 
+    def submit(self, key: object, prompt: list[int], sampling: Sampling, seed: int | None = None,
+               images: list | None = None) -> None:
+        """Add a request named `key` to vLLM's scheduler (its continuous batch); step() returns it once finished."""
+        if self.state != "awake":
+            raise RuntimeError("VLLMEngine.submit needs wake_up() then load_weights()")
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._check_images(prompt, images)
+        request_id = str(next(self.request_numbers))
+        params = SamplingParams(**vllm_sampling_kwargs(sampling, self.banned, seed),
+                                output_kind=RequestOutputKind.FINAL_ONLY)  # nothing back until it is finished
+        self.llm.llm_engine.add_request(request_id, vllm_prompt(prompt, images), params)
+        self.submitted[request_id] = (key, prompt, images)
+
+    def step(self) -> list[tuple[object, Completion]]:
+        """One step of vLLM's scheduler (a decoding step of the running requests, prefills of new ones as its token
+        budget allows); returns the requests that finished in it as (key, completion)."""
+        if not self.submitted:
+            return []
+        finished = []
+        for output in self.llm.llm_engine.step():
+            if output.finished:
+                key, prompt, images = self.submitted.pop(output.request_id)
+                self._check_expansion(prompt, images, output)
+                finished.append((key, completion_from_vllm(output)))
+        return finished
+
+    def abort(self) -> None:
+        """Drop every submitted request unfinished (the rollout that submitted them failed or was interrupted)."""
+        if self.submitted:
+            self.llm.llm_engine.abort_request(list(self.submitted))
+            self.submitted = {}
+
+    def _check_images(self, prompt: list[int], images: list | None) -> None:
+        if images and (self.image_processor is None or prompt.count(self.image_token_id) != len(images)):
+            raise ValueError(f"a prompt with {len(images)} images and {prompt.count(self.image_token_id)} image "
+                             f"placeholders, for a {'vision' if self.image_processor else 'text-only'} model")
+
+    def _check_expansion(self, prompt: list[int], images: list | None, output) -> None:
+        """The engine's expansion of a prompt's images must be the trainer's, token for token."""
+        if not images:
+            return
+        want = len(prompt) + sum(vision.image_tokens(self.image_processor, image) - 1 for image in images)
+        if len(output.prompt_token_ids) != want:
+            raise RuntimeError(f"vLLM expanded a prompt with {len(images)} images to {len(output.prompt_token_ids)} "
+                               f"tokens where kiln's image processor gives {want}: the engine preprocesses images "
+                               "differently (mm_processor_kwargs?) from the trainer")
+
     def sleep(self) -> None:
         if self.state == "asleep":
             return
+        if self.submitted:
+            raise RuntimeError("VLLMEngine.sleep while submitted requests are unfinished: step() them to the end")
         start = time.perf_counter()
         if self.state == "weights":  # a load failed half way: wake fully first, vLLM sleeps only from awake
             self.llm.wake_up(["kv_cache"])

@@ -394,18 +394,21 @@ def run_trajectories(engine: Engine, tokenizer, trajectories: list[Trajectory], 
                      limits: AgentLimits, eot: str, count_image: Callable[[bytes], int] = placeholder_only,
                      lockstep: bool = False, in_flight: InFlight | None = None, version: int = 0) -> dict:
     """Drive every trajectory to its finish_reason, or with `in_flight` until it holds its groups complete and no
-    unfinished trajectory is `due` (no engine call starts after that; the tool calls running then return and are
-    appended, and the unfinished trajectories are left ready for their next turn). Each engine call takes every
-    trajectory that is ready (its prompt, or its tool results, are in), in trajectory order; meanwhile the tools of the
-    others run on a thread pool, and between calls the main thread waits only when nothing is ready. lockstep: an engine
-    call waits until no tool call is running (every live trajectory is ready), as one turn of all trajectories at a
-    time. Every token appended gets `version` (Trajectory.versions). The engine's peers (`engines.call_group`, a
-    tensor-parallel vLLM engine's ranks) agree before each call, a peer with nothing ready calling with no prompts;
-    other ranks never meet here. Returns the schedule's metrics: engine and tool busy fractions of the wall time, engine
-    calls and trajectories per call, most tool calls running at once, and with in_flight the seconds it waited for due
-    trajectories once it had its groups."""
+    unfinished trajectory is `due` (no turn starts after that; the turns and tool calls running then end and are
+    appended, and the unfinished trajectories are left ready for their next turn). A continuously batching engine
+    (`engines.continuous`) gets each trajectory's turn as soon as it is ready (its prompt, or its tool results, are in)
+    and gives the reply back at the decoding step that ends it; any other engine's call takes every trajectory that is
+    ready, in trajectory order. Meanwhile the tools of the others run on a thread pool, and the main thread waits only
+    when nothing is generating. lockstep: an engine call waits until no tool call is running (every live trajectory is
+    ready), as one turn of all trajectories at a time. Every token appended gets `version` (Trajectory.versions). The
+    engine's peers (`engines.call_group`, a tensor-parallel vLLM engine's ranks) agree before each call, a peer with
+    nothing ready calling with no prompts; other ranks never meet here. Returns the schedule's metrics: engine and tool
+    busy fractions of the wall time, engine calls (steps, for a continuous engine) and trajectories per call, most tool
+    calls running at once, and with in_flight the seconds it waited for due trajectories once it had its groups."""
     start, eot_id, group = time.monotonic(), tokenizer.convert_tokens_to_ids(eot), engines.call_group(engine)
+    stepping = engines.continuous(engine) and not lockstep
     order = {id(traj): k for k, traj in enumerate(trajectories)}
+    submitted: dict[int, Trajectory] = {}  # turns in a continuous engine, by id(trajectory)
     ready = [traj for traj in trajectories if not traj.finish_reason]
     running: list[tuple[Trajectory, list[Future]]] = []  # trajectories whose tool calls have not all returned
     engine_seconds, calls, batched, spans, most_running = 0.0, 0, 0, [], 0
@@ -426,6 +429,26 @@ def run_trajectories(engine: Engine, tokenizer, trajectories: list[Trajectory], 
             if have_groups and had_groups_at is None:
                 had_groups_at = time.monotonic()
             enough = have_groups and not any(due(traj, version, in_flight.max_staleness) for traj in trajectories)
+            if stepping:
+                for traj in ready if not enough else []:
+                    _submit(engine, traj, sampling, limits)
+                    submitted[id(traj)] = traj
+                ready = ready if enough else []
+                if not (running or submitted or (ready and not enough)):
+                    break
+                if not submitted:
+                    futures_wait([f for _, futures in running for f in futures], return_when=FIRST_COMPLETED)
+                    continue
+                began, batched = time.monotonic(), batched + len(submitted)
+                finished = engine.step()
+                engine_seconds, calls = engine_seconds + time.monotonic() - began, calls + 1
+                for key, completion in finished:
+                    traj = submitted.pop(key)
+                    tool_calls = _take_reply(tokenizer, traj, completion, limits, eot_id)
+                    if tool_calls:
+                        running.append((traj, [pool.submit(_timed_call, traj.box, c) for c in tool_calls]))
+                most_running = max(most_running, sum(len(futures) for _, futures in running))
+                continue
             batch = sorted(ready, key=lambda t: order[id(t)]) if not (enough or (lockstep and running)) else []
             generating, live = bool(batch), bool(running or (ready and not enough))
             if group is not None:
@@ -447,6 +470,8 @@ def run_trajectories(engine: Engine, tokenizer, trajectories: list[Trajectory], 
             most_running = max(most_running, sum(len(futures) for _, futures in running))
     finally:  # on an error or Ctrl-C, calls not started are dropped; the running ones end before the boxes close
         pool.shutdown(wait=True, cancel_futures=True)
+        if submitted:  # turns left in a continuous engine: it must be empty for the next weights
+            engine.abort()
     for traj in trajectories:
         traj.versions += [version] * (len(traj.completion_ids) - len(traj.versions))
     end = time.monotonic()
@@ -475,15 +500,29 @@ def _covered(spans: list[tuple[float, float]]) -> float:
 
 
 def _generate_turn(engine: Engine, tokenizer, batch: list[Trajectory], sampling: Sampling, limits: AgentLimits):
-    """One engine call for the next turn of `batch` (possibly empty: a tensor-parallel peer's share of a call). The
-    call's budget follows the trajectory with the most room; _take_reply cuts each reply to its own."""
+    """One engine call for the next turn of `batch` (possibly empty: a tensor-parallel peer's share of a call)."""
+    return _generate(engine, [traj.prompt_ids + traj.completion_ids for traj in batch],
+                     _turn_sampling(batch, sampling, limits), [list(traj.images) for traj in batch],
+                     sample_seeds(sampling, [(traj.group, traj.index, traj.turns) for traj in batch]))
+
+
+def _submit(engine: engines.ContinuousEngine, traj: Trajectory, sampling: Sampling, limits: AgentLimits) -> None:
+    """The next turn of `traj` to a continuous engine, named by id(traj)."""
+    seeds = sample_seeds(sampling, [(traj.group, traj.index, traj.turns)])
+    takes_images = "images" in inspect.signature(engine.submit).parameters  # a text-only one sees placeholders
+    extra = {"images": list(traj.images)} if traj.images and takes_images else {}
+    engine.submit(id(traj), traj.prompt_ids + traj.completion_ids, _turn_sampling([traj], sampling, limits),
+                  None if seeds is None else seeds[0], **extra)
+
+
+def _turn_sampling(batch: list[Trajectory], sampling: Sampling, limits: AgentLimits) -> Sampling:
+    """A turn's budget: the room of the trajectory with the most (_take_reply cuts each reply to its own). The tag
+    protocol's turn stops on </code> (chat.code_stop decides)."""
     budget = min(max((limits.max_total_tokens - traj.length for traj in batch), default=1), sampling.max_new_tokens)
     turn_sampling = dataclasses.replace(sampling, max_new_tokens=max(budget, 1))
-    if batch and all(traj.box.protocol == "codev" for traj in batch):  # the engine stops on </code>
-        turn_sampling.stop = [*sampling.stop, chat.CODE_STOP]  # (chat.code_stop decides)
-    return _generate(engine, [traj.prompt_ids + traj.completion_ids for traj in batch], turn_sampling,
-                     [list(traj.images) for traj in batch],
-                     sample_seeds(sampling, [(traj.group, traj.index, traj.turns) for traj in batch]))
+    if batch and all(traj.box.protocol == "codev" for traj in batch):
+        turn_sampling.stop = [*sampling.stop, chat.CODE_STOP]
+    return turn_sampling
 
 
 def _take_reply(tokenizer, traj: Trajectory, c, limits: AgentLimits, eot_id: int) -> list:

@@ -9,10 +9,11 @@ characters). On a GPU a decoding step takes 20-40 ms.
 
 Measured: the real rollout loop (rollout.multi_turn) with the tiny model (tiny.make_tiny_model) on the HF engine,
 scaled down `--scale` times: replies 1/scale as long, and tool times 1/scale as long counted in decoding steps (a
-tool's seconds times this machine's step time over a GPU's 30 ms, measured first). The engine decodes each call for
-as many steps as its longest scripted reply (its real cost: a batch lasts as long as its longest reply); each reply
-is then the script's tokens (a filler and the call: a random tiny model writes no tool calls) with the logprobs the
-engine sampled. Both schedules run the same plan, in this one process, lockstep first.
+tool's seconds times this machine's step time over a GPU's 30 ms, measured first). Each reply is the script's tokens
+(a filler and the call: a random tiny model writes no tool calls) with the logprobs the engine sampled. Three
+schedules run the same plan, in this one process: lockstep; independent trajectories with an engine call per batch
+of ready ones, each call decoding as many steps as its longest reply (its real cost); independent trajectories
+through the HF engine's continuous batch (HFEngine.submit/step), each turn decoding its own reply's steps.
 
 Simulated (--simulate): the unscaled workload on a GPU, in an event simulation: lockstep; independent with one
 engine call per batch of ready trajectories (as the HF engine does); independent with continuous batching (vLLM,
@@ -30,7 +31,7 @@ the engine a GPU's cost shape (a step costs the same at any rows) in the same lo
     .venv/bin/python bench/agent_rollout.py [--trajectories 64 --scale 8 --seed 0]
     .venv/bin/python bench/agent_rollout.py --simulate
     .venv/bin/python bench/agent_rollout.py --long-tail [--steps 8 --groups 4 --group-size 4 --turns 4]
-    .venv/bin/python bench/agent_rollout.py --long-tail --fixed-step-ms 5
+    .venv/bin/python bench/agent_rollout.py --long-tail --fixed-step-ms 5 [--continuous]
 """
 from __future__ import annotations
 
@@ -92,6 +93,9 @@ class Args:
     fixed_step_ms: float | None = None
     """long tail: instead of decoding with the tiny model, each engine call waits this many ms per decoding step
     whatever its rows (a memory-bound GPU's cost shape, which the CPU's does not have); tools scale to it"""
+    continuous: bool = False
+    """long tail: both variants' turns through a continuous batch (HFEngine.submit/step; with --fixed-step-ms, steps
+    of that cost whatever the rows) instead of an engine call per batch of ready trajectories"""
 
 
 @dataclass
@@ -130,10 +134,13 @@ def long_tail_plan(groups: int, group_size: int, turns: int, seed: int) -> dict[
 class ScriptedReplies:
     """An engine around the HF engine: each call decodes for as many steps as the longest reply the plan gives its
     prompts (no stop token: the real cost of the batch), then each prompt gets its planned reply: filler tokens and a
-    `bash` call (none on the last turn), `tokens` long with its end-of-turn token, and the logprobs sampled."""
+    `bash` call (none on the last turn), `tokens` long with its end-of-turn token, and the logprobs sampled. With
+    `continuous`, through the HF engine's continuous batch instead: each turn decodes as many steps as its own reply,
+    beside whatever else is being decoded, and comes back at its last one."""
 
-    def __init__(self, engine: engines.HFEngine, tokenizer, turns: list[list[int]]):
-        self.engine, self.tokenizer, self.turns = engine, tokenizer, turns
+    def __init__(self, engine: engines.HFEngine, tokenizer, turns: list[list[int]], continuous: bool = False):
+        self.engine, self.tokenizer, self.turns, self.continuous = engine, tokenizer, turns, continuous
+        self.submitted: dict[object, list[int]] = {}
         self.eot = tokenizer.convert_tokens_to_ids(chat.end_of_turn(tokenizer))
         self.start = tokenizer.convert_tokens_to_ids("<|im_start|>")
         self.call = tokenizer('<tool_call>\n{"name": "bash", "arguments": {"command": "pytest -x"}}\n</tool_call>',
@@ -142,16 +149,33 @@ class ScriptedReplies:
         self.done = tokenizer("the file is fixed now", add_special_tokens=False)["input_ids"]
         self.first: dict[int, int] = {}
 
+    def planned(self, prompt: list[int]) -> list[int]:
+        task = int(re.search(r"task-(\d+)", self.tokenizer.decode(prompt[:64])).group(1))
+        opened = self.first.setdefault(task, prompt.count(self.start))  # the prompt's turns
+        turn = (prompt.count(self.start) - opened) // 2  # then each turn adds a tool message and a header
+        tail = self.done if turn == len(self.turns[task]) - 1 else self.call
+        return self.filler * max(0, self.turns[task][turn] - len(tail) - 1) + tail + [self.eot]
+
+    def submit(self, key, prompt, sampling, seed=None):
+        reply = self.planned(prompt)[: sampling.max_new_tokens]
+        self.submitted[key] = reply
+        self.engine.submit(key, prompt, dataclasses.replace(sampling, max_new_tokens=len(reply), stop_token_ids=[]),
+                           seed)
+
+    def step(self):
+        finished = []
+        for key, real in self.engine.step():
+            reply = self.submitted.pop(key)
+            finished.append((key, engines.Completion(reply, real.logprobs, "stop" if reply[-1] == self.eot else
+                                                     "length")))
+        return finished
+
+    def abort(self):
+        self.engine.abort()
+        self.submitted = {}
+
     def generate(self, prompts, sampling):
-        replies = []
-        for prompt in prompts:
-            task = int(re.search(r"task-(\d+)", self.tokenizer.decode(prompt[:64])).group(1))
-            opened = self.first.setdefault(task, prompt.count(self.start))  # the prompt's turns
-            turn = (prompt.count(self.start) - opened) // 2  # then each turn adds a tool message and a header
-            last = turn == len(self.turns[task]) - 1
-            tail = self.done if last else self.call
-            body = max(0, self.turns[task][turn] - len(tail) - 1)
-            replies.append(self.filler * body + tail + [self.eot])
+        replies = [self.planned(prompt) for prompt in prompts]
         steps = min(max(len(r) for r in replies), sampling.max_new_tokens)
         real = self.engine.generate(prompts, dataclasses.replace(sampling, max_new_tokens=steps, stop_token_ids=[]))
         return [engines.Completion(r[:steps], c.logprobs[: len(r[:steps])], "stop" if len(r) <= steps else "length")
@@ -164,8 +188,9 @@ class SeededReplies:
     plan's, its `bash` call naming the trajectory and the turn (for the tool's time), none on the last turn."""
 
     def __init__(self, engine: engines.HFEngine, tokenizer, lengths: dict[tuple[int, int], list[int]], seed: int,
-                 fixed_step: float | None = None):
+                 fixed_step: float | None = None, continuous: bool = False):
         self.engine, self.tokenizer, self.lengths, self.fixed_step = engine, tokenizer, lengths, fixed_step
+        self.continuous, self.submitted = continuous, {}  # key -> [reply, decoding steps left]
         self.keys = {engines.derive_seed(seed, g, i, t): (g, i, t) for (g, i), turns in lengths.items()
                      for t in range(len(turns))}
         self.eot = tokenizer.convert_tokens_to_ids(chat.end_of_turn(tokenizer))
@@ -177,6 +202,31 @@ class SeededReplies:
             f'<tool_call>\n{{"name": "bash", "arguments": {{"command": "test {g} {i} {t}"}}}}\n</tool_call>',
             add_special_tokens=False)["input_ids"]
         return self.filler * max(0, self.lengths[g, i][t] - len(tail) - 1) + tail + [self.eot]
+
+    def submit(self, key, prompt, sampling, seed):
+        reply = self.reply(*self.keys[seed])[: sampling.max_new_tokens]
+        self.submitted[key] = [reply, len(reply)]
+        if self.fixed_step is None:
+            self.engine.submit(key, prompt, dataclasses.replace(sampling, max_new_tokens=len(reply), stop_token_ids=[]),
+                               seed)
+
+    def step(self):
+        if self.fixed_step is not None:  # one step of the same cost for any rows; each turn its own reply's steps
+            time.sleep(self.fixed_step)
+            for entry in self.submitted.values():
+                entry[1] -= 1
+            real = [(key, [-1.0] * len(entry[0])) for key, entry in self.submitted.items() if entry[1] == 0]
+        else:
+            real = [(key, completion.logprobs) for key, completion in self.engine.step()]
+        finished = []
+        for key, logprobs in real:
+            reply = self.submitted.pop(key)[0]
+            finished.append((key, engines.Completion(reply, logprobs, "stop" if reply[-1] == self.eot else "length")))
+        return finished
+
+    def abort(self):
+        self.engine.abort()
+        self.submitted = {}
 
     def generate(self, prompts, sampling, seeds):
         replies = [self.reply(*self.keys[seed]) for seed in seeds]
@@ -252,12 +302,12 @@ def run(args: Args) -> None:
           f"{sum(map(sum, times)):.1f} s in all; decoding step here {step * 1000:.1f} ms at 16 rows "
           f"(GPU {GPU_STEP_SECONDS * 1000:.0f} ms)")
     seconds = {}
-    for lockstep in (True, False):
-        scripted = ScriptedReplies(engine, tokenizer, lengths)
+    for name, lockstep, continuous in (("lockstep", True, False), ("per call", False, False),
+                                       ("continuous", False, True)):
+        scripted = ScriptedReplies(engine, tokenizer, lengths, continuous)
         start = time.perf_counter()
         samples, metrics = rollout.multi_turn(scripted, tokenizer, rows, 1, sampling, toolbox(times, outputs), limits,
                                               lockstep=lockstep)
-        name = "lockstep" if lockstep else "independent"
         seconds[name] = time.perf_counter() - start
         turns = [s.info["turns"] for s in samples]
         if turns != [len(t) for t in workload]:
@@ -267,7 +317,8 @@ def run(args: Args) -> None:
               f"{metrics['rollout/in_flight_mean']:.1f} trajectories a call, engine busy "
               f"{metrics['rollout/engine_busy_frac']:.0%}, tools busy {metrics['tools/busy_frac']:.0%}, "
               f"most tool calls at once {metrics['tools/running_max']:.0f}")
-    print(f"lockstep / independent: {seconds['lockstep'] / seconds['independent']:.2f}x (goal >= 2.5x)")
+    print(f"lockstep / independent per call: {seconds['lockstep'] / seconds['per call']:.2f}x; lockstep / "
+          f"independent with continuous batching: {seconds['lockstep'] / seconds['continuous']:.2f}x (goal >= 2.5x)")
 
 
 @dataclass
@@ -300,14 +351,15 @@ def run_long_tail(args: Args) -> None:
     print(f"long tail: {args.steps} steps of {groups} groups of {size}, {args.turns} turns a trajectory and "
           f"{10 * args.turns} for {sum(len(t) > args.turns for t in workload.values())} of {len(workload)} "
           f"(in {len(long)} of {len(rows)} groups), scale 1/{args.scale:g}; decoding step "
-          + (f"fixed at {step * 1000:.1f} ms whatever the rows" if fixed_step else f"here {step * 1000:.1f} ms"))
+          + (f"fixed at {step * 1000:.1f} ms whatever the rows" if fixed_step else f"here {step * 1000:.1f} ms")
+          + (", continuous batching" if args.continuous else ", an engine call per batch of ready trajectories"))
     variants = {"without": Variant(None), "partial": Variant(rollout.InFlight(groups=groups, max_staleness=1))}
     try:
         for version in range(args.steps):  # the variants alternate: both see the same load of a shared machine
             for name, variant in variants.items():
                 in_flight = variant.in_flight
                 count = groups * (2 if in_flight is not None and not in_flight.group_ids() else 1)
-                replies = SeededReplies(engine, tokenizer, lengths, args.seed, fixed_step)
+                replies = SeededReplies(engine, tokenizer, lengths, args.seed, fixed_step, args.continuous)
                 start = time.perf_counter()
                 samples, metrics = rollout.multi_turn(
                     replies, tokenizer, rows[variant.next_group: variant.next_group + count], size, sampling,

@@ -234,6 +234,65 @@ class RuleEngine:
         return out
 
 
+class SteppedRuleEngine(RuleEngine):
+    """RuleEngine's replies from a continuous engine: one token per step(), each reply returned at the step that
+    draws its last token; `finished` lists (step, reply ids) in order."""
+
+    continuous = True
+
+    def __init__(self, tokenizer, rules):
+        super().__init__(tokenizer, rules)
+        self.drawing, self.steps, self.finished = {}, 0, []
+
+    def submit(self, key, prompt, sampling, seed=None):
+        self.drawing[key] = [self.generate([prompt], sampling)[0], 0]
+
+    def step(self):
+        self.steps += 1
+        time.sleep(0.002)  # a decoding step takes time
+        done = []
+        for key, entry in list(self.drawing.items()):
+            entry[1] += 1
+            if entry[1] == len(entry[0].token_ids):
+                done.append((key, self.drawing.pop(key)[0]))
+                self.finished.append((self.steps, entry[0].token_ids))
+        return done
+
+    def abort(self):
+        self.drawing = {}
+
+
+def test_a_continuous_engine_answers_each_request_when_its_reply_ends(tokenizer):
+    """With a continuous engine a short reply asked while a long one is generating joins the running batch and is
+    answered before the long one ends; each reply's ids are what the engine drew, recorded and masked as sampled."""
+    long_reply, short_reply = "The answer is 3. " * 12, "Done."
+    engine = SteppedRuleEngine(tokenizer, [("task-long", long_reply), ("task-short", short_reply)])
+    answered = []
+
+    def ask(served, key, task):
+        reply = served.client(key).chat.completions.create(model="kiln", messages=[{"role": "user", "content": task}])
+        answered.append((key, reply.choices[0].model_extra["token_ids"]))
+
+    with Served(engine, tokenizer) as served:
+        slow = threading.Thread(target=ask, args=(served, "session-long", "task-long"))
+        slow.start()
+        deadline = time.monotonic() + 30
+        while not engine.drawing and time.monotonic() < deadline:
+            time.sleep(0.001)
+        ask(served, "session-short", "task-short")
+        assert slow.is_alive()  # the short reply came back while the long one was still being drawn
+        slow.join()
+        records = {key: served.session(key) for key in ("session-long", "session-short")}
+    long_ids, short_ids = (engine.emitted[i] for i in (0, 1))
+    assert len(long_ids) > 5 * len(short_ids)
+    assert answered == [("session-short", short_ids), ("session-long", long_ids)]
+    assert engine.steps < len(long_ids) + len(short_ids)  # the two were drawn side by side
+    for key, ids in (("session-long", long_ids), ("session-short", short_ids)):
+        (segment,) = records[key]["segments"]
+        completion, mask = segment["completion_ids"], segment["loss_mask"]
+        assert [t for t, m in zip(completion, mask) if m] == ids  # mask 1 exactly on what was sampled
+
+
 def test_streaming_records_the_same_ids_as_not_streaming(tokenizer):
     engine = ScriptedEngine(tokenizer, {"task-T": ["Let me look at the files first.\n" + call("ls -la /testbed"),
                                                    "Done."]})

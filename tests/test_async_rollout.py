@@ -183,6 +183,80 @@ def test_sampled_tokens_do_not_depend_on_the_schedule(tokenizer):
     assert [s.completion_ids for s in shared] != [s.completion_ids for s in reference]
 
 
+class ContinuousSampledThenScripted(SampledThenScripted):
+    """SampledThenScripted through HFEngine's continuous batch: each turn is submitted alone as soon as its trajectory
+    is ready, and comes back at the decoding step that ends its sampled part."""
+
+    continuous = True
+
+    def __init__(self, model, tokenizer, scripts):
+        super().__init__(model, tokenizer, scripts)
+        self.prompts, self.steps_in_flight = {}, []
+
+    def submit(self, key, prompt, sampling, seed=None):
+        self.prompts[key] = prompt
+        self.hf.submit(key, prompt, dataclasses.replace(sampling, max_new_tokens=self.sampled, stop_token_ids=[]), seed)
+
+    def step(self):
+        finished = self.hf.step()
+        self.steps_in_flight.append(len(finished) + (len(self.hf.running.requests) if self.hf.running else 0))
+        tails = [self.scripted.generate([self.prompts.pop(key)], engines.Sampling(max_new_tokens=200))[0]
+                 for key, _ in finished]
+        return [(key, engines.Completion(f.token_ids + t.token_ids, f.logprobs + t.logprobs, t.finish_reason))
+                for (key, f), t in zip(finished, tails)]
+
+    def abort(self):
+        self.hf.abort()
+        self.prompts = {}
+
+
+def test_continuous_engine_gives_the_lockstep_samples(tokenizer):
+    """The same rollout through a continuously batching engine (turns join and leave its batch at any decoding step,
+    tools with random latencies): every trajectory holds lockstep's token ids and masks, and its engine logprobs agree
+    to within 1e-6; no mask drifts (check_tito; the random tokens may split text otherwise than the tokenizer)."""
+    model = policy.load_model(tokenizer.name_or_path).eval()
+    sampling = engines.Sampling(max_new_tokens=200, temperature=1.0, seed=7)
+    limits = rollout.AgentLimits(max_turns=5, max_total_tokens=900, max_tool_response_tokens=16)
+    scripts = {m: SCRIPTS[m] for m in ("task-A", "task-B", "task-D", "task-F")}
+    rows = [{"prompt": [{"role": "user", "content": f"{m}: solve it"}]} for m in scripts]
+    reference, _ = rollout.multi_turn(SampledThenScripted(model, tokenizer, scripts), tokenizer, rows, 2, sampling,
+                                      latency_toolbox(0, 0.0), limits, lockstep=True)
+    engine = ContinuousSampledThenScripted(model, tokenizer, scripts)
+    assert engines.continuous(engine)
+    samples, metrics = rollout.multi_turn(engine, tokenizer, rows, 2, sampling, latency_toolbox(3, 0.05), limits)
+    for got, want in zip(samples, reference, strict=True):
+        assert (got.completion_ids, got.loss_mask, got.finish_reason) == \
+            (want.completion_ids, want.loss_mask, want.finish_reason)
+        assert got.engine_logprobs == pytest.approx(want.engine_logprobs, abs=1e-6, rel=0)
+        assert not chat.mask_drifted(chat.check_tito(tokenizer, got, got.info["messages"], got.info["tools"]))
+    turns = sum(s.info["turns"] for s in samples)
+    assert metrics["rollout/engine_calls"] == len(engine.steps_in_flight) >= engine.sampled * 4  # steps, not calls
+    assert 1 <= min(engine.steps_in_flight) < max(engine.steps_in_flight) <= len(samples)  # joined and left
+    assert sum(engine.steps_in_flight) >= turns  # every turn was in the batch for at least one step
+
+
+def test_a_failed_rollout_leaves_the_continuous_engine_empty(tokenizer):
+    """An engine step that fails mid-rollout (turns of other trajectories still in its batch) propagates, and the
+    engine is emptied on the way out: the next weights can load."""
+    model = policy.load_model(tokenizer.name_or_path).eval()
+    engine = ContinuousSampledThenScripted(model, tokenizer, {m: SCRIPTS[m] for m in ("task-B", "task-F")})
+    step = engine.step
+
+    def failing_step():
+        if len(engine.steps_in_flight) == 8:
+            raise RuntimeError("the engine died")
+        return step()
+
+    engine.step = failing_step
+    rows = [{"prompt": [{"role": "user", "content": f"{m}: solve it"}]} for m in ("task-B", "task-F")]
+    with pytest.raises(RuntimeError, match="the engine died"):
+        rollout.multi_turn(engine, tokenizer, rows, 2, engines.Sampling(max_new_tokens=200, temperature=1.0, seed=7),
+                           latency_toolbox(0), LIMITS)
+    assert engine.steps_in_flight[-1] > 0  # turns were in the batch when it failed
+    assert engine.hf.running is None and not engine.hf.queued
+    engine.hf.load_weights(model.state_dict().items())
+
+
 def test_no_trajectory_waits_for_another_ones_tool(tokenizer):
     """task-S's only tool call returns once every other trajectory has had its last reply: under lockstep that would
     never happen (their next turns wait for this tool), so the tool would give up after 20 s and say so."""

@@ -372,22 +372,28 @@ def test_codev_turns_end_at_code_stop_with_nothing_generated_after_it(parrot):
     the one that completes it (before, it generated on and the rollout threw that away)."""
     model, tokenizer, _, said = parrot
 
-    class Recording(engines.HFEngine):
-        def generate(self, prompts, sampling, images=None):
-            self.calls.append((sampling, super().generate(prompts, sampling, images)))
-            return self.calls[-1][1]
+    class Recording(engines.HFEngine):  # through its continuous batch, as the rollout drives it
+        def submit(self, key, prompt, sampling, seed=None):
+            self.asked.append(sampling)
+            super().submit(key, prompt, sampling, seed)
+
+        def step(self):
+            finished = super().step()
+            self.returned += [completion for _, completion in finished]
+            return finished
 
     engine = Recording(model, tokenizer.pad_token_id, tokenizer=tokenizer)
-    engine.calls = []
+    engine.asked, engine.returned = [], []
+    assert engines.continuous(engine)
     sampling = engines.Sampling(max_new_tokens=len(said) + 5, temperature=0,
                                 stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
     samples, _ = rollout.multi_turn(engine, tokenizer, [PARROT_ROW], 1, sampling,
                                     replay_codev_toolbox([tools.ToolResult("(28, 56)")]),
                                     rollout.AgentLimits(max_turns=2))
-    sample, (first_sampling, first) = samples[0], engine.calls[0]
+    sample, first_sampling, first = samples[0], engine.asked[0], engine.returned[0]
     kept = chat.code_stop(tokenizer, said)
     assert first_sampling.stop == ["</code>"] and sampling.stop == []
-    assert first[0].token_ids == said[:kept] and first[0].finish_reason == "stop"
+    assert first.token_ids == said[:kept] and first.finish_reason == "stop"
     assert sample.completion_ids[:kept] == said[:kept] and sample.loss_mask[:kept] == [1] * kept
     assert sample.loss_mask[kept] == 0  # the end-of-turn token after </code> is the rollout's, then the observation
     assert sample.info["messages"][1] == {"role": "assistant", "content": ACTION + "\n"}

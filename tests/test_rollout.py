@@ -144,6 +144,50 @@ def test_seeded_rows_do_not_depend_on_their_batch(model):
         engine.generate(PROMPTS, sampling, seeds=seeds[:1])
 
 
+@pytest.mark.parametrize("kind", ["tiny", "qwen3"])
+def test_continuous_batching_draws_what_generate_draws(model, kind):
+    """HFEngine.submit/step: requests joining the running batch at different steps, with their own budgets, stop tokens
+    and stop strings, leaving it as they end, get the tokens generate() draws for each alone from the same seed, the
+    same finish reasons, and logprobs within 1e-6 (rows side by side in one buffer at different lengths: fp32 batch
+    rounding). Qwen3 (per-head q/k norms, head_dim != hidden/heads) too."""
+    model = model if kind == "tiny" else tiny_decoder(kind)
+    engine = engines.HFEngine(model, pad_token_id=0, tokenizer=policy.load_tokenizer(str(model.name_or_path))
+                              if kind == "tiny" else None)
+    assert engine.continuous
+    prompts = PROMPTS + [PROMPTS[1], PROMPTS[2][:4]]  # a prompt twice: prefilled once, drawn apart by its seed
+    budgets = [16, 5, 12, 1, 9, 16]
+    stops = [[], [], [], [], [], []] if kind == "qwen3" else [[], ["e"], [], [], [], ["de"]]
+    requests = [engines.Sampling(max_new_tokens=b, temperature=1.0, top_k=50, stop_token_ids=STOP_IDS, stop=s)
+                for b, s in zip(budgets, stops)]
+    seeds = [engines.derive_seed(9, i) for i in range(len(prompts))]
+    want = [engine.generate([p], r, seeds=[s])[0] for p, r, s in zip(prompts, requests, seeds)]
+    joins = {0: [0, 1], 1: [2], 3: [3, 4], 6: [5]}  # step -> requests submitted before it
+    got, step, in_batch = {}, 0, []
+    while len(got) < len(prompts):
+        for i in joins.get(step, []):
+            engine.submit(i, prompts[i], requests[i], seeds[i])
+        got |= dict(engine.step())
+        in_batch.append(len(engine.running.requests) if engine.running else 0)
+        step += 1
+    assert max(in_batch) >= 3 and engine.running is None and not engine.queued
+    assert [got[i].token_ids for i in range(len(prompts))] == [c.token_ids for c in want]
+    assert [got[i].finish_reason for i in range(len(prompts))] == [c.finish_reason for c in want]
+    assert {c.finish_reason for c in want} == {"stop", "length"} and len(got[3].token_ids) == 1
+    for i, c in enumerate(want):
+        torch.testing.assert_close(torch.tensor(got[i].logprobs), torch.tensor(c.logprobs), atol=1e-6, rtol=0)
+    if kind == "tiny":  # a stop string ended a request (its completing token kept)
+        assert any(s and got[i].finish_reason == "stop" and got[i].token_ids[-1] not in STOP_IDS
+                   for i, s in enumerate(stops))
+    engine.submit("x", PROMPTS[0], requests[0])
+    with pytest.raises(ValueError, match="differ from the running"):
+        engine.submit("y", PROMPTS[0], engines.Sampling(temperature=0.5))
+    with pytest.raises(RuntimeError, match="unfinished"):
+        engine.load_weights([])
+    engine.abort()
+    assert engine.step() == [] and engine.running is None
+    engine.load_weights([])  # nothing in flight: a plain model's engine has nothing to load
+
+
 def tiny_decoder(kind: str):
     """A randomly initialised 2-layer model of each Llama-layout family decode_step serves."""
     common = dict(vocab_size=420, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

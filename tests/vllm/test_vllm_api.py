@@ -36,7 +36,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.inputs import TokensPrompt
 from vllm.logprobs import FlatLogprobs, append_logprobs_for_next_position, create_sample_logprobs
 from vllm.outputs import CompletionOutput, RequestOutput
-from vllm.sampling_params import SamplingType
+from vllm.sampling_params import RequestOutputKind, SamplingType
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer, uses_fast_detokenizer
 from vllm.v1.engine.llm_engine import LLMEngine
 from vllm.v1.executor.abstract import SLEEP_TAGS
@@ -284,6 +284,10 @@ class RecordingLLM:
         self.llm_engine = type("Engine", (), {})()
         self.llm_engine.model_config = self.model_config
         self.llm_engine.reset_encoder_cache = lambda: self._record(LLMEngine.reset_encoder_cache, "reset_encoder_cache")
+        self.llm_engine.add_request = self._add_request
+        self.llm_engine.step = self._step
+        self.llm_engine.abort_request = self._abort_request
+        self.scheduled = {}  # request id -> (prompt, params, tokens so far, logprobs)
 
     def _record(self, real, name, *args, **kwargs):
         inspect.signature(real).bind(self, *args, **kwargs)
@@ -311,23 +315,62 @@ class RecordingLLM:
         assert isinstance(sampling_params, SamplingParams)
         outputs = []
         for i, prompt in enumerate(prompts):
-            assert TokensPrompt.__required_keys__ <= set(prompt) <= set(typing.get_type_hints(TokensPrompt))
-            token_ids, logprobs = [], create_sample_logprobs(sampling_params.flat_logprobs)
-            assert isinstance(logprobs, FlatLogprobs)  # what kiln asks for: no dict per token
+            token_ids, logprobs = [], self._new_logprobs(prompt, sampling_params)
             for step in range(sampling_params.max_tokens):
-                token = (prompt["prompt_token_ids"][-1] + step + 1) % 8  # 7 -> 0: stop token 0 below
-                # vLLM's layout: the sampled token, then the top `logprobs` ones (none for logprobs=0)
-                append_logprobs_for_next_position(logprobs, [token], [-0.5 - step], [None], rank=1,
-                                                  num_logprobs=sampling_params.logprobs)
-                token_ids.append(token)
-                if token in sampling_params.stop_token_ids:
+                if self._draw(prompt, sampling_params, token_ids, logprobs):
                     break
-            finish = "stop" if token_ids[-1] in sampling_params.stop_token_ids else "length"
-            completion = CompletionOutput(index=0, text="", token_ids=token_ids, cumulative_logprob=None,
-                                          logprobs=logprobs, finish_reason=finish)
-            outputs.append(RequestOutput(request_id=str(i), prompt=None, prompt_token_ids=prompt["prompt_token_ids"],
-                                         prompt_logprobs=None, outputs=[completion], finished=True))
+            outputs.append(self._output(str(i), prompt, sampling_params, token_ids, logprobs, finished=True))
         return outputs
+
+    def _add_request(self, request_id, prompt, params, *args, **kwargs):
+        """LLMEngine.add_request: the request joins the scheduler and draws a token at each step() from then on."""
+        self._record(LLMEngine.add_request, "add_request", request_id, prompt, params, *args, **kwargs)
+        assert isinstance(request_id, str) and request_id not in self.scheduled and isinstance(params, SamplingParams)
+        self.scheduled[request_id] = (prompt, params, [], self._new_logprobs(prompt, params))
+
+    def _step(self):
+        """LLMEngine.step: one token for every scheduled request; a FINAL_ONLY request is output once finished."""
+        self._record(LLMEngine.step, "step")
+        outputs = []
+        for request_id, (prompt, params, token_ids, logprobs) in list(self.scheduled.items()):
+            finished = self._draw(prompt, params, token_ids, logprobs) or len(token_ids) == params.max_tokens
+            if finished:
+                del self.scheduled[request_id]
+            if finished or params.output_kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._output(request_id, prompt, params, token_ids, logprobs, finished))
+        return outputs
+
+    def _abort_request(self, request_ids, *args, **kwargs):
+        self._record(LLMEngine.abort_request, "abort_request", request_ids, *args, **kwargs)
+        for request_id in request_ids:
+            del self.scheduled[request_id]
+
+    @staticmethod
+    def _new_logprobs(prompt, params):
+        assert TokensPrompt.__required_keys__ <= set(prompt) <= set(typing.get_type_hints(TokensPrompt))
+        logprobs = create_sample_logprobs(params.flat_logprobs)
+        assert isinstance(logprobs, FlatLogprobs)  # what kiln asks for: no dict per token
+        return logprobs
+
+    @staticmethod
+    def _draw(prompt, params, token_ids, logprobs) -> bool:
+        """The next token of a request (a function of its prompt's last id and the step), in vLLM's logprob layout;
+        whether it is a stop token."""
+        step = len(token_ids)
+        token = (prompt["prompt_token_ids"][-1] + step + 1) % 8  # 7 -> 0: stop token 0 below
+        # vLLM's layout: the sampled token, then the top `logprobs` ones (none for logprobs=0)
+        append_logprobs_for_next_position(logprobs, [token], [-0.5 - step], [None], rank=1,
+                                          num_logprobs=params.logprobs)
+        token_ids.append(token)
+        return token in params.stop_token_ids
+
+    @staticmethod
+    def _output(request_id, prompt, params, token_ids, logprobs, finished):
+        finish = ("stop" if token_ids[-1] in params.stop_token_ids else "length") if finished else None
+        completion = CompletionOutput(index=0, text="", token_ids=list(token_ids), cumulative_logprob=None,
+                                      logprobs=logprobs, finish_reason=finish)
+        return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=prompt["prompt_token_ids"],
+                             prompt_logprobs=None, outputs=[completion], finished=finished)
 
 
 def test_vllm_engine_against_the_real_api(vllm_qwen2, model_dir, monkeypatch):
@@ -365,6 +408,42 @@ def test_vllm_engine_against_the_real_api(vllm_qwen2, model_dir, monkeypatch):
     assert [kwargs for name, _, kwargs in llm.calls if name == "sleep"] == [{"level": 2}, {"level": 2}]
     prompts = next(args[0] for name, args, _ in llm.calls if name == "generate")
     assert prompts[1] == {"prompt_token_ids": [6]}
+
+
+def test_vllm_engine_continuous_batching_against_the_real_api(vllm_qwen2, model_dir, monkeypatch):
+    """VLLMEngine.submit/step through LLMEngine.add_request/step (bound to vLLM 0.32's signatures): requests join at
+    any step, only finished ones come back (RequestOutputKind.FINAL_ONLY), each under its key with its own seed and
+    budget; generate() and sleep() refuse while requests are unfinished; abort() empties the scheduler."""
+    model, model_config, source = vllm_qwen2
+    monkeypatch.setattr(RecordingLLM, "model", model)
+    monkeypatch.setattr(RecordingLLM, "model_config", model_config)
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    engine = engines.VLLMEngine(str(model_dir), seed=7, dtype="float32", max_model_len=256)
+    assert engines.continuous(engine)
+    llm = engine.llm
+    engine.submit(("traj", 0), [1, 2, 3], engines.Sampling(max_new_tokens=4, stop_token_ids=[0]), seed=5)
+    engine.submit(("traj", 1), [6], engines.Sampling(max_new_tokens=4, stop_token_ids=[0]), seed=6)
+    assert engine.step() == []  # nothing finished after one token each
+    finished = engine.step()  # [6] drew 7 then 0, a stop token
+    assert [(key, c.token_ids, c.finish_reason, c.logprobs) for key, c in finished] == \
+        [(("traj", 1), [7, 0], "stop", [-0.5, -1.5])]
+    with pytest.raises(RuntimeError, match="unfinished"):
+        engine.generate([[1]], engines.Sampling(max_new_tokens=1))
+    with pytest.raises(RuntimeError, match="unfinished"):
+        engine.sleep()
+    engine.submit(("traj", 2), [3], engines.Sampling(max_new_tokens=1), seed=8)  # joins mid-way
+    assert [(key, c.token_ids, c.finish_reason) for key, c in engine.step()] == [(("traj", 2), [4], "length")]
+    assert [(key, c.token_ids, c.finish_reason) for key, c in engine.step()] == [(("traj", 0), [4, 5, 6, 7], "length")]
+    added = [args for name, args, _ in llm.calls if name == "add_request"]
+    assert [prompt for _, prompt, _ in added] == [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [6]},
+                                                  {"prompt_token_ids": [3]}]
+    assert [(p.seed, p.max_tokens) for _, _, p in added] == [(5, 4), (6, 4), (8, 1)]
+    assert {p.output_kind for _, _, p in added} == {RequestOutputKind.FINAL_ONLY}
+    assert engine.step() == [] and not engine.submitted
+    engine.submit(("traj", 3), [2], engines.Sampling(max_new_tokens=8))
+    engine.abort()  # a failed rollout: the scheduler is emptied
+    assert llm.calls[-1] == ("abort_request", (["3"],), {}) and llm.scheduled == {} and not engine.submitted
+    engine.sleep()
 
 
 def test_image_budget_reaches_the_model_config(vl_dir, monkeypatch):
