@@ -266,12 +266,17 @@ class HFEngine:
             else:
                 keep.append(i)
         cache = run.cache
-        if len(keep) < len(requests):  # the finished rows leave the buffer
+        if len(keep) < len(requests):  # the finished rows leave the buffer, which shrinks if the longest left
             index = torch.tensor(keep, dtype=torch.long, device=device)
-            lengths = [len(requests[i].prompt) + len(requests[i].tokens) - 1 for i in keep]
-            cache = KVBuffer([k[index] for k in cache.keys], [v[index] for v in cache.values], cache.lengths[index],
-                             max(lengths, default=0))
+            span = max((len(requests[i].prompt) + len(requests[i].tokens) - 1 for i in keep), default=0)
+            capacity = min(cache.keys[0].shape[2], 2 * (span + 1))
+            cache = KVBuffer([resized(k[index], capacity) for k in cache.keys],
+                             [resized(v[index], capacity) for v in cache.values], cache.lengths[index], span)
             token, requests = token[index], [requests[i] for i in keep]
+        if requests and cache.span + 1 > cache.keys[0].shape[2]:  # the buffer doubles when a row reaches its end
+            capacity = 2 * (cache.span + 1)
+            cache = KVBuffer([resized(k, capacity) for k in cache.keys], [resized(v, capacity) for v in cache.values],
+                             cache.lengths, cache.span)
         if not requests:
             self.running = None
         else:
@@ -287,7 +292,7 @@ class HFEngine:
 
     def _admit(self, requests: list[Request]) -> None:
         """Prefill `requests` (each distinct prompt once) and add their rows to the running batch, every row's cache
-        starting at position 0, in buffers long enough for every request's prompt and max_new_tokens."""
+        starting at position 0."""
         device = next(self.model.parameters()).device
         prompts = [r.prompt for r in requests]
         input_ids, attention_mask = left_padded(prompts, self.pad_token_id, device)
@@ -300,8 +305,7 @@ class HFEngine:
                             past_key_values=prefill, use_cache=True, logits_to_keep=1).logits[:, -1][which]
         self.model.train(was_training)
         running = self.running.requests if self.running else []
-        capacity = max(len(r.prompt) + r.sampling.max_new_tokens for r in running + requests)
-        capacity = max(capacity, self.running.cache.keys[0].shape[2] if self.running else 0)
+        capacity = max(self.running.cache.keys[0].shape[2] if self.running else 0, 2 * input_ids.shape[1])
         width, rows = input_ids.shape[1], which.tolist()
         keys, values = [], []
         for layer in prefill.layers:
@@ -313,8 +317,8 @@ class HFEngine:
         lengths = torch.tensor([len(p) for p in prompts], device=device)
         if self.running:
             old = self.running.cache
-            keys = [torch.cat([grown(k, capacity), new]) for k, new in zip(old.keys, keys)]
-            values = [torch.cat([grown(v, capacity), new]) for v, new in zip(old.values, values)]
+            keys = [torch.cat([resized(k, capacity), new]) for k, new in zip(old.keys, keys)]
+            values = [torch.cat([resized(v, capacity), new]) for v, new in zip(old.values, values)]
             lengths, logits = torch.cat([old.lengths, lengths]), torch.cat([self.running.logits, logits])
         self.running = Running(running + requests, KVBuffer(keys, values, lengths, int(lengths.max())), logits)
 
@@ -508,14 +512,17 @@ class KVBuffer:
     def from_prefill(cls, cache: DynamicCache, capacity: int) -> KVBuffer:
         """The buffer of a left-padded batch's prefill: every row at the batch's length."""
         rows, length = cache.layers[0].keys.shape[0], cache.get_seq_length()
-        return cls([grown(layer.keys, capacity) for layer in cache.layers],
-                   [grown(layer.values, capacity) for layer in cache.layers],
+        return cls([resized(layer.keys, capacity) for layer in cache.layers],
+                   [resized(layer.values, capacity) for layer in cache.layers],
                    torch.full((rows,), length, device=cache.layers[0].keys.device), length)
 
 
-def grown(t: torch.Tensor, capacity: int) -> torch.Tensor:
-    """`t` [rows, heads, positions, dim] in a zeroed buffer of `capacity` positions (zeros: a row shorter than the
-    span attends past its end with weight 0, and 0 * uninitialised memory could be NaN)."""
+def resized(t: torch.Tensor, capacity: int) -> torch.Tensor:
+    """`t` [rows, heads, positions, dim] in a buffer of `capacity` positions: cut, or grown with zeros (a row shorter
+    than the span attends past its end with weight 0, and 0 * uninitialised memory could be NaN); `t` itself if it
+    has that many."""
+    if t.shape[2] >= capacity:
+        return t if t.shape[2] == capacity else t[:, :, :capacity].clone()
     buffer = t.new_zeros(*t.shape[:2], capacity, t.shape[3])
     buffer[:, :, : t.shape[2]] = t
     return buffer

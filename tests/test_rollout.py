@@ -154,14 +154,15 @@ def test_continuous_batching_draws_what_generate_draws(model, kind):
     engine = engines.HFEngine(model, pad_token_id=0, tokenizer=policy.load_tokenizer(str(model.name_or_path))
                               if kind == "tiny" else None)
     assert engine.continuous
-    prompts = PROMPTS + [PROMPTS[1], PROMPTS[2][:4]]  # a prompt twice: prefilled once, drawn apart by its seed
-    budgets = [16, 5, 12, 1, 9, 16]
-    stops = [[], [], [], [], [], []] if kind == "qwen3" else [[], ["e"], [], [], [], ["de"]]
+    prompts = PROMPTS + [PROMPTS[1], PROMPTS[2][:4], list(range(100, 160))]  # a prompt twice: prefilled once, drawn
+    # apart by its seed; a long one, for which the buffer grows
+    budgets = [16, 5, 12, 1, 9, 16, 6]
+    stops = [[]] * 7 if kind == "qwen3" else [[], ["e"], [], [], [], ["de"], []]
     requests = [engines.Sampling(max_new_tokens=b, temperature=1.0, top_k=50, stop_token_ids=STOP_IDS, stop=s)
                 for b, s in zip(budgets, stops)]
     seeds = [engines.derive_seed(9, i) for i in range(len(prompts))]
     want = [engine.generate([p], r, seeds=[s])[0] for p, r, s in zip(prompts, requests, seeds)]
-    joins = {0: [0, 1], 1: [2], 3: [3, 4], 6: [5]}  # step -> requests submitted before it
+    joins = {0: [0, 1], 1: [2], 3: [3, 4, 6], 6: [5]}  # step -> requests submitted before it
     got, step, in_batch = {}, 0, []
     while len(got) < len(prompts):
         for i in joins.get(step, []):
