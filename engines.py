@@ -114,10 +114,12 @@ class Request:
 
 @dataclass
 class Running:
-    """HFEngine's running batch: row i of `cache` and `logits` (its next token's) is `requests[i]`."""
+    """HFEngine's running batch: row i of `cache` and `logits` (its next token's) is `requests[i]`; `pick` draws from
+    the distribution they share."""
     requests: list[Request]
     cache: KVBuffer
     logits: torch.Tensor
+    pick: Picker
 
 
 class HFEngine:
@@ -247,13 +249,10 @@ class HFEngine:
             self.queued = []
         if self.running is None:
             return []
-        was_training = self.model.training
-        self.model.eval()
         run, device = self.running, self.running.logits.device
         requests = run.requests
         generators = [r.generator for r in requests]
-        token, logprob = Picker(requests[0].sampling, self.banned, device)(
-            run.logits, generators if all(generators) else None)
+        token, logprob = run.pick(run.logits, generators if all(generators) else None)
         finished, keep = [], []
         for i, (request, t, lp) in enumerate(zip(requests, token.tolist(), logprob.tolist())):
             request.tokens.append(t)
@@ -282,8 +281,8 @@ class HFEngine:
         else:
             attend = (torch.arange(cache.span + 1, device=device) <= cache.lengths[:, None])[:, None, None, :]
             rotary = self.model.model.rotary_emb(run.logits[:1, None], cache.lengths[:, None])
-            self.running = Running(requests, cache, decode_step(self.model, cache, token, rotary, attend))
-        self.model.train(was_training)
+            # decode_step calls no module's __call__: the model's training mode plays no part
+            self.running = Running(requests, cache, decode_step(self.model, cache, token, rotary, attend), run.pick)
         return finished
 
     def abort(self) -> None:
@@ -320,7 +319,8 @@ class HFEngine:
             keys = [torch.cat([resized(k, capacity), new]) for k, new in zip(old.keys, keys)]
             values = [torch.cat([resized(v, capacity), new]) for v, new in zip(old.values, values)]
             lengths, logits = torch.cat([old.lengths, lengths]), torch.cat([self.running.logits, logits])
-        self.running = Running(running + requests, KVBuffer(keys, values, lengths, int(lengths.max())), logits)
+        pick = self.running.pick if self.running else Picker(requests[0].sampling, self.banned, device)
+        self.running = Running(running + requests, KVBuffer(keys, values, lengths, int(lengths.max())), logits, pick)
 
     def _generate_batch(self, prompts: list[list[int]], sampling: Sampling, images: list[list],
                         seeds: list[int] | None) -> list[Completion]:

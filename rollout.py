@@ -434,36 +434,27 @@ def run_trajectories(engine: Engine, tokenizer, trajectories: list[Trajectory], 
                     _submit(engine, traj, sampling, limits)
                     submitted[id(traj)] = traj
                 ready = ready if enough else []
-                if not (running or submitted or (ready and not enough)):
-                    break
-                if not submitted:
-                    futures_wait([f for _, futures in running for f in futures], return_when=FIRST_COMPLETED)
-                    continue
-                began, batched = time.monotonic(), batched + len(submitted)
-                finished = engine.step()
-                engine_seconds, calls = engine_seconds + time.monotonic() - began, calls + 1
-                for key, completion in finished:
-                    traj = submitted.pop(key)
-                    tool_calls = _take_reply(tokenizer, traj, completion, limits, eot_id)
-                    if tool_calls:
-                        running.append((traj, [pool.submit(_timed_call, traj.box, c) for c in tool_calls]))
-                most_running = max(most_running, sum(len(futures) for _, futures in running))
-                continue
-            batch = sorted(ready, key=lambda t: order[id(t)]) if not (enough or (lockstep and running)) else []
-            generating, live = bool(batch), bool(running or (ready and not enough))
-            if group is not None:
-                generating, live = collectives.any_ranks(generating, live, group=group)
+                generating, live = bool(submitted), bool(running or submitted or (ready and not enough))
+            else:
+                batch = sorted(ready, key=lambda t: order[id(t)]) if not (enough or (lockstep and running)) else []
+                generating, live = bool(batch), bool(running or (ready and not enough))
+                if group is not None:
+                    generating, live = collectives.any_ranks(generating, live, group=group)
             if not live:
                 break
             if not generating:
                 futures_wait([f for _, futures in running for f in futures], return_when=FIRST_COMPLETED)
                 continue
             began = time.monotonic()
-            completions = _generate_turn(engine, tokenizer, batch, sampling, limits)
-            engine_seconds += time.monotonic() - began
-            calls, batched = calls + 1, batched + len(batch)
-            ready = ready if not batch else []  # a batch is everything that was ready
-            for traj, completion in zip(batch, completions):
+            if stepping:
+                batched += len(submitted)
+                replies = [(submitted.pop(key), completion) for key, completion in engine.step()]
+            else:
+                batched += len(batch)
+                replies = list(zip(batch, _generate_turn(engine, tokenizer, batch, sampling, limits)))
+                ready = ready if not batch else []  # a batch is everything that was ready
+            engine_seconds, calls = engine_seconds + time.monotonic() - began, calls + 1
+            for traj, completion in replies:
                 tool_calls = _take_reply(tokenizer, traj, completion, limits, eot_id)
                 if tool_calls:
                     running.append((traj, [pool.submit(_timed_call, traj.box, c) for c in tool_calls]))
@@ -509,8 +500,7 @@ def _generate_turn(engine: Engine, tokenizer, batch: list[Trajectory], sampling:
 def _submit(engine: engines.ContinuousEngine, traj: Trajectory, sampling: Sampling, limits: AgentLimits) -> None:
     """The next turn of `traj` to a continuous engine, named by id(traj)."""
     seeds = sample_seeds(sampling, [(traj.group, traj.index, traj.turns)])
-    takes_images = "images" in inspect.signature(engine.submit).parameters  # a text-only one sees placeholders
-    extra = {"images": list(traj.images)} if traj.images and takes_images else {}
+    extra = {"images": list(traj.images)} if traj.images and _takes_images(engine.submit) else {}
     engine.submit(id(traj), traj.prompt_ids + traj.completion_ids, _turn_sampling([traj], sampling, limits),
                   None if seeds is None else seeds[0], **extra)
 
@@ -605,12 +595,17 @@ def sample_seeds(sampling: Sampling, turns: list[tuple[int, int, int]]) -> list[
     return None if sampling.seed is None else [engines.derive_seed(sampling.seed, *turn) for turn in turns]
 
 
+def _takes_images(method) -> bool:
+    """Whether an engine's `generate`/`submit` takes images; a text-only engine sees only their placeholder tokens."""
+    return "images" in inspect.signature(method).parameters
+
+
 def _generate(engine: Engine, prompts: list[list[int]], sampling: Sampling, images: list[list[bytes]],
               seeds: list[int] | None = None):
     """Images (each prompt's, in placeholder order) go to engines that take them; a text-only engine sees only their
     placeholder tokens. Seeds (one per prompt) go to every engine when the rollout has them."""
     extra = {} if seeds is None else {"seeds": seeds}
-    if any(images) and "images" in inspect.signature(engine.generate).parameters:
+    if any(images) and _takes_images(engine.generate):
         return engine.generate(prompts, sampling, images=[i or None for i in images], **extra)
     return engine.generate(prompts, sampling, **extra)
 
