@@ -608,37 +608,40 @@ def _run_toy(lines: list[str], inputs: list) -> list | None:
 
 
 
-# calc: arithmetic on 2-digit numbers, for an agent with a python tool (`make demo-agent`). x starts at a 2-digit
-# number and goes through 1..max_ops operations; the answer is x at the end, an exact number of up to 7 digits that no
-# tiny model can work out or guess, but one tool call computes. As in toy, held-out tasks chain the operations
-# in orders never seen in training. name: (phrase, code line, range of the constant k)
+# calc: arithmetic for an agent with a python tool (`make demo-agent`). x starts at a 2-digit number and goes through
+# 1..max_ops operations; the answer is x at the end, an exact number of up to 7 digits that no tiny model can work out
+# or guess, but one tool call computes. The constants are single digits, one token each as in toy: the tiny
+# tokenizer writes every digit as a token, and 2-digit constants left some seeds' warm starts copying none.
+# Held-out tasks are chains of max_ops operations never seen in training. name: (phrase, code line, range of k or None)
 CALC_OPS = {
-    "add": ("adds {k}", "x = x + {k}", (10, 99)),
-    "sub": ("subtracts {k}", "x = x - {k}", (10, 99)),
-    "mul": ("multiplies by {k}", "x = x * {k}", (11, 99)),
+    "add": ("adds {k}", "x = x + {k}", (2, 9)),
+    "sub": ("subtracts {k}", "x = x - {k}", (2, 9)),
+    "mul": ("multiplies by {k}", "x = x * {k}", (2, 9)),
     "div": ("divides by {k} rounding down", "x = x // {k}", (2, 9)),
-    "mod": ("takes the remainder mod {k}", "x = x % {k}", (10, 99)),
+    "square": ("squares it", "x = x * x", None),
 }
 # The careless teacher's wrong lines (as TOY_SLIPS): every calc task's answer differs from what each of them gives.
-CALC_SLIPS = {"sub": "x = {k} - x", "div": "x = x / {k}", "mod": "x = x // {k}"}
+CALC_SLIPS = {"sub": "x = {k} - x", "div": "x = x / {k}", "square": "x = x * 2"}
 CALC_QUESTION = "x starts at {start}. It {steps}. What is x? Give it as <answer>x</answer>."
 
 
 def calc_rows(n_train: int, n_test: int, seed: int = 0, max_ops: int = 3,
               held_out: float = 0.25) -> tuple[list[dict], list[dict]]:
     """(train, test) calc rows (data_source "calc": ground_truth is the answer; rewards.answer_reward). A `held_out`
-    fraction of the multi-op chains is kept for test only; every single op is in train."""
+    fraction of the chains of max_ops (>= 2) operations is kept for test only; every shorter chain is in train, so each
+    step of a held-out chain, and each neighbouring pair of its steps, was trained."""
+    if max_ops < 2 and n_test:
+        raise ValueError(f"calc: held-out tasks are chains of max_ops operations; max_ops {max_ops} must be >= 2")
     rng = random.Random(seed)
     chains = [(op,) for op in CALC_OPS]
     combos = list(chains)
     for _ in range(max_ops - 1):
         chains = [c + (op,) for c in chains for op in CALC_OPS if op != c[-1]]
         combos += chains
-    multi = [c for c in combos if len(c) > 1]
-    test_combos = set(rng.sample(multi, max(1, round(held_out * len(multi))) if n_test else 0))
+    test_combos = set(rng.sample(chains, max(1, round(held_out * len(chains))) if n_test else 0))
     seen: set[str] = set()
     train = _calc_split(rng, [c for c in combos if c not in test_combos], n_train, "train", 0, seen)
-    test = _calc_split(rng, [c for c in multi if c in test_combos], n_test, "test", n_train, seen)
+    test = _calc_split(rng, sorted(test_combos), n_test, "test", n_train, seen)
     return train, test
 
 
@@ -668,7 +671,7 @@ def _calc_split(rng: random.Random, combos: list[tuple[str, ...]], n: int, split
 def _calc_task(rng: random.Random, ops: tuple[str, ...]) -> dict | None:
     """One task for `ops` with a random start and constants, or None when a shortcut gives its answer: a number of the
     question, the chain with one line left out, or with one line replaced by its slip."""
-    start, ks = rng.randint(10, 99), [rng.randint(*CALC_OPS[op][2]) for op in ops]
+    start, ks = rng.randint(10, 99), [rng.randint(*CALC_OPS[op][2]) if CALC_OPS[op][2] else None for op in ops]
     lines = [CALC_OPS[op][1].format(k=k) for op, k in zip(ops, ks)]
     answer = calc_output(calc_code(start, lines)).strip()
     shortcuts = [calc_code(start, lines[:i] + lines[i + 1:]) for i in range(len(lines))] + [

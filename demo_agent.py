@@ -1,13 +1,13 @@
 """`make demo-agent`: watch kiln teach a tiny agent to use its Python tool, on a 2-core CPU in minutes.
 
-1. calc tasks (data_prep.calc_rows): x starts at a 2-digit number and goes through a chain of arithmetic; the exact
-   answer (up to 7 digits) cannot be guessed, one python call computes it. Held-out tasks chain the operations in
-   orders never seen in training
+1. calc tasks (data_prep.calc_rows): x starts at a 2-digit number and goes through a chain of arithmetic with
+   single-digit constants; the exact answer (up to 7 digits) cannot be guessed, one python call computes it.
+   Held-out tasks are 3-operation chains never seen in training (each step and neighbouring pair of steps was)
 2. a tiny Qwen2 model and byte-level BPE tokenizer, created locally (no downloads)
 3. an SFT warm start (train_sft.py) on a careless teacher who calls the python tool through the real template and
    protocol (<tool_call>, the output as a tool turn, then <answer>) but slips (data_prep.calc_teacher_conversations):
-   it answers without calling, writes a wrong line for some operations (`x / k` for "divides by k rounding down"), or
-   misreads the output
+   it answers without calling, writes a wrong line for some operations (`x / k` for "divides by k rounding down",
+   `x * 2` for "squares it"), or misreads the output
 4. GRPO with torchrun, 2 ranks, multi-turn rollouts with the sandboxed python tool (train_grpo.py --tools python),
    rewarded on the answer alone (rewards.answer_reward); --check-tito compares every trajectory with the template
 5. held-out pass rate, tool-call rate and the share of tool calls that compute the answer, before and after; every
@@ -52,9 +52,9 @@ class Args:
     n_train: int = 2000
     """calc training tasks"""
     n_test: int = 100
-    """held-out calc tasks (operation chains never seen in training)"""
+    """held-out calc tasks (chains of max_ops operations never seen in training)"""
     max_ops: int = 3
-    """longest chain of operations in a task"""
+    """longest chain of operations in a task (the held-out chains' length)"""
     hidden_size: int = 128
     """tiny model width"""
     num_layers: int = 4
@@ -65,7 +65,7 @@ class Args:
     """how often the SFT teacher writes its slip for an operation in data_prep.CALC_SLIPS"""
     misread_rate: float = 0.25
     """how often the SFT teacher misreads the tool's output (drops its last digit)"""
-    sft_steps: int = 600
+    sft_steps: int = 900
     """warm-start steps"""
     sft_batch_size: int = 32
     """conversations per SFT step (the tool signatures make each prompt about 200 tokens)"""

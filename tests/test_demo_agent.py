@@ -5,6 +5,8 @@ held-out pass rate by 1 task of 60, no sign of learning; the full demo is the be
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -17,10 +19,14 @@ import tiny  # noqa: E402
 import tools  # noqa: E402
 
 def test_calc_tasks_hold_out_unseen_chains_and_defeat_shortcuts():
-    train, test = data_prep.calc_rows(300, 40, seed=1)
+    train, test = data_prep.calc_rows(600, 40, seed=1, max_ops=3)
     train_chains = {tuple(r["extra_info"]["ops"]) for r in train}
-    assert not {tuple(r["extra_info"]["ops"]) for r in test} & train_chains
+    test_chains = {tuple(r["extra_info"]["ops"]) for r in test}
+    assert not test_chains & train_chains and {len(c) for c in test_chains} == {3}
     assert {(op,) for op in data_prep.CALC_OPS} <= train_chains  # every operation is seen alone
+    assert {pair for a, b, c in test_chains for pair in ((a, b), (b, c))} <= train_chains  # and each held-out pair
+    with pytest.raises(ValueError, match="max_ops 1 must be >= 2"):
+        data_prep.calc_rows(100, 10, max_ops=1)
     for row in train + test:
         info, answer = row["extra_info"], row["reward_model"]["ground_truth"]
         assert data_prep.calc_output(info["code"]).strip() == answer
