@@ -677,7 +677,7 @@ def _calc_task(rng: random.Random, ops: tuple[str, ...]) -> dict | None:
     shortcuts = [calc_code(start, lines[:i] + lines[i + 1:]) for i in range(len(lines))] + [
         calc_code(start, lines[:i] + [CALC_SLIPS[op].format(k=k)] + lines[i + 1:])
         for i, (op, k) in enumerate(zip(ops, ks)) if op in CALC_SLIPS]
-    if answer in {str(start), *map(str, ks)} or len(answer) > 7 or any(
+    if answer in {str(start), *(str(k) for k in ks if k is not None)} or len(answer) > 7 or any(
             calc_output(code).strip() == answer for code in shortcuts):
         return None
     return {"question": CALC_QUESTION.format(start=start, steps=", then ".join(

@@ -269,8 +269,8 @@ class HFEngine:
             index = torch.tensor(keep, dtype=torch.long, device=device)
             span = max((len(requests[i].prompt) + len(requests[i].tokens) - 1 for i in keep), default=0)
             capacity = min(cache.keys[0].shape[2], 2 * (span + 1))
-            cache = KVBuffer([resized(k[index], capacity) for k in cache.keys],
-                             [resized(v[index], capacity) for v in cache.values], cache.lengths[index], span)
+            cache = KVBuffer([k[index, :, :capacity] for k in cache.keys],  # one copy of the rows and positions kept
+                             [v[index, :, :capacity] for v in cache.values], cache.lengths[index], span)
             token, requests = token[index], [requests[i] for i in keep]
         if requests and cache.span + 1 > cache.keys[0].shape[2]:  # the buffer doubles when a row reaches its end
             capacity = 2 * (cache.span + 1)
