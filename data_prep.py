@@ -620,8 +620,10 @@ CALC_OPS = {
     "div": ("divides by {k} rounding down", "x = x // {k}", (2, 9)),
     "square": ("squares it", "x = x * x", None),
 }
-# The careless teacher's wrong lines (as TOY_SLIPS): every calc task's answer differs from what each of them gives.
-CALC_SLIPS = {"sub": "x = {k} - x", "div": "x = x / {k}", "square": "x = x * 2"}
+# The careless teacher's wrong lines (as TOY_SLIPS), one for every operation, so that a warm start which takes its
+# habits passes next to nothing and the lift is what the reward taught: an expression left unassigned (x unchanged),
+# operands swapped, true division, doubling for squaring. Every calc task's answer differs from what each gives.
+CALC_SLIPS = {"add": "x + {k}", "sub": "x = {k} - x", "mul": "x * {k}", "div": "x = x / {k}", "square": "x = x * 2"}
 CALC_QUESTION = "x starts at {start}. It {steps}. What is x? Give it as <answer>x</answer>."
 
 

@@ -6,8 +6,9 @@
 2. a tiny Qwen2 model and byte-level BPE tokenizer, created locally (no downloads)
 3. an SFT warm start (train_sft.py) on a careless teacher who calls the python tool through the real template and
    protocol (<tool_call>, the output as a tool turn, then <answer>) but slips (data_prep.calc_teacher_conversations):
-   it answers without calling, writes a wrong line for some operations (`x / k` for "divides by k rounding down",
-   `x * 2` for "squares it"), or misreads the output
+   it answers without calling, writes its wrong line for an operation more often than not (`x + k` left
+   unassigned for "adds k", `x / k` for "divides by k rounding down", `x * 2` for "squares it"), or misreads the
+   output
 4. GRPO with torchrun, 2 ranks, multi-turn rollouts with the sandboxed python tool (train_grpo.py --tools python),
    rewarded on the answer alone (rewards.answer_reward); --check-tito compares every trajectory with the template
 5. held-out pass rate, tool-call rate and the share of tool calls that compute the answer, before and after; every
@@ -57,12 +58,13 @@ class Args:
     """longest chain of operations in a task (the held-out chains' length)"""
     hidden_size: int = 128
     """tiny model width"""
-    num_layers: int = 4
-    """tiny model depth"""
+    num_layers: int = 2
+    """tiny model depth (2 layers learn the copying as well as 4 at half the cost, which pays for more GRPO steps)"""
     skip_rate: float = 0.3
     """how often the SFT teacher answers without calling the tool (it gives the start number)"""
     slip_rate: float = 0.6
-    """how often the SFT teacher writes its slip for an operation in data_prep.CALC_SLIPS"""
+    """how often the SFT teacher writes an operation's slip (data_prep.CALC_SLIPS; above 0.5, greedy decoding of its
+    warm start slips on every operation)"""
     misread_rate: float = 0.25
     """how often the SFT teacher misreads the tool's output (drops its last digit)"""
     sft_steps: int = 900
@@ -71,7 +73,7 @@ class Args:
     """conversations per SFT step (the tool signatures make each prompt about 200 tokens)"""
     sft_warmup_steps: int = 50
     """linear warm-up of the SFT learning rate"""
-    grpo_steps: int = 60
+    grpo_steps: int = 80
     """GRPO steps"""
     grpo_lr: float = 3e-4
     """GRPO learning rate (tiny models want large ones)"""
@@ -120,13 +122,16 @@ def main(args: Args) -> dict:
                  "--lr", str(args.grpo_lr), "--prompts-per-step", str(args.prompts_per_step),
                  "--group-size", str(args.group_size),
                  "--warmup-steps", "5",  # Adam's first, sign-like steps knock a tiny model off its warm start
-                 "--save-every", str(args.grpo_steps), "--sample-every", "5", "--seed", str(args.seed), "--overwrite"),
+                 "--save-every", str(args.grpo_steps), "--sample-every", "5", "--rich-samples",  # for board.py
+                 "--seed", str(args.seed), "--overwrite"),
         "GRPO")
     final = out / "grpo" / "checkpoints" / f"step_{args.grpo_steps:08d}"
     after = held_out(str(final), test, out / "held_out_after.jsonl")
     print(held_out_line("after GRPO", after))
     evals = [{"step": 0} | before["summary"], {"step": args.grpo_steps} | after["summary"]]
     eval_report.write_eval_report(out / "grpo", evals, {}, str(out / "test.parquet"))
+    with open(out / "grpo" / "metrics.jsonl", "a") as f:  # where board.py and train_grpo's own evaluations put them
+        f.writelines(json.dumps({"step": e["step"]} | eval_report.report_metrics(e)) + "\n" for e in evals)
 
     records = [json.loads(line) for line in open(out / "grpo" / "metrics.jsonl")]
     train_steps = [m for m in records if "critic/score/mean" in m]
@@ -158,7 +163,8 @@ def main(args: Args) -> dict:
     print(f"seed {args.seed}, wall time {minutes:.1f} min, load average {os.getloadavg()[0]:.1f}; metrics "
           f"{out / 'grpo' / 'metrics.jsonl'}, samples {out / 'grpo' / 'samples.jsonl'}, held-out trajectories "
           f"{out / 'held_out_before.jsonl'} and {out / 'held_out_after.jsonl'}, curves {png}, eval report "
-          f"{out / 'grpo' / 'eval_report.md'}")
+          f"{out / 'grpo' / 'eval_report.md'}; to browse the run, its trajectories token by token and the held-out "
+          f"pass rates: python board.py {out / 'grpo'}")
     return {"before": before["pass_rate"], "after": after["pass_rate"], "wins": wins, "losses": losses,
             "tool_call_rate": (before["tool_call_rate"], after["tool_call_rate"]),
             "calls_right": (before["calls_right"], after["calls_right"]), "train_calls": (calls_first, calls_last),
