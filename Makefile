@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: venv test test-fast test-demo-agent demo demo-agent bench test-vllm clean
+.PHONY: venv test test-fast demo demo-agent bench test-vllm clean
 
 venv: $(STAMP)
 
@@ -26,11 +26,7 @@ $(NPM_TOOLS):
 # Two workers, a test file each at a time: most tests wait on subprocesses, containers or one core's Python, so the
 # second core is otherwise idle (the two timings are in bench/RESULTS.md).
 test: venv $(NPM_TOOLS)
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 -m "not demo_agent" tests
-
-# The agent demo's loop shortened (about 2 minutes alone): it does not fit make test's 15 minutes yet.
-test-demo-agent: venv
-	$(PY) -m pytest -q -m demo_agent tests/test_demo_agent.py
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 test-fast: venv $(NPM_TOOLS)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" tests

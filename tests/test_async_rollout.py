@@ -146,6 +146,9 @@ class SampledThenScripted:
 
     def __init__(self, model, tokenizer, scripts):
         self.hf, self.scripted = engines.HFEngine(model, tokenizer.pad_token_id), TokenEngine(tokenizer, scripts)
+        # The sampled part never writes the template's and the tool protocol's tokens: a random model's <tool_call>
+        # in a turn its script ends would ask for a turn the script does not have.
+        self.hf.banned = sorted(tokenizer.added_tokens_decoder)
 
     def generate(self, prompts, sampling, seeds=None):
         free = self.hf.generate(prompts, dataclasses.replace(sampling, max_new_tokens=self.sampled, stop_token_ids=[]),

@@ -1,7 +1,6 @@
 """`make demo-agent`: its parts (the calc tasks need the tool and hold out unseen chains, the teacher's conversations
 go through the real template and protocol, the answer reward grades the answer alone, the sign test) and its whole
-loop shortened (`make test-demo-agent`: with it `make test` took 14:35 to 16:01, past its 15 minutes, so it is
-not in there yet). The full demo is the benchmark (bench/RESULTS.md)."""
+loop shortened. The full demo is the benchmark (bench/RESULTS.md)."""
 import json
 import sys
 from pathlib import Path
@@ -76,7 +75,6 @@ def test_sign_test_p():
 
 
 @pytest.mark.slow
-@pytest.mark.demo_agent
 def test_a_shortened_demo_agent_learns_to_use_its_tool_with_every_mask_right(tmp_path, monkeypatch):
     """The demo's loop on seed 0, shortened: 1,000 tasks of 1-2 operations (held out: 2-operation chains never
     trained), 250 SFT steps, 10 GRPO steps, 50 held-out tasks. The warm start slips on most operations, so greedy

@@ -276,7 +276,10 @@ def test_grpo_trains_carried_groups_whole_with_versions_and_corrected_weights(ta
     run.step += 1
     batch = batches[1]
     assert [s.group for s in batch] == [0, 0, 3, 3] and run.in_flight.group_ids() == [4, 5] and run.data_pos == 6
-    assert metrics["partial/resumed"] == 4 and metrics["partial/paused"] == 4
+    # How many of groups 4 and 5 finish before the phase ends is timing (tool calls run in the sandbox): 3 or 4 paused.
+    unfinished = sum(not traj.finish_reason for traj in run.in_flight.trajectories)
+    assert metrics["partial/resumed"] == 4 and metrics["partial/paused"] == unfinished and len(
+        run.in_flight.trajectories) == 4
     for s in batch:  # x = 41 was set in step 0, before the pause
         assert [m["content"] for m in s.info["messages"] if m["role"] == "tool"] == ["(no output)", "42\n"]
     ages = [1 - v for s in batch for v, m in zip(s.versions, s.loss_mask) if m]

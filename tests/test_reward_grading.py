@@ -37,6 +37,10 @@ def _kiln_perturb(fn):
     return wrong
 """
 
+# References are held to the CPU limit the reward uses, but not to its wall clock: under `make test`'s load a
+# CPU-bound reference (MBPP 123 runs 2.3 s of CPU) can get a small share of a core and overrun timeout x wall_factor.
+UNHURRIED = sandbox.Limits(wall_factor=20.0, total_timeout=600.0)
+
 
 def fenced(code: str) -> str:
     return f"Here is my solution:\n```python\n{code}\n```\n"
@@ -60,7 +64,7 @@ def test_every_humaneval_canonical_solution_scores_one(humaneval):
     bodies = [r["extra_info"]["canonical_solution"] for r in humaneval]  # HumanEval's native completion
     full = [fenced(json.loads(r["reward_model"]["ground_truth"])["prompt"] + b) for r, b in zip(humaneval, bodies)]
     for completions in (bodies, full):
-        results = rewards.score_batch(humaneval, completions)
+        results = rewards.score_batch(humaneval, completions, limits=UNHURRIED)
         assert [r["extra_info"]["task_id"] for r, x in zip(humaneval, results) if x.score != 1.0] == []
 
 
@@ -76,7 +80,7 @@ def test_mutated_humaneval_solutions_score_zero(humaneval):
 
 
 def test_every_mbpp_reference_scores_one_and_mutations_zero(mbpp):
-    results = rewards.score_batch(mbpp, [fenced(r["extra_info"]["code"]) for r in mbpp])
+    results = rewards.score_batch(mbpp, [fenced(r["extra_info"]["code"]) for r in mbpp], limits=UNHURRIED)
     assert [r["extra_info"]["index"] for r, x in zip(mbpp, results) if x.score != 1.0] == []
     def called(row):  # the functions the asserts call (wrapping helpers too could cancel out: not(not(x)))
         tests = " ".join(json.loads(row["reward_model"]["ground_truth"])["test_list"])
@@ -90,7 +94,7 @@ def test_every_mbpp_reference_scores_one_and_mutations_zero(mbpp):
 def test_apps_references_score_one_and_partial_credit():
     rows = data_prep.apps_rows(ROOT.parent / "shared" / "data" / "apps")
     assert len(rows) == 5
-    results = rewards.score_batch(rows, [fenced(r["extra_info"]["solutions"][0]) for r in rows])
+    results = rewards.score_batch(rows, [fenced(r["extra_info"]["solutions"][0]) for r in rows], limits=UNHURRIED)
     assert [x.score for x in results] == [1.0] * 5
     # 4184 (is_prime, 8 call-based tests): a solution that always says False passes exactly the non-primes.
     row = next(r for r in rows if r["extra_info"]["index"] == 4184)
