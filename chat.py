@@ -363,20 +363,3 @@ def check_tito(tokenizer, sample, messages: list[dict], tools: list[dict] | None
                             f"({shown(tokenizer, got[wrong[0]:wrong[0] + 1])}: mask {mask[wrong[0]]}, "
                             f"want {want_mask[wrong[0]]})")
     return findings
-    spans = []  # character spans of each assistant turn: content + the end-of-turn token if the policy sampled it
-    for i, m in enumerate(messages):
-        if m["role"] == "assistant":
-            begin = len(render(tokenizer, messages[:i], tools, add_generation_prompt=True))
-            end = render(tokenizer, messages[: i + 1], tools, add_generation_prompt=False).rindex(eot)
-            unsampled = is_action_turn(messages, i) or i in open_turns or (open_end and i == len(messages) - 1)
-            spans.append((begin, end + (0 if unsampled else len(eot))))
-    # The prompt is never trained, assistant turns in it (a conversation resumed from its messages) included.
-    want_mask = [int(k >= len(sample.prompt_ids) and any(b <= s and e <= c for b, c in spans))
-                 for k, (s, e) in enumerate(offsets)]
-    mask = [0] * len(sample.prompt_ids) + list(sample.loss_mask)
-    wrong = [i for i, (a, b) in enumerate(zip(mask, want_mask)) if a != b]
-    if wrong:
-        findings.append(f"loss mask drift at {len(wrong)} tokens, first {wrong[0]} "
-                        f"({shown(tokenizer, got[wrong[0]:wrong[0] + 1])}: mask {mask[wrong[0]]}, "
-                        f"want {want_mask[wrong[0]]})")
-    return findings

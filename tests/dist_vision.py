@@ -20,7 +20,6 @@ from transformers import AutoTokenizer
 
 import engines
 import policy
-import vision
 
 
 def report(name: str) -> None:
