@@ -110,7 +110,8 @@ def test_error_categories():
     assert rewards.score(row, "no code here at all!").info["error"] == "no_code"
     assert rewards.score(row, fenced("def f(x):\n    return (")).info["error"] == "syntax_error"
     assert rewards.score(row, fenced("def f(x):\n    raise ValueError")).info["error"] == "runtime_error"
-    assert rewards.score(row, fenced("def f(x):\n    while True: pass")).info["error"] == "timeout"
+    spin = rewards.score(row, fenced("def f(x):\n    while True: pass"), sandbox.Limits(timeout=0.5))  # not 6 s a test
+    assert spin.info["error"] == "timeout" and spin.score == 0.0
     good = rewards.score(row, fenced(row["extra_info"]["solution"]))
     assert good.score == 1.0 and good.info["error"] is None and good.info["format"] == 1.0
 
