@@ -130,8 +130,9 @@ def main(args: Args) -> dict:
     print(held_out_line("after GRPO", after))
     evals = [{"step": 0} | before["summary"], {"step": args.grpo_steps} | after["summary"]]
     eval_report.write_eval_report(out / "grpo", evals, {}, str(out / "test.parquet"))
-    with open(out / "grpo" / "metrics.jsonl", "a") as f:  # where board.py and train_grpo's own evaluations put them
-        f.writelines(json.dumps({"step": e["step"]} | eval_report.report_metrics(e)) + "\n" for e in evals)
+    log = runlog.RunLog(out / "grpo", rank=0)  # where board.py and train_grpo's own evaluations put them
+    for e in evals:
+        log.metrics({"step": e["step"]} | eval_report.report_metrics(e))
 
     records = [json.loads(line) for line in open(out / "grpo" / "metrics.jsonl")]
     train_steps = [m for m in records if "critic/score/mean" in m]
