@@ -1,10 +1,11 @@
-# kiln: `make demo` trains the embedded default on CPU, `make test` runs the whole CPU test suite.
+# kiln: `make demo` trains the embedded default on CPU, `make test` runs the whole CPU test suite, `make system`
+# installs and starts what the suite needs beyond the venv (Docker, debootstrap, chromium, Node; setup_system.sh).
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: venv test test-fast demo demo-agent bench test-vllm clean
+.PHONY: venv system test test-fast demo demo-agent bench test-vllm clean
 
 venv: $(STAMP)
 
@@ -16,12 +17,20 @@ $(STAMP): requirements-cpu.txt constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -r requirements-cpu.txt
 	touch $(STAMP)
 
+# Docker, debootstrap, chromium, Node, the agent CLIs and the offline SWE-bench instances (root or sudo).
+system:
+	./setup_system.sh
+
 # The agent CLIs the tests drive through kiln's endpoint (npm; qwen-code 0.15.10 is the newest that runs on Node 20).
+# Without npm the suite still runs: the CLIs' tests skip and its summary says `make system`.
 NPM_TOOLS := .npm-tools/.kiln-installed
 $(NPM_TOOLS):
-	npm install --no-audit --no-fund --loglevel=error --prefix .npm-tools @qwen-code/qwen-code@0.15.10 \
-		@anthropic-ai/claude-code@2.1.332
-	touch $(NPM_TOOLS)
+	@if ! command -v npm >/dev/null; then echo "no npm: the agent CLIs' tests will skip (make system installs Node)"; \
+	else npm install --no-audit --no-fund --loglevel=error --prefix .npm-tools @qwen-code/qwen-code@0.15.10 \
+		@anthropic-ai/claude-code@2.1.332 && touch $(NPM_TOOLS); fi
+
+# The offline SWE-bench instances `make system` builds; the SWE tests build any that are missing there.
+export KILN_SWE_DIR ?= $(CURDIR)/runs/swe-instances
 
 # Two workers, a test file each at a time: most tests wait on subprocesses, containers or one core's Python, so the
 # second core is otherwise idle (the two timings are in bench/RESULTS.md).

@@ -65,9 +65,7 @@ GROUND_TRUTH_KEYS = {"io": {"inputs": list, "outputs": list}, "mbpp": {"test_lis
                      "swebench": {"instance_id": str, "image": str, "eval_script": str, "log_parser": str,
                                   "eval_type": str, "base_commit": str, "FAIL_TO_PASS": list}}
 ROLES = ("system", "user", "assistant", "tool")
-MBPP_FILE = Path(__file__).resolve().parent.parent / "shared" / "data" / "mbpp" / "mbpp.jsonl"
-# The full MBPP ships beside the checkout in /work/shared; elsewhere the hub copy is the same data.
-MBPP_DEFAULT = str(MBPP_FILE) if MBPP_FILE.exists() else "google-research-datasets/mbpp"
+MBPP_HUB = "google-research-datasets/mbpp"  # the original release (a copy of the jsonl works as --source too)
 # Parquet has no "mixed type" column: columns arrow cannot hold exactly are stored as JSON text and listed here.
 JSON_COLUMNS_KEY = b"kiln.json_columns"
 
@@ -396,7 +394,7 @@ def mbpp_split(task_id: int) -> str:
     return "prompt" if task_id <= 10 else "test" if task_id <= 510 else "validation" if task_id <= 600 else "train"
 
 
-def mbpp_rows(source: str | os.PathLike = MBPP_DEFAULT) -> list[dict]:
+def mbpp_rows(source: str | os.PathLike = MBPP_HUB) -> list[dict]:
     """MBPP (974 problems, all splits labelled) from its JSONL file or a Hugging Face name (config "full")."""
     path = Path(source)
     records = [r for _, r in read_jsonl(path)] if path.exists() else hub_records(str(source), None)
@@ -915,7 +913,7 @@ def humaneval(out: Path) -> None:
     _write_and_say(humaneval_rows(), out)
 
 
-def mbpp(out: Path, source: str = MBPP_DEFAULT,
+def mbpp(out: Path, source: str = MBPP_HUB,
          split: Literal["all", "train", "test", "validation", "prompt"] = "all") -> None:
     """MBPP from a JSONL file or a Hugging Face name; `split` keeps one standard split.
 

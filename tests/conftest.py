@@ -1,6 +1,8 @@
 """Test-session settings shared by every test file."""
 import os
 
+import system_parts
+
 # `make test` runs two workers on two cores. PyTorch sizes its intra-op pool to the machine's cores, so two workers
 # training in-process would run four spinning OpenMP threads on two cores; one thread each keeps both cores busy
 # without that contention (subprocesses such as torchrun ranks inherit it).
@@ -20,3 +22,11 @@ LONGEST_FIRST = ["test_demo.py", "test_demo_agent.py", "test_swebench.py", "test
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: the rest stay in order
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per missing system part (tests/system_parts.py): what it skipped and the command that brings it in."""
+    reasons = [report.longrepr[2] for report in terminalreporter.stats.get("skipped", [])
+               if isinstance(report.longrepr, tuple)]
+    for line in system_parts.summary_lines(reasons):
+        terminalreporter.write_line(line, yellow=True, bold=True)

@@ -33,6 +33,7 @@ import tiny  # noqa: E402
 import tools  # noqa: E402
 import train_grpo  # noqa: E402
 import train_ppo  # noqa: E402
+import system_parts  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -220,10 +221,7 @@ def browser():
     """Headless Debian chromium through chromium-driver (apt-get install chromium chromium-driver). Without them the
     tests skip, except under CI=true, where they fail."""
     if not (CHROMIUM and CHROMEDRIVER):
-        message = "chromium and chromium-driver are not installed (apt-get install -y chromium chromium-driver)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
+        system_parts.require("browser", "chromium and chromium-driver are not installed")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1000"):

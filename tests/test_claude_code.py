@@ -20,10 +20,11 @@ import policy  # noqa: E402
 import tiny  # noqa: E402
 from test_agent_server import RuleEngine, Served  # noqa: E402
 from test_multiturn import CORPUS  # noqa: E402
+import system_parts  # noqa: E402
 
 CLAUDE = ROOT / ".npm-tools" / "node_modules" / ".bin" / "claude"
-if not CLAUDE.exists() and os.environ.get("CI") != "true":
-    pytest.skip(f"claude-code is not installed ({CLAUDE})", allow_module_level=True)
+if not CLAUDE.exists():
+    system_parts.require("agent-clis", f"claude-code is not installed ({CLAUDE})", module=True)
 pytestmark = pytest.mark.slow
 
 

@@ -14,11 +14,10 @@ import pytest
 
 import data_prep
 import script_runner
+from data_files import APPS_DIR, MBPP_FILE, SWE_LITE_DEV
 from data_prep import RowError, load_rows, row_id, validate_row, write_rows
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared" / "data"
-APPS_DIR = SHARED / "apps"
 
 
 def good_row(**overrides) -> dict:
@@ -44,7 +43,7 @@ def humaneval():
 
 @pytest.fixture(scope="module")
 def mbpp():
-    return data_prep.mbpp_rows(SHARED / "mbpp" / "mbpp.jsonl")
+    return data_prep.mbpp_rows(MBPP_FILE)
 
 
 @pytest.fixture(scope="module")
@@ -495,16 +494,11 @@ def test_toy_teacher_slips_at_its_rate_and_every_slip_is_caught_by_the_tests(toy
     assert total > 300 and 0.58 < slips / total < 0.72, (slips, total)
 
 
-SWE_LITE_DEV = SHARED / "swebench" / "swe-bench-lite-dev.json"
 SWE_5X = {"image": "kiln-swe/x:offline", "eval_script": "#!/bin/bash\npytest -rA tests\n",
           "log_parser": "parse_log_marshmallow", "eval_type": "pass_and_fail"}
 
 
 def swe_lite_dev() -> list[dict]:
-    if not SWE_LITE_DEV.exists():
-        if os.environ.get("CI") == "true":  # CI has ../shared beside the checkout: its absence is a failure there
-            pytest.fail(f"CI=true and {SWE_LITE_DEV} is missing")
-        pytest.skip(f"{SWE_LITE_DEV} not here")
     return json.loads(SWE_LITE_DEV.read_text())
 
 

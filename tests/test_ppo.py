@@ -26,11 +26,11 @@ import ranks  # noqa: E402
 import rollout  # noqa: E402
 import tiny  # noqa: E402
 import train_ppo  # noqa: E402
+from data_files import APPS_DIR  # noqa: E402
 from checkpoint import latest_checkpoint, load_checkpoint, save_hf  # noqa: E402
 from test_runs import undocumented  # noqa: E402
 from wandb_offline import logged, offline_run  # noqa: E402
 
-APPS_DIR = ROOT.parent / "shared" / "data" / "apps"  # 5 real problems: 2 introductory, 2 interview, 1 competition
 
 
 def test_gae_by_hand_on_a_multi_turn_mask():

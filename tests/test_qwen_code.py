@@ -26,9 +26,10 @@ from test_agent_server import RuleEngine  # noqa: E402
 from test_mini_swe_agent import left_behind, tagged  # noqa: E402
 from test_multiturn import CORPUS  # noqa: E402
 from test_swebench import M1359, docker_client, swe_rows  # noqa: E402,F401 -- fixtures
+import system_parts  # noqa: E402
 
-if not qwen_code.INSTALLED.exists() and os.environ.get("CI") != "true":
-    pytest.skip(f"qwen-code is not installed ({qwen_code.INSTALLED})", allow_module_level=True)
+if not qwen_code.INSTALLED.exists():
+    system_parts.require("agent-clis", f"qwen-code is not installed ({qwen_code.INSTALLED})", module=True)
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 DRIVER = (f"{sys.executable} {ROOT / 'qwen_code.py'} --base-url {{base_url}} --api-key {{api_key}} "
           "--row {row_file} --result {result} --short")

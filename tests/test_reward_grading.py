@@ -19,6 +19,7 @@ import eval_report  # noqa: E402
 import rewards  # noqa: E402
 import sandbox  # noqa: E402
 import script_runner  # noqa: E402
+from data_files import APPS_DIR, MBPP_FILE  # noqa: E402
 
 # A mutation wraps the function under test so that it returns a wrong value of a plausible type.
 PERTURB = """
@@ -57,7 +58,7 @@ def humaneval():
 
 @pytest.fixture(scope="module")
 def mbpp():
-    return data_prep.mbpp_rows()
+    return data_prep.mbpp_rows(MBPP_FILE)
 
 
 def test_every_humaneval_canonical_solution_scores_one(humaneval):
@@ -92,7 +93,7 @@ def test_every_mbpp_reference_scores_one_and_mutations_zero(mbpp):
 
 
 def test_apps_references_score_one_and_partial_credit():
-    rows = data_prep.apps_rows(ROOT.parent / "shared" / "data" / "apps")
+    rows = data_prep.apps_rows(APPS_DIR)
     assert len(rows) == 5
     results = rewards.score_batch(rows, [fenced(r["extra_info"]["solutions"][0]) for r in rows], limits=UNHURRIED)
     assert [x.score for x in results] == [1.0] * 5

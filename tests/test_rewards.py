@@ -15,6 +15,7 @@ import eval_report  # noqa: E402
 import rewards  # noqa: E402
 import runlog  # noqa: E402
 import script_runner  # noqa: E402
+from data_files import APPS_DIR  # noqa: E402
 
 PROMPT = 'def inc(x: int) -> int:\n    """Add one."""\n'
 HUMANEVAL = data_prep.make_row("humaneval", "complete inc", {
@@ -149,7 +150,7 @@ def test_cli_rejects_bad_samples_naming_the_line(tmp_path, line, message):
 
 def test_every_solution_of_the_five_apps_problems_scores_one():
     """All 101 reference solutions, not just the first: some `return` at the top level, as APPS's harness allows."""
-    rows = data_prep.apps_rows(ROOT.parent / "shared" / "data" / "apps", "train")
+    rows = data_prep.apps_rows(APPS_DIR, "train")
     pairs = [(row, fenced(code)) for row in rows for code in row["extra_info"]["solutions"]]
     results = rewards.score_batch([row for row, _ in pairs], [c for _, c in pairs])
     assert len(pairs) == 101 and [(r["extra_info"]["index"], x.info) for (r, _), x in zip(pairs, results)

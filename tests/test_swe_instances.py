@@ -12,9 +12,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import swe_instances  # noqa: E402
+from data_files import SWE_LITE_DEV  # noqa: E402
 from test_swebench import docker_client, swe_rows  # noqa: E402,F401 -- fixtures
 
-LITE_DEV = ROOT.parent / "shared" / "data" / "swebench" / "swe-bench-lite-dev.json"
 MARSHMALLOW = ["marshmallow-code__marshmallow-1343", "marshmallow-code__marshmallow-1359"]
 
 
@@ -24,9 +24,8 @@ def test_the_rows_come_from_the_repository_a_file_or_the_hub(tmp_path, monkeypat
     assert Path(swe_instances.Args(out=tmp_path).source).resolve().parent == ROOT
     rows = swe_instances.source_rows(swe_instances.Args(out=tmp_path).source, "dev", MARSHMALLOW)
     assert sorted(rows) == MARSHMALLOW and all(rows[i]["FAIL_TO_PASS"] and rows[i]["patch"] for i in MARSHMALLOW)
-    if LITE_DEV.is_file():  # the Lite-dev file the rows were taken from, where this machine has it
-        upstream = {r["instance_id"]: r for r in json.loads(LITE_DEV.read_text())}
-        assert all(rows[i] == upstream[i] for i in MARSHMALLOW)
+    upstream = {r["instance_id"]: r for r in json.loads(SWE_LITE_DEV.read_text())}  # the rows' source file
+    assert all(rows[i] == upstream[i] for i in MARSHMALLOW)
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(rows[i]) + "\n" for i in MARSHMALLOW))
     assert swe_instances.source_rows(str(tmp_path / "rows.jsonl"), "dev", MARSHMALLOW[:1]) == {
         MARSHMALLOW[0]: rows[MARSHMALLOW[0]]}
