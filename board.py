@@ -311,5 +311,5 @@ def main(args: Args) -> None:
 if __name__ == "__main__":
     try:
         main(tyro.cli(Args))
-    except FileNotFoundError as e:  # a wrong run directory: one line (runlog.one_line_errors' imports take seconds)
+    except FileNotFoundError as e:  # a wrong run directory: one line (cli.one_line_errors' imports take seconds)
         raise SystemExit(f"error: {e}") from None

@@ -29,6 +29,16 @@ def sum_over_ranks(value: float) -> float:
     return x.item()
 
 
+def same_count_on_every_rank(micro_batches: list[list]) -> list[list]:
+    """`micro_batches` padded with empty ones to the largest count over ranks: FSDP's forwards and backwards are
+    collectives, so every rank runs as many as the busiest (an empty one runs a dummy forward, policy.py)."""
+    if world_size() == 1:
+        return micro_batches
+    count = torch.tensor(len(micro_batches))
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return micro_batches + [[] for _ in range(int(count) - len(micro_batches))]
+
+
 def any_rank(flag: bool) -> bool:
     """Whether `flag` holds on any rank: how ranks that must make the same number of engine calls (FSDP weight
     streaming, a TP-sharded vLLM engine) agree that one of them is still busy."""

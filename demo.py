@@ -22,8 +22,9 @@ from pathlib import Path
 import tyro
 from matplotlib.figure import Figure
 
+import cli
 import data_prep
-import runlog
+import task_rows
 import tiny
 
 
@@ -85,8 +86,8 @@ def main(args: Args) -> dict:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     train, test = data_prep.toy_rows(args.n_train, args.n_test, seed=args.seed, max_ops=args.max_ops)
-    data_prep.write_rows(train, out / "train.parquet")
-    data_prep.write_rows(test, out / "test.parquet")
+    task_rows.write_rows(train, out / "train.parquet")
+    task_rows.write_rows(test, out / "test.parquet")
     with open(out / "sft.jsonl", "w") as f:
         for conversation in data_prep.toy_teacher_conversations(train, args.slip_rate, seed=args.seed):
             f.write(json.dumps(conversation) + "\n")
@@ -148,5 +149,5 @@ def plot(metrics_path: Path, png: Path, seed: int) -> Path:
 
 
 if __name__ == "__main__":
-    with runlog.one_line_errors():
+    with cli.one_line_errors():
         main(tyro.cli(Args))

@@ -29,6 +29,7 @@ import tyro
 from matplotlib.figure import Figure
 
 import chat
+import cli
 import data_prep
 import engines
 import eval_report
@@ -37,6 +38,7 @@ import policy
 import rewards
 import rollout
 import runlog
+import task_rows
 import tiny
 import tools
 from demo import run, smoothed, torchrun  # the text demo's steps
@@ -93,8 +95,8 @@ def main(args: Args) -> dict:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     train, test = data_prep.calc_rows(args.n_train, args.n_test, seed=args.seed, max_ops=args.max_ops)
-    data_prep.write_rows(train, out / "train.parquet")
-    data_prep.write_rows(test, out / "test.parquet")
+    task_rows.write_rows(train, out / "train.parquet")
+    task_rows.write_rows(test, out / "test.parquet")
     schemas = tools.TOOL_SCHEMAS["python"]  # what the rollout shows the agent, so SFT trains on the same prompt
     conversations = data_prep.calc_teacher_conversations(train, schemas, args.slip_rate, args.skip_rate,
                                                          args.misread_rate, seed=args.seed)
@@ -211,8 +213,8 @@ def held_out(model: str, rows: list[dict], samples_path: Path) -> dict:
             "calls_right": sum(o == s.row["reward_model"]["ground_truth"] for s, out in zip(samples, outputs)
                                for o in out) / max(calls, 1),
             "split": sum("ids" in d for d in drifts), "mask_drifted": sum(chat.mask_drifted(d) for d in drifts),
-            "summary": eval_report.report({data_prep.row_id(r): r for r in rows},
-                                      [data_prep.row_id(s.row) for s in samples],
+            "summary": eval_report.report({task_rows.row_id(r): r for r in rows},
+                                      [task_rows.row_id(s.row) for s in samples],
                                       [rewards.for_report(r) for r in results])}
 
 
@@ -254,5 +256,5 @@ def plot(train: list[dict], before: dict, after: dict, png: Path, seed: int) -> 
 
 
 if __name__ == "__main__":
-    with runlog.one_line_errors():
+    with cli.one_line_errors():
         main(tyro.cli(Args))

@@ -18,12 +18,12 @@ import torch
 from tqdm import tqdm
 
 import chat
+import cli
 import collectives
 import containers
-import data_prep
 import merge
 import policy
-import runlog
+import task_rows
 import vision
 from engines import Engine, HFEngine, Sampling, VLLMEngine, derive_seed
 from rollout import AgentLimits, Sample, collect, load_rows_within, placeholder_only
@@ -128,7 +128,7 @@ def load_generator(args: GenerateArgs, tokenizer, device: torch.device) -> Engin
 def sample_line(sample: Sample, index: int) -> dict:
     """One line of the samples file: task_id and completion (all `rewards.py score` reads), then which sample of the
     row it is, why it ended, its generated tokens and, with tools, its turns and tool calls."""
-    line = {"task_id": data_prep.row_id(sample.row), "sample": index, "completion": sample.text,
+    line = {"task_id": task_rows.row_id(sample.row), "sample": index, "completion": sample.text,
             "finish_reason": sample.finish_reason, "completion_tokens": sum(sample.loss_mask)}
     return line | {k: sample.info[k] for k in ("turns", "tool_calls", "tool_errors") if k in sample.info}
 
@@ -182,7 +182,7 @@ def generate(args: GenerateArgs) -> Path:
     lines = generate_lines(engine, tokenizer, rows, args, sampling, count_image)
     seconds["generate"] = time.perf_counter() - start - seconds["load"]
     if rank == 0:
-        data_prep.write_atomically(args.out, lines)
+        task_rows.write_atomically(args.out, lines)
         print(f"{len(lines)} samples ({args.n_samples} per row, {len(rows)} rows, {world} ranks) in {args.out}; load "
               f"{seconds['load']:.1f}s, generate {seconds['generate']:.1f}s ({len(lines) / seconds['generate']:.1f} "
               f"samples/s). Grade them: python rewards.py score {args.out} --data {args.data}")
@@ -190,6 +190,6 @@ def generate(args: GenerateArgs) -> Path:
 
 
 if __name__ == "__main__":
-    with runlog.one_line_errors():
-        generate(runlog.parse_args(GenerateArgs))
+    with cli.one_line_errors():
+        generate(cli.parse_args(GenerateArgs))
     policy.exit_distributed()

@@ -30,7 +30,7 @@ import urllib3
 from urllib3.exceptions import MaxRetryError
 from urllib3.util.retry import Retry
 
-import runlog
+import cli
 
 EQUIVALENCE_SYSTEM = (
     "You grade answers to questions. The reference answer is correct. Decide whether the student's final answer "
@@ -425,5 +425,5 @@ def check(args: CheckArgs) -> dict:
 
 
 if __name__ == "__main__":
-    with runlog.one_line_errors():
+    with cli.one_line_errors():
         check(tyro.extras.subcommand_cli_from_dict({"check": CheckArgs}))

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
                           GenerationConfig)
 
-import runlog
+import cli
 import vision
 
 # Written by save_pretrained itself; every other file in hf/ (tokenizer, chat template, ...) is copied as is.
@@ -187,5 +187,5 @@ def merge(args: Args) -> float:
 
 
 if __name__ == "__main__":
-    with runlog.one_line_errors():
+    with cli.one_line_errors():
         merge(tyro.cli(Args))

@@ -24,8 +24,8 @@ from minisweagent.config import builtin_config_dir
 from minisweagent.environments.docker import DockerEnvironment
 from minisweagent.models.litellm_model import LitellmModel
 
+import cli
 import containers
-import runlog
 
 # For small models that cannot read mini-swe-agent's two-page instructions: the same protocol in a few lines.
 SHORT_INSTANCE = ("Fix this issue in /testbed:\n{{task}}\nCall the bash tool. When done, submit with "
@@ -84,5 +84,5 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    with runlog.one_line_errors():
+    with cli.one_line_errors():
         main(tyro.cli(Args))

@@ -415,8 +415,8 @@ def minibatch(groups: list[int], count: int, which: int) -> list[int]:
 def pack(index: list[int], sequences: list[list[int]], max_tokens: int, score_from: list[int] | None = None,
          model=None, image_tokens: list[tuple[int, int]] | None = None) -> list[list[int]]:
     """Micro-batches for packed forwards: the samples `index` (with `sequences`) greedily packed into at most
-    `max_tokens` tokens each (a longer sample goes alone), padded with empty micro-batches to the largest count over
-    ranks so that every rank runs the same number of forwards. Given `score_from` and a `model` that shares prefixes
+    `max_tokens` tokens each (a longer sample goes alone); this rank's plan alone (collectives.same_count_on_every_rank
+    pads it so that every rank runs the same number of forwards). Given `score_from` and a `model` that shares prefixes
     (the forwards pass share_prefixes=True), a sample that starts with the same first score_from tokens as the one
     before it costs only the rest when both land in one micro-batch. image_tokens: per sample, the tokens its image
     placeholders add when expanded, in all and within its first score_from tokens (a vision model's)."""
@@ -435,10 +435,7 @@ def pack(index: list[int], sequences: list[list[int]], max_tokens: int, score_fr
         used += n
     if current:
         micro.append(current)
-    count = torch.tensor(len(micro))
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return micro + [[] for _ in range(int(count) - len(micro))]
+    return micro
 
 
 def _checked(sequences: list[list[int]], score_from: list[int] | None, caller: str) -> list[int]:
@@ -596,9 +593,9 @@ def completion_micro_batches(model, samples: list, index: list[int], max_tokens:
     prefixes; the same number of micro-batches on every rank."""
     chosen = [samples[i] for i in index]
     images = _images(model, chosen)
-    return pack(index, [s.prompt_ids + s.completion_ids for s in chosen], max_tokens,
-                [len(s.prompt_ids) for s in chosen], model,
-                images and [vision.added_tokens(model.config, s.prompt_ids, i) for s, i in zip(chosen, images)])
+    return collectives.same_count_on_every_rank(pack(
+        index, [s.prompt_ids + s.completion_ids for s in chosen], max_tokens, [len(s.prompt_ids) for s in chosen],
+        model, images and [vision.added_tokens(model.config, s.prompt_ids, i) for s, i in zip(chosen, images)]))
 
 
 def _images(model, samples: list) -> list[list] | None:

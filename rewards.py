@@ -37,12 +37,12 @@ import tyro
 from PIL import Image
 from tqdm import tqdm
 
-import data_prep
+import cli
 import eval_report
 import judge as judge_lib
-import runlog
 import sandbox
 import swe_grading
+import task_rows
 
 # Big APPS answers have thousands of digits; int() refuses them by default.
 sys.set_int_max_str_digits(0)
@@ -272,7 +272,7 @@ def vl_tool_score(row: dict, completion: str, judge: judge_lib.Judge | None,
     as multi-turn rollouts record them; without them the judge is told that no image was produced)."""
     source = row["data_source"].lower()
     tool_images = list(sample_info.get("images") or [])
-    inputs = data_prep.row_images(row)
+    inputs = task_rows.row_images(row)
     if source in RULE_TOOL_SOURCES:
         box = row["extra_info"].get("target_box")
         if not inputs or box is None:
@@ -294,7 +294,7 @@ def vl_agent_reward(row: dict, completion: str, judge: judge_lib.Judge | None, s
     format (vl_format_ok), tool (vl_tool_score); each reported in info. A judge failure leaves its component None and
     the score NaN, with info["judge_error"]."""
     if needs_judge(row) and judge is None:
-        raise ValueError(f"task {data_prep.row_id(row)}: scored with an LLM judge, but none is configured "
+        raise ValueError(f"task {task_rows.row_id(row)}: scored with an LLM judge, but none is configured "
                          "(--judge-url)")
     truth = row["reward_model"]["ground_truth"]
     answer, _ = extract_answer(completion)
@@ -535,9 +535,9 @@ def main(args: ScoreArgs) -> dict:
             raise ValueError(f"--out {args.out}: is a directory")
         if not os.access(out.parent, os.W_OK):
             raise ValueError(f"--out {args.out}: the directory {out.parent} is not writable")
-    rows = data_prep.load_rows(args.data)
+    rows = task_rows.load_rows(args.data)
     check_sources(rows, args.data)
-    rows_by_id = {data_prep.row_id(r): r for r in rows}
+    rows_by_id = {task_rows.row_id(r): r for r in rows}
     task_ids, completions, steps = read_samples(args.samples, rows_by_id, args.step)
     swe_truths = [json.loads(rows_by_id[t]["reward_model"]["ground_truth"]) for t in sorted(set(task_ids))
                   if rows_by_id[t]["data_source"] == "swebench"]
@@ -579,7 +579,7 @@ def main(args: ScoreArgs) -> dict:
             print(f"step {step:>6}: {row['samples']:>5} samples, pass@1 {row['pass@1']:.3f}, mean reward "
                   f"{row['mean_reward']:.3f}")
     if args.out:  # replaced whole, never mixed with a concurrent run's
-        data_prep.write_atomically(args.out, ({"task_id": task_id, "score": r.score, "info": r.info}
+        task_rows.write_atomically(args.out, ({"task_id": task_id, "score": r.score, "info": r.info}
                                               for task_id, r in zip(task_ids, results)))
         print(f"results: {args.out}")
     if args.json:
@@ -618,7 +618,7 @@ class SweCheckArgs:
 def swe_check_main(args: SweCheckArgs) -> list[dict]:
     """Every row's gold patch must resolve and its unpatched tree must not (swe_grading.swe_check): a table, and exit
     status 1 naming the rows that fail."""
-    rows = data_prep.load_rows(args.data)
+    rows = task_rows.load_rows(args.data)
     others = Counter(row["data_source"] for row in rows if row["data_source"] != "swebench")
     if others:
         raise ValueError(f"{args.data}: swe-check checks swebench rows; {sum(others.values())} rows are not "
@@ -651,5 +651,5 @@ def swe_check_main(args: SweCheckArgs) -> list[dict]:
 
 if __name__ == "__main__":
     cli = tyro.extras.subcommand_cli_from_dict({"score": ScoreArgs, "swe-check": SweCheckArgs})
-    with runlog.one_line_errors():
+    with cli.one_line_errors():
         (swe_check_main if isinstance(cli, SweCheckArgs) else main)(cli)

@@ -25,8 +25,8 @@ import agent_server
 import chat
 import collectives
 import containers
-import data_prep
 import engines
+import task_rows
 from engines import Engine, Sampling
 from tools import TOOL_SCHEMAS, TOOLBOXES, ToolBox, call_tool, check_swe_rows, tool_message
 
@@ -67,23 +67,23 @@ def check_images(sample: Sample, pad_id: int | None) -> None:
     rendered = sum(t == pad_id for t in sample.prompt_ids) + sum(
         t == pad_id and not m for t, m in zip(sample.completion_ids, sample.loss_mask))
     if rendered != len(sample.images):
-        task = data_prep.row_id(sample.row) if "extra_info" in sample.row else "a row"
+        task = task_rows.row_id(sample.row) if "extra_info" in sample.row else "a row"
         raise RuntimeError(f"{task}: the trajectory has {len(sample.images)} images but {rendered} image placeholders")
 
 
 def load_rows_within(source: str, tokenizer, max_prompt_tokens: int, verbose: bool = True,
                      tools: str = "none", count_image: Callable[[bytes], int] = placeholder_only) -> list[dict]:
-    """`data_prep.load_rows(source)` less the rows whose prompt, as the rollout renders it (with the signatures of the
+    """`task_rows.load_rows(source)` less the rows whose prompt, as the rollout renders it (with the signatures of the
     toolbox `tools`, each image placeholder counted as `count_image` tokens), is longer than `max_prompt_tokens`
     (counted, and printed when verbose); a source with none left is refused."""
-    rows = data_prep.load_rows(source)
+    rows = task_rows.load_rows(source)
     check_swe_rows(rows, tools, source)
     schemas = TOOL_SCHEMAS[tools] if tools != "none" else None
 
     def length(row: dict) -> int:
         text = chat.render(tokenizer, row["prompt"], schemas, add_generation_prompt=True)
         return len(tokenizer(text, add_special_tokens=False)["input_ids"]) + sum(
-            count_image(image) - 1 for image in data_prep.row_images(row))
+            count_image(image) - 1 for image in task_rows.row_images(row))
 
     kept = [r for r in rows if length(r) <= max_prompt_tokens]
     if not kept:
@@ -116,7 +116,7 @@ def collect(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampli
         first = next(((s, d) for s, d in drifts if chat.mask_drifted(d)), None) or next(
             ((s, d) for s, d in drifts if d), None)
         if first is not None:
-            task, findings = data_prep.row_id(first[0].row), "; ".join(first[1].values())
+            task, findings = task_rows.row_id(first[0].row), "; ".join(first[1].values())
             tqdm.write(f"rank {collectives.rank()}, task {task}: {findings}")
     return samples, metrics
 
@@ -127,7 +127,7 @@ def single_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sa
     start = time.perf_counter()
     prompts = [chat.encode_prompt(tokenizer, row["prompt"]) for row in rows]
     repeated = [p for p in prompts for _ in range(group_size)]
-    images = [data_prep.row_images(row) for row in rows for _ in range(group_size)]
+    images = [task_rows.row_images(row) for row in rows for _ in range(group_size)]
     seeds = sample_seeds(sampling, [(first_group + i // group_size, i % group_size, 0) for i in range(len(repeated))])
     completions = _generate(engine, repeated, sampling, images, seeds)
     samples, pad_id = [], chat.image_pad_id(tokenizer)
@@ -287,14 +287,14 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
             except containers.ContainerStartFailed as e:  # lost, but counted (swe/start_failures), never scored
                 start_failures.append(e)
                 continue
-            images = data_prep.row_images(row)
+            images = task_rows.row_images(row)
             prompt_text = chat.render(tokenizer, row["prompt"], box.schemas, add_generation_prompt=True)
             traj = Trajectory(row, group, index, box, list(row["prompt"]),
                               tokenizer(prompt_text, add_special_tokens=False)["input_ids"], images=images,
                               prompt_images=len(images), image_tokens=sum(count_image(im) - 1 for im in images))
             trajectories.append(traj)
             if traj.length >= limits.max_total_tokens:
-                task = data_prep.row_id(row) if "extra_info" in row else f"rows[{group - first_group}]"
+                task = task_rows.row_id(row) if "extra_info" in row else f"rows[{group - first_group}]"
                 raise ValueError(f"{task}: the prompt is {traj.length} tokens with the tool signatures and its "
                                  f"images, no room for an answer within max_total_tokens {limits.max_total_tokens}")
         trajectories.sort(key=lambda traj: (traj.group, traj.index))

@@ -1,7 +1,7 @@
 """What a training run leaves beside its checkpoints: run_config.json (its resolved Args, kiln commit and library
-versions), metrics.jsonl (mirrored to wandb when asked), samples.jsonl, and the wall time of each phase of a step; the output-dir policy the trainers share (a fresh run never mixes with an old
-one, a resumed run continues its files and its wandb run); known errors as one line. Rank 0 writes; every other
-rank's calls do nothing.
+versions), metrics.jsonl (mirrored to wandb when asked), samples.jsonl, and the wall time of each phase of a step; the
+output-dir policy the trainers share (a fresh run never mixes with an old one, a resumed run continues its files and
+its wandb run). Rank 0 writes; every other rank's calls do nothing. (Errors as one line: cli.py.)
 """
 from __future__ import annotations
 
@@ -12,21 +12,18 @@ import platform
 import secrets
 import shutil
 import subprocess
-import sys
 import time
-from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
-import tyro
 import wandb
 from tqdm import tqdm
 
-import containers
-import data_prep
 import sample_files
+import task_rows
 
 # What a trainer writes into its output dir: --overwrite removes these (and nothing else) before a fresh run.
 RUN_FILES = ("metrics.jsonl", *sample_files.SAMPLE_FILES, sample_files.IMAGES_DIR, "checkpoints", "critic", "best",
@@ -37,6 +34,7 @@ RUN_FILES = ("metrics.jsonl", *sample_files.SAMPLE_FILES, sample_files.IMAGES_DI
 MAY_CHANGE_ON_RESUME = ("total_steps", "steps", "resume", "overwrite", "output_dir", "save_every", "keep_checkpoints",
                         "sample_every", "rich_samples", "samples_max_mb", "eval_every", "wandb_project")
 # The libraries whose versions run_config.json records (those installed).
+CHECKOUT = Path(__file__).resolve().parent  # the kiln checkout whose commit run_config.json records
 LIBRARIES = ("torch", "transformers", "tokenizers", "vllm", "tyro", "numpy", "swebench", "wandb")
 
 
@@ -124,9 +122,9 @@ def run_config(config: dict) -> dict:
     """What run_config.json records: the resolved Args, the kiln commit (with "+dirty" when tracked files differ from
     it), the Python and library versions, the world size and when it started."""
     try:
-        commit = subprocess.run(["git", "-C", str(KILN_DIR), "rev-parse", "HEAD"], capture_output=True, text=True,
+        commit = subprocess.run(["git", "-C", str(CHECKOUT), "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=10).stdout.strip() or None
-        dirty = subprocess.run(["git", "-C", str(KILN_DIR), "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", str(CHECKOUT), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):  # no git: the versions still say a lot
         commit, dirty = None, ""
@@ -197,7 +195,7 @@ def writes_samples(step: int, sample_every: int, total_steps: int) -> bool:
 def sample_record(step: int, sample) -> dict:
     """One line of samples.jsonl for a scored rollout.Sample (a multi-turn one keeps its messages, tool output
     included)."""
-    record = {"step": step, "task_id": data_prep.row_id(sample.row), "reward": sample.reward,
+    record = {"step": step, "task_id": task_rows.row_id(sample.row), "reward": sample.reward,
               "completion": sample.text, "error": sample.info.get("error")}
     if "sandbox_isolation" in sample.info:  # the sandbox level that graded it (sandbox.py's levels)
         record["sandbox_isolation"] = sample.info["sandbox_isolation"]
@@ -304,75 +302,3 @@ def timed(seconds: dict, name: str):
     start = time.perf_counter()
     yield
     seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
-
-
-def parse_args(args_class):
-    """`tyro.cli(args_class)`, with --help and argument errors printed by rank 0 alone under torchrun."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        return tyro.cli(args_class)
-    with open(os.devnull, "w") as devnull, redirect_stdout(devnull), redirect_stderr(devnull):
-        return tyro.cli(args_class)
-
-
-# Errors a user acts on (a bad argument, row or path), reported with their type and message.
-KNOWN_ERRORS = (data_prep.RowError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
-                PermissionError, containers.DockerUnavailable, containers.ImageMissing)
-KILN_DIR = Path(__file__).resolve().parent
-
-
-@contextmanager
-def one_line_errors():
-    """`with one_line_errors(): main(args)`, what every command-line entry point does: library functions raise
-    ordinary exceptions, and here a known error (a bad row, a missing file or image) or a ValueError / RuntimeError
-    that kiln's own code raised with its message (a bad setting, a failed run) is printed as one `error:` line and
-    the process exits with status 1: under torchrun no rank prints a traceback above torchrun's own report, and only
-    rank 0 prints when every rank fails alike (another rank prints only an error of its own). Anything else, such as
-    a ValueError from inside torch, propagates with its traceback (a bug); so does everything with KILN_TRACEBACK=1."""
-    try:
-        yield
-    except SystemExit as e:
-        if not isinstance(e.code, str):
-            raise
-        _exit_with(e.code)
-    except KNOWN_ERRORS as e:
-        if os.environ.get("KILN_TRACEBACK") == "1":
-            raise
-        _exit_with(f"{type(e).__name__}: {e}")
-    except (ValueError, RuntimeError) as e:
-        if os.environ.get("KILN_TRACEBACK") == "1" or not _raised_by_kiln(e):
-            raise
-        _exit_with(str(e))
-
-
-def _raised_by_kiln(error: BaseException) -> bool:
-    """Whether the innermost frame of `error`'s traceback is kiln's own code (a `raise` with a message for the user)
-    rather than a library's."""
-    tb = error.__traceback__
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    path = Path(tb.tb_frame.f_code.co_filename).resolve()
-    return path.parent == KILN_DIR
-
-
-def _exit_with(message: str) -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    if rank != 0:  # torchrun stops every rank once one exits: rank 0, failing alike, reports and ends this one first
-        time.sleep(5)
-    line = f"error: {message}" if rank == 0 else f"error (rank {rank}): {message}"
-    print(line, file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # under torchrun: its failure report ends with this line
-        record_for_torchrun(os.environ["TORCHELASTIC_ERROR_FILE"], line)
-    os._exit(1)  # not the interpreter's teardown: gloo threads may hold the process group (policy.exit_distributed)
-
-
-def record_for_torchrun(error_file: str, line: str) -> None:
-    """`line` in the error file torchrun reads when a rank fails (the layout of torch.distributed.elastic's
-    ErrorHandler.record_exception, with the line in place of a traceback): torchrun's report of the failed ranks, which
-    it prints after everything the ranks printed, then ends with the line instead of "To enable traceback see ..."."""
-    record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
-    try:
-        Path(error_file).write_text(json.dumps(record))
-    except OSError:  # the line is on stderr already
-        pass

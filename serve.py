@@ -12,8 +12,8 @@ import torch
 
 import agent_server
 import chat
+import cli
 import policy
-import runlog
 from engines import Sampling
 from generate import GenerateArgs, hf_folder, load_generator
 
@@ -79,6 +79,6 @@ def serve(args: ServeArgs) -> None:
 
 
 if __name__ == "__main__":
-    with runlog.one_line_errors():
-        serve(runlog.parse_args(ServeArgs))
+    with cli.one_line_errors():
+        serve(cli.parse_args(ServeArgs))
     policy.exit_distributed()

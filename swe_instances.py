@@ -32,9 +32,10 @@ from pathlib import Path
 import docker.errors
 import tyro
 
+import cli
 import containers
 import data_prep
-import runlog
+import task_rows
 
 log = logging.getLogger("kiln.swe_instances")
 
@@ -284,11 +285,11 @@ def source_rows(source: str, split: str, wanted: list[str]) -> dict[str, dict]:
     source when it does not exist or lacks one."""
     path = Path(source)
     if path.is_file():
-        records = json.loads(path.read_text()) if path.suffix == ".json" else [r for _, r in data_prep.read_jsonl(path)]
+        records = json.loads(path.read_text()) if path.suffix == ".json" else [r for _, r in task_rows.read_jsonl(path)]
     elif path.suffix in (".json", ".jsonl") or source.startswith(("/", ".")):
         raise ValueError(f"--source {source}: no such file")
     else:
-        records = data_prep.hub_records(source, split)
+        records = task_rows.hub_records(source, split)
     rows = {r["instance_id"]: r for r in records if r.get("instance_id") in wanted}
     missing = [i for i in wanted if i not in rows]
     if missing:
@@ -317,5 +318,5 @@ def main(args: Args) -> Path:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    with runlog.one_line_errors():  # unknown instances or source, no daemon, a failed build
+    with cli.one_line_errors():  # unknown instances or source, no daemon, a failed build
         print(main(tyro.cli(Args)))

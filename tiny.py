@@ -27,7 +27,7 @@ from transformers import (GenerationConfig, PreTrainedTokenizerFast, Qwen2_5_VLC
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_SPLIT_REGEX
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-import runlog
+import cli
 
 # Ids 0..5 in every tiny tokenizer; the agent tokens are ordinary (non-special) added tokens, as in Qwen2.5.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
@@ -271,5 +271,5 @@ def main(args: ModelArgs) -> Path:
 
 
 if __name__ == "__main__":
-    with runlog.one_line_errors():
+    with cli.one_line_errors():
         main(tyro.extras.subcommand_cli_from_dict({"model": ModelArgs, "vlm": VlmArgs}))

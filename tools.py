@@ -16,9 +16,9 @@ from typing import Callable, Literal
 from PIL import Image, UnidentifiedImageError
 
 import containers
-import data_prep
 import sandbox
 import swe_grading
+import task_rows
 import vision
 
 SWE_CONTAINER = containers.ContainerLimits(timeout=60.0, output_cap=10_000)  # an agent's container; see docs/swebench.md
@@ -126,7 +126,7 @@ def python_toolbox(row: dict, protocol: Literal["tool_call", "codev"] = "tool_ca
                    limits: ImageLimits = ImageLimits()) -> ToolBox:
     """The `python` tool: one sandbox.PythonSession per trajectory, given all the row's images; the images a call
     returns pass `limits`, and quoted paths under /mnt/data are read as the working dir's."""
-    session = sandbox.PythonSession(input_images=data_prep.row_images(row), max_images=4 * limits.max_images)
+    session = sandbox.PythonSession(input_images=task_rows.row_images(row), max_images=4 * limits.max_images)
 
     def python(arguments: dict) -> ToolResult:
         if not isinstance(arguments.get("code"), str):

@@ -21,9 +21,9 @@ from tqdm import tqdm
 
 import agent_server
 import chat
+import cli
 import collectives
 import containers
-import data_prep
 import engines
 import eval_report
 import judge as judge_lib
@@ -34,6 +34,7 @@ import rollout
 import runlog
 import sandbox
 import swe_grading
+import task_rows
 import tools
 import vision
 from checkpoint import check_best_metric, keep_best, load_checkpoint, load_newest_checkpoint, save_checkpoint
@@ -388,7 +389,7 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     if args.engine == "vllm":
         images = None  # a vision model's budget: the most a row has, and what every tool call may add
         if counting:
-            images = max(len(data_prep.row_images(r)) for r in rows + eval_rows) + (
+            images = max(len(task_rows.row_images(r)) for r in rows + eval_rows) + (
                 args.max_turns * tools.ImageLimits.max_images if args.tools != "none" else 0)
         engine = engines.VLLMEngine(
             args.model, seed=args.seed, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
@@ -429,7 +430,7 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     if args.partial_rollouts:
         in_flight = rollout.InFlight(groups=args.prompts_per_step // world, max_staleness=args.max_staleness)
         regenerated = state.get("in_flight_groups", [])
-        in_flight.regenerate = [(group, data_prep.in_epoch_order(rows, group, 1, args.seed)[0])
+        in_flight.regenerate = [(group, task_rows.in_epoch_order(rows, group, 1, args.seed)[0])
                                 for group in regenerated[rank::world]]
         if regenerated and rank == 0:
             print(f"--partial-rollouts: the {len(regenerated)} groups in flight at the checkpoint start again from "
@@ -505,7 +506,7 @@ def sample_prompts(run: Run, tries: int, seconds: dict) -> tuple[list[rollout.Sa
     args, per_rank = run.args, run.args.prompts_per_step // run.world
     starting = run.in_flight is not None and not collectives.any_rank(bool(run.in_flight.group_ids()))
     count = per_rank * (2 if starting else 1)
-    rows = data_prep.in_epoch_order(run.rows, run.data_pos + run.rank * count, count, args.seed)
+    rows = task_rows.in_epoch_order(run.rows, run.data_pos + run.rank * count, count, args.seed)
     # Group ids are unique over ranks and rounds; groups carried across steps take their row's data position, unique
     # over steps too and where a resumed run finds the row again.
     first_group = (run.data_pos if run.in_flight is not None else tries * args.prompts_per_step) + run.rank * count
@@ -539,7 +540,7 @@ def score(run: Run, samples: list[rollout.Sample]) -> None:
 def refuse_or_count_nonfinite(run: Run, samples: list[rollout.Sample]) -> int:
     """A NaN or infinite reward the judge does not account for is a reward-function bug: with --nonfinite-rewards
     stop, every rank stops naming every offender; with drop, their number over all ranks."""
-    offenders = [(data_prep.row_id(s.row), s.reward) for s in samples
+    offenders = [(task_rows.row_id(s.row), s.reward) for s in samples
                  if not math.isfinite(s.reward) and not rewards.judge_failed(s.info)]
     if run.args.nonfinite_rewards == "stop":
         rewards.refuse_nonfinite(collectives.gather_objects(offenders), run.step + 1)
@@ -780,13 +781,13 @@ def evaluate(run: Run) -> dict:
     samples = [s for s in samples if s.info.get("segment", 0) == s.info.get("segments", 1) - 1]
     judged = {"sample_infos": [s.info for s in samples]} if run.judge is not None else {}
     results = run.score_fn([s.row for s in samples], [s.text for s in samples], **judged)
-    graded = collectives.gather_objects([(data_prep.row_id(s.row), rewards.for_report(r)) for s, r in zip(samples, results)
+    graded = collectives.gather_objects([(task_rows.row_id(s.row), rewards.for_report(r)) for s, r in zip(samples, results)
                                     if not rewards.judge_failed(r.info)])
     # Samples the judge could not grade are left out of the report and counted, never counted as fails.
     ungraded = {"val-aux/judge_ungraded": len(run.eval_rows) - len(graded)} if run.judge is not None else {}
     if not graded:
         return ungraded
-    summary = eval_report.report({data_prep.row_id(row): row for row in run.eval_rows}, [task for task, _ in graded],
+    summary = eval_report.report({task_rows.row_id(row): row for row in run.eval_rows}, [task for task, _ in graded],
                              [reward for _, reward in graded])
     metrics = eval_report.report_metrics(summary) | ungraded
     run.evals.append({"step": run.step} | summary)
@@ -809,6 +810,6 @@ def save(run: Run) -> None:
 
 
 if __name__ == "__main__":
-    with runlog.one_line_errors():
-        main(runlog.parse_args(Args))
+    with cli.one_line_errors():
+        main(cli.parse_args(Args))
     policy.exit_distributed()

@@ -28,9 +28,9 @@ import torch
 from tqdm import tqdm
 
 import chat
+import cli
 import collectives
 import containers
-import data_prep
 import engines
 import eval_report
 import losses
@@ -40,6 +40,7 @@ import rollout
 import runlog
 import sandbox
 import swe_grading
+import task_rows
 from checkpoint import check_best_metric, keep_best, load_checkpoint, load_newest_checkpoint, save_checkpoint
 
 
@@ -374,7 +375,7 @@ def collect_samples(run: Run, seconds: dict) -> tuple[list[rollout.Sample], dict
     woken with the current weights (a level-2 sleep dropped them), `group_size` rollouts of each, the engine asleep
     again, and every sample's reward from the sandbox; a non-finite reward stops every rank naming the task."""
     args, per_rank = run.args, run.args.prompts_per_step // run.world
-    rows = data_prep.in_epoch_order(run.rows, run.data_pos + run.rank * per_rank, per_rank, args.seed)
+    rows = task_rows.in_epoch_order(run.rows, run.data_pos + run.rank * per_rank, per_rank, args.seed)
     run.data_pos += args.prompts_per_step
     with runlog.timed(seconds, "wake_and_sync"):
         run.engine.wake_up()
@@ -390,7 +391,7 @@ def collect_samples(run: Run, seconds: dict) -> tuple[list[rollout.Sample], dict
         for s, r in zip(samples, run.score_fn([s.row for s in samples], [s.text for s in samples])):
             s.reward, s.info = r.score, s.info | r.info  # the rollout's info (multi-turn messages) stays
     rewards.refuse_nonfinite(collectives.gather_objects(  # every rank gets every offender: all stop together
-        [(data_prep.row_id(s.row), s.reward) for s in samples if not math.isfinite(s.reward)]), run.step + 1)
+        [(task_rows.row_id(s.row), s.reward) for s in samples if not math.isfinite(s.reward)]), run.step + 1)
     tool_metrics = {k: v for k, v in rollout_metrics.items() if k.startswith(("tools/", "swe/", "agents/"))}
     metrics = (rollout_metrics | collectives.mean_dicts_over_ranks(tool_metrics)
                | getattr(run.engine, "last_metrics", {}))
@@ -536,9 +537,9 @@ def evaluate(run: Run) -> dict:
                                  eot=args.end_of_turn)
     run.engine.sleep()
     results = run.score_fn([s.row for s in samples], [s.text for s in samples])
-    graded = collectives.gather_objects([(data_prep.row_id(s.row), rewards.for_report(r))
+    graded = collectives.gather_objects([(task_rows.row_id(s.row), rewards.for_report(r))
                                          for s, r in zip(samples, results)])
-    summary = eval_report.report({data_prep.row_id(row): row for row in run.eval_rows}, [task for task, _ in graded],
+    summary = eval_report.report({task_rows.row_id(row): row for row in run.eval_rows}, [task for task, _ in graded],
                              [reward for _, reward in graded])
     metrics = eval_report.report_metrics(summary)
     run.evals.append({"step": run.step} | summary)
@@ -562,6 +563,6 @@ def save(run: Run) -> None:
 
 
 if __name__ == "__main__":
-    with runlog.one_line_errors():
-        main(runlog.parse_args(Args))
+    with cli.one_line_errors():
+        main(cli.parse_args(Args))
     policy.exit_distributed()

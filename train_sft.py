@@ -20,11 +20,12 @@ import torch
 from tqdm import tqdm
 
 import chat
+import cli
 import collectives
-import data_prep
 import losses
 import policy
 import runlog
+import task_rows
 import vision
 from checkpoint import load_checkpoint, load_newest_checkpoint, save_checkpoint, save_hf
 
@@ -92,14 +93,14 @@ def conversation(row: dict, where: str) -> list[dict]:
 
 def checked_messages(messages, where: str) -> list[dict]:
     """The messages of a conversation, refused with the row and message named unless every role is one of
-    data_prep.ROLES and an assistant message is there to train on."""
+    task_rows.ROLES and an assistant message is there to train on."""
     if not isinstance(messages, list):
         raise ValueError(f"{where}: messages: expected a list, got {type(messages).__name__}")
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
-        if role not in data_prep.ROLES:
+        if role not in task_rows.ROLES:
             hint = f" (ShareGPT's {role!r} is {SHAREGPT_ROLES[role]!r})" if role in SHAREGPT_ROLES else ""
-            raise ValueError(f"{where}: messages[{i}].role: expected one of {data_prep.ROLES}, got {role!r}{hint}")
+            raise ValueError(f"{where}: messages[{i}].role: expected one of {task_rows.ROLES}, got {role!r}{hint}")
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"{where}: no assistant message to train on")
     return list(messages)
@@ -112,14 +113,14 @@ def load_conversations(path: str) -> list[tuple[list[dict], list[bytes], list[di
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
     else:
-        rows = data_prep.load_rows(path)
+        rows = task_rows.load_rows(path)
     out = []
     for i, row in enumerate(rows):
         where, messages = f"{path} row {i}", conversation(row, f"{path} row {i}")
-        images = [data_prep.image_bytes(image, Path(path).parent) for image in row.get("images") or []]
-        if len(images) != data_prep.count_image_parts(messages):
+        images = [task_rows.image_bytes(image, Path(path).parent) for image in row.get("images") or []]
+        if len(images) != task_rows.count_image_parts(messages):
             raise ValueError(f"{where}: images: {len(images)} images but the messages have "
-                             f"{data_prep.count_image_parts(messages)} image parts")
+                             f"{task_rows.count_image_parts(messages)} image parts")
         out.append((messages, images, row.get("tools") or None))
     return out
 
@@ -176,11 +177,11 @@ def main(args: Args) -> dict:
     bar = tqdm(total=args.steps, initial=step, desc="sft", disable=rank != 0)
     while step < args.steps:
         # A seeded permutation per epoch: resuming at `step` replays exactly the same batches.
-        picked = data_prep.in_epoch_order(encoded, step * args.batch_size + rank * per_rank, per_rank, args.seed)
+        picked = task_rows.in_epoch_order(encoded, step * args.batch_size + rank * per_rank, per_rank, args.seed)
         tokens = collectives.sum_over_ranks(sum(sum(mask) for _, mask, _ in picked))
-        micro_batches = [[picked[i] for i in micro] for micro in policy.pack(
+        micro_batches = [[picked[i] for i in micro] for micro in collectives.same_count_on_every_rank(policy.pack(
             list(range(len(picked))), [ids for ids, _, _ in picked], args.micro_batch_tokens,
-            score_from=[shared] * len(picked), model=model, image_tokens=image_tokens(model, picked))]
+            score_from=[shared] * len(picked), model=model, image_tokens=image_tokens(model, picked)))]
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for micro in micro_batches:
@@ -242,6 +243,6 @@ def sft_loss(model, micro: list[tuple[list[int], list[int], list[bytes]]], total
 
 
 if __name__ == "__main__":
-    with runlog.one_line_errors():
-        main(runlog.parse_args(Args))
+    with cli.one_line_errors():
+        main(cli.parse_args(Args))
     policy.exit_distributed()

@@ -35,6 +35,7 @@ import data_prep
 import engines
 import policy
 import rewards
+import task_rows
 import tiny
 import train_grpo
 
@@ -163,7 +164,7 @@ def main(bench: BenchArgs) -> None:
         tmp = Path(tmp)
         corpus = [r["prompt"][-1]["content"] + "\n" + r["extra_info"]["solution"] for r in train]
         model_dir = tiny.make_tiny_model(tmp / "tiny", corpus, seed=bench.seed)
-        data_prep.write_rows(train, tmp / "train.parquet")
+        task_rows.write_rows(train, tmp / "train.parquet")
         # Rounds alternate which trainer goes first, so a burst of load from other jobs hits both alike.
         results = {"kiln": [], "trl": []}
         for round_ in range(bench.rounds):

@@ -33,8 +33,8 @@ from swebench.harness import run_evaluation
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import containers  # noqa: E402
-import data_prep  # noqa: E402
 import swe_grading  # noqa: E402
+import task_rows  # noqa: E402
 
 STOCK_CLEANUP = run_evaluation.cleanup_container  # before swe_grading's official grader replaces it
 NOOP = b"diff --git a/NOTES.txt b/NOTES.txt\nnew file mode 100644\n--- /dev/null\n+++ b/NOTES.txt\n@@ -0,0 +1 @@\n+x\n"
@@ -103,7 +103,7 @@ def timed_grade(grader: str, truth: dict, patch: bytes, client) -> tuple[float, 
 
 def main(args: Args) -> None:
     client = containers.connect()
-    truths = [json.loads(row["reward_model"]["ground_truth"]) for row in data_prep.load_rows(args.rows)]
+    truths = [json.loads(row["reward_model"]["ground_truth"]) for row in task_rows.load_rows(args.rows)]
     if "sequential" in args.parts:
         sequential(args, truths, client)
     if "throughput" in args.parts:

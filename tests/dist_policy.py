@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+import collectives
 import engines
 import policy
 from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_hf
@@ -70,6 +71,11 @@ def main(model_dir: str, out_dir: str) -> None:
         assert all(torch.equal(weights[n], full_sd[n]) for n in weights)
         assert set(full_sd) - set(weights) == {"lm_head.weight"}
     report("iter_full_weights")
+
+    # same_count_on_every_rank: a rank with fewer micro-batches gets empty ones, up to the busiest rank's count.
+    mine = [[0], [1], [2]][: 3 - 2 * rank]  # rank 0: three, rank 1: one
+    assert collectives.same_count_on_every_rank(mine) == mine + [[]] * (2 * rank)
+    report("same_micro_batch_count")
 
     # packed_logprobs: the sharded model gives the unsharded model's numbers, with and without grad.
     with torch.no_grad():

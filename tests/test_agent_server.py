@@ -29,6 +29,7 @@ import engines  # noqa: E402
 import losses  # noqa: E402
 import policy  # noqa: E402
 import rollout  # noqa: E402
+import task_rows  # noqa: E402
 import tiny  # noqa: E402
 import ranks  # noqa: E402
 import train_grpo  # noqa: E402
@@ -605,7 +606,7 @@ def test_grpo_step_with_an_external_agent_on_two_ranks(tmp_path):
     """train_grpo --agent-cmd under torchrun: each rank serves its own agents and the ranks tick together until the
     last agent anywhere has ended; the step trains on the recorded segments and logs the agents' metrics."""
     train, _ = data_prep.toy_rows(8, 0, seed=0, max_ops=1)
-    data_prep.write_rows(train, tmp_path / "train.parquet")
+    task_rows.write_rows(train, tmp_path / "train.parquet")
     model = tiny.make_tiny_model(tmp_path / "tiny", CORPUS + [r["prompt"][-1]["content"] for r in train])
     (tmp_path / "agent.py").write_text(TRAIN_AGENT)
     run = subprocess.run([*ranks.torchrun(2, ROOT / "train_grpo.py"), "--model", str(model), "--data", str(tmp_path / "train.parquet"),

@@ -25,10 +25,10 @@ sys.path.insert(0, str(ROOT))
 
 import board  # noqa: E402
 import chat  # noqa: E402
-import data_prep  # noqa: E402
 import policy  # noqa: E402
 import runlog  # noqa: E402
 import sample_files  # noqa: E402
+import task_rows  # noqa: E402
 import tiny  # noqa: E402
 import tools  # noqa: E402
 import train_grpo  # noqa: E402
@@ -79,12 +79,12 @@ def run_dir(tmp_path_factory) -> Path:
     fails, so REINFORCE++'s batch-whitened advantages differ), the python tool on the row's image, every step
     sampled, the same rows evaluated before and after."""
     root = tmp_path_factory.mktemp("board")
-    rows = [data_prep.make_row("toy", "f", {"test_list": [test], "test_setup_code": ""}, {"index": i, "split": "train",
+    rows = [task_rows.make_row("toy", "f", {"test_list": [test], "test_setup_code": ""}, {"index": i, "split": "train",
                                                                                         "difficulty": str(i + 1)})
             | {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Write f."}]}],
                "images": [png(colour)]}
             for i, (test, colour) in enumerate([("assert f(1) == 2", "red"), ("assert f(1) == 3", "blue")])]
-    data_prep.write_rows(rows, root / "train.parquet")
+    task_rows.write_rows(rows, root / "train.parquet")
     corpus = [json.dumps(conversation(r)) for r in rows] * 4 + [json.dumps(tools.TOOL_SCHEMAS["python"])] * 4
     model = tiny.make_tiny_model(root / "model", corpus, vocab_size=1024, seed=0)
     warm_start(model, rows)

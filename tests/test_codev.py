@@ -24,6 +24,7 @@ import engines  # noqa: E402
 import policy  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
+import task_rows  # noqa: E402
 import tiny  # noqa: E402
 import tools  # noqa: E402
 import vision  # noqa: E402
@@ -71,7 +72,7 @@ def test_codev_import_round_trip(tmp_path):
     source = tmp_path / "codev.parquet"
     records = codev_parquet(source)
     data_prep.codev(source, tmp_path / "rows.parquet")
-    rows = data_prep.load_rows(tmp_path / "rows.parquet")
+    rows = task_rows.load_rows(tmp_path / "rows.parquet")
     assert rows == data_prep.codev_rows(source)
     first, second = rows
     assert first["prompt"][1]["content"] == [{"type": "image"}, {"type": "text", "text": "\nWhat colour is the car?"}]
@@ -81,20 +82,20 @@ def test_codev_import_round_trip(tmp_path):
     assert first["extra_info"]["env_name"] == "code" and first["extra_info"]["question"] == "What colour is the car?"
     assert [p["type"] for p in second["prompt"][0]["content"]] == ["text", "image", "text", "image", "text"]
     assert second["images"] == [png((40, 30), "blue"), records[1]["images"][1]["bytes"]]
-    assert second["reward_model"]["style"] == "rule" and data_prep.row_id(second) == "chart/6"
+    assert second["reward_model"]["style"] == "rule" and task_rows.row_id(second) == "chart/6"
 
 
 def test_image_parts_and_images_must_agree(tmp_path):
     source = tmp_path / "codev.parquet"
     codev_parquet(source)
     raw = pq.read_table(source).to_pylist()  # loaded as if it were kiln rows: the markers are not image parts
-    with pytest.raises(data_prep.RowError, match=r"row 0: images: 1 images but the prompt has 0 image parts \(its "
+    with pytest.raises(task_rows.RowError, match=r"row 0: images: 1 images but the prompt has 0 image parts \(its "
                        r"text holds <image> markers: convert the file with `python data_prep.py codev`\)"):
-        data_prep.write_rows(raw, tmp_path / "raw.parquet")
+        task_rows.write_rows(raw, tmp_path / "raw.parquet")
     rows = data_prep.codev_rows(source)
     rows[1]["images"] = rows[1]["images"][:1]
-    with pytest.raises(data_prep.RowError, match=r"rows.parquet row 1: images: 1 images but the prompt has 2 image"):
-        data_prep.write_rows(rows, tmp_path / "rows.parquet")
+    with pytest.raises(task_rows.RowError, match=r"rows.parquet row 1: images: 1 images but the prompt has 2 image"):
+        task_rows.write_rows(rows, tmp_path / "rows.parquet")
 
 
 def test_extract_images_writes_rgb_files_and_their_paths(tmp_path):
@@ -141,7 +142,7 @@ def test_vision_toy_is_deterministic_and_its_answers_are_right():
     closes = {f"{close:.2f}" for _, close in vision_tasks._msft_closes()}
     dates = {date for date, _ in vision_tasks._msft_closes()}
     for row in rows:
-        data_prep.validate_row(row)
+        task_rows.validate_row(row)
         answer, box = row["reward_model"]["ground_truth"], row["extra_info"]["target_box"]
         picture = Image.open(io.BytesIO(row["images"][0])).convert("RGB")
         family = row["extra_info"]["difficulty"]

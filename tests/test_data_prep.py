@@ -14,8 +14,9 @@ import pytest
 
 import data_prep
 import script_runner
+import task_rows
 from data_files import APPS_DIR, MBPP_FILE, SWE_LITE_DEV
-from data_prep import RowError, load_rows, row_id, validate_row, write_rows
+from task_rows import RowError, load_rows, row_id, validate_row, write_rows
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -179,7 +180,7 @@ def test_parquet_round_trip_of_mixed_sources_is_exact(tmp_path, humaneval, mbpp,
     # task_id (str for humaneval, int for mbpp), weights (int and float), big (> int64), instance (keys differ),
     # prompt (string content and list-of-parts content).
     table = pq.read_table(tmp_path / "mixed.parquet")
-    json_columns = json.loads(table.schema.metadata[data_prep.JSON_COLUMNS_KEY])
+    json_columns = json.loads(table.schema.metadata[task_rows.JSON_COLUMNS_KEY])
     # index too: "img-1" among ints.
     assert sorted(json_columns) == ["extra_info.big", "extra_info.index", "extra_info.instance",
                                     "extra_info.task_id", "extra_info.weights", "prompt"]
@@ -193,7 +194,7 @@ def test_parquet_round_trip_of_mixed_sources_is_exact(tmp_path, humaneval, mbpp,
 def test_parquet_of_one_converter_has_no_json_columns(tmp_path, mbpp):
     write_rows(mbpp, tmp_path / "mbpp.parquet")
     table = pq.read_table(tmp_path / "mbpp.parquet")
-    assert json.loads(table.schema.metadata[data_prep.JSON_COLUMNS_KEY]) == []
+    assert json.loads(table.schema.metadata[task_rows.JSON_COLUMNS_KEY]) == []
     assert table.schema.field("extra_info").type.field("index").type == pa.int64()
 
 
@@ -239,7 +240,7 @@ def test_hub_names_fail_clearly_when_offline():
     # HF_HUB_OFFLINE makes the hub libraries refuse the network at once: no network is touched here.
     script = """
 import data_prep
-for load in (lambda: data_prep.load_rows("someone/rows"), lambda: data_prep.apps_rows("codeparrot/apps"),
+for load in (lambda: task_rows.load_rows("someone/rows"), lambda: data_prep.apps_rows("codeparrot/apps"),
              lambda: data_prep.mbpp_rows("google-research-datasets/mbpp")):
     try:
         load()
@@ -562,7 +563,7 @@ def test_vision_toy_rows_round_trip_and_image_parts_are_counted(tmp_path):
     data_prep.vision_toy(tmp_path / "train.parquet", split="train", n_train=3, n_test=1, size=128)
     rows = load_rows(tmp_path / "train.parquet")
     assert_identical(rows, data_prep.vision_toy_rows(3, 1, size=128)[0])
-    assert [data_prep.count_image_parts(r["prompt"]) for r in rows] == [len(r["images"]) for r in rows] == [1, 1, 1]
+    assert [task_rows.count_image_parts(r["prompt"]) for r in rows] == [len(r["images"]) for r in rows] == [1, 1, 1]
     with pytest.raises(RowError, match=r"^row: images: 0 images but the prompt has 1 image parts$"):
         validate_row({k: v for k, v in rows[0].items() if k != "images"})
     data_prep.extract_images(tmp_path / "train.parquet", tmp_path / "images", tmp_path / "paths.parquet")

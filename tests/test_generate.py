@@ -22,6 +22,7 @@ import generate  # noqa: E402
 import policy  # noqa: E402
 import ranks  # noqa: E402
 import rewards  # noqa: E402
+import task_rows  # noqa: E402
 import tiny  # noqa: E402
 import script_runner  # noqa: E402
 from checkpoint import save_checkpoint  # noqa: E402
@@ -32,7 +33,7 @@ def toy(tmp_path_factory):
     """5 toy rows (an odd count: the last round leaves a rank without rows) and a tiny model trained on nothing."""
     root = tmp_path_factory.mktemp("generate")
     train, test = data_prep.toy_rows(40, 5, seed=0, max_ops=2)
-    data_prep.write_rows(test, root / "rows.parquet")
+    task_rows.write_rows(test, root / "rows.parquet")
     corpus = [r["prompt"][-1]["content"] + "\n" + r["extra_info"]["solution"] for r in train]
     return root, tiny.make_tiny_model(root / "model", corpus, seed=0), test
 
@@ -67,7 +68,7 @@ def test_samples_in_row_order_that_score_accepts(toy, tmp_path, one_rank):
     root, model, rows = toy
     out = generate.generate(args_for(root, model, tmp_path / "samples.jsonl", n_samples=3, temperature=1.0))
     lines = read_lines(out)
-    ids = [data_prep.row_id(r) for r in rows]
+    ids = [task_rows.row_id(r) for r in rows]
     assert [(line["task_id"], line["sample"]) for line in lines] == [(i, k) for i in ids for k in range(3)]
     assert all(line["finish_reason"] in ("stop", "length") and 0 < line["completion_tokens"] <= 12 for line in lines)
     assert len({line["completion"] for line in lines}) > 5  # sampled, not the same text repeated
@@ -160,10 +161,10 @@ def test_a_failed_run_leaves_the_previous_output_whole(toy, tmp_path, one_rank, 
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        data_prep.write_atomically(out, lines_then_crash())
+        task_rows.write_atomically(out, lines_then_crash())
     assert out.read_text() == '{"task_id": "toy/0", "completion": "old"}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["samples.jsonl"]  # no temp file left behind
-    data_prep.write_atomically(out, [{"task_id": "toy/1", "completion": "new"}])
+    task_rows.write_atomically(out, [{"task_id": "toy/1", "completion": "new"}])
     assert read_lines(out) == [{"task_id": "toy/1", "completion": "new"}]
 
 
@@ -190,7 +191,7 @@ def test_two_ranks_from_a_checkpoint_with_tools(toy, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     lines = read_lines(out)
     assert [(line["task_id"], line["sample"]) for line in lines] == [
-        (data_prep.row_id(r), k) for r in rows for k in range(2)]
+        (task_rows.row_id(r), k) for r in rows for k in range(2)]
     assert all(line["turns"] >= 1 for line in lines)
     assert "10 samples (2 per row, 5 rows, 2 ranks)" in run.stdout
     score = script_runner.run([sys.executable, str(ROOT / "rewards.py"), "score", str(out), "--data",

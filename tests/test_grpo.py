@@ -20,6 +20,7 @@ import policy  # noqa: E402
 import ranks  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
+import task_rows  # noqa: E402
 import tiny  # noqa: E402
 import train_grpo  # noqa: E402
 import train_sft  # noqa: E402
@@ -33,8 +34,8 @@ pytestmark = pytest.mark.slow
 def task(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo")
     train, test = data_prep.toy_rows(200, 16, seed=0, max_ops=2)
-    data_prep.write_rows(train, root / "train.parquet")
-    data_prep.write_rows(test, root / "test.parquet")
+    task_rows.write_rows(train, root / "train.parquet")
+    task_rows.write_rows(test, root / "test.parquet")
     corpus = [r["prompt"][-1]["content"] + "\n" + r["extra_info"]["solution"] for r in train]
     model = tiny.make_tiny_model(root / "model", corpus, seed=0)
     # A short SFT warm start, so that some samples earn partial credit and GRPO has a signal to follow.
@@ -199,11 +200,11 @@ def test_best_policy_follows_the_chosen_metric(tmp_path):
     test pass rate (the default --best-metric) and by pass@1: best/ and best.json follow the chosen metric, the eval
     report holds every evaluation and the last one's band picture, and an unknown metric is refused by name."""
     train, test = data_prep.toy_rows(20, 4, seed=0, max_ops=2)
-    data_prep.write_rows(test, tmp_path / "test.parquet")
+    task_rows.write_rows(test, tmp_path / "test.parquet")
     model_dir = tiny.make_tiny_model(tmp_path / "model", [r["prompt"][-1]["content"] for r in train], seed=0)
     # (passed, total) of the 4 rows at each step: one full pass then nothing; 2/3 everywhere; 1/3 everywhere.
     tests_passed = {0: [(3, 3), (0, 3), (0, 3), (0, 3)], 1: [(2, 3)] * 4, 2: [(1, 3)] * 4}
-    index = {data_prep.row_id(r): i for i, r in enumerate(test)}
+    index = {task_rows.row_id(r): i for i, r in enumerate(test)}
 
     def run_with(best_metric: str, out: Path):
         run = train_grpo.setup(train_grpo.Args(
@@ -211,7 +212,7 @@ def test_best_policy_follows_the_chosen_metric(tmp_path):
             output_dir=str(out), max_new_tokens=4, prompts_per_step=4, best_metric=best_metric), None)
 
         def scripted(rows, texts):
-            counts = [tests_passed[run.step][index[data_prep.row_id(r)]] for r in rows]
+            counts = [tests_passed[run.step][index[task_rows.row_id(r)]] for r in rows]
             return [rewards.Reward(p / t, {"passed": p, "total": t, "verdicts": []}) for p, t in counts]
 
         run.score_fn = scripted

@@ -11,6 +11,7 @@ import data_prep
 import engines
 import policy
 import rewards
+import task_rows
 import tiny
 import train_grpo
 
@@ -19,7 +20,7 @@ import train_grpo
 def task(tmp_path_factory):
     root = tmp_path_factory.mktemp("variants")
     train, _ = data_prep.toy_rows(60, 4, seed=0)
-    data_prep.write_rows(train, root / "train.parquet")
+    task_rows.write_rows(train, root / "train.parquet")
     corpus = [r["prompt"][-1]["content"] + "\n" + r["extra_info"]["solution"] for r in train]
     return root, tiny.make_tiny_model(root / "model", corpus, seed=0)
 
@@ -93,7 +94,7 @@ def test_dynamic_sampling_refills_the_batch_with_groups_that_differ(task, tmp_pa
     # Replay the data order: rounds of 4 prompts until 4 informative ones have come up.
     tries, found = 0, 0
     while found < 4:
-        found += sum(map(informative, data_prep.in_epoch_order(run.rows, tries * 4, 4, 0)))
+        found += sum(map(informative, task_rows.in_epoch_order(run.rows, tries * 4, 4, 0)))
         tries += 1
     assert tries > 1  # the first round alone would leave the batch short
     metrics = train_grpo.train_step(run)
@@ -161,7 +162,7 @@ def test_gspo_trains_with_truncated_importance_sampling(task, tmp_path):
 def test_stop_tokens_hold_the_templates_end_of_turn(tmp_path):
     model = tiny.make_tiny_model(tmp_path / "llama", ["def f(x):\n    return x + 1\n"] * 20, chat_format="llama3")
     train, _ = data_prep.toy_rows(8, 2, seed=0)
-    data_prep.write_rows(train, tmp_path / "train.parquet")
+    task_rows.write_rows(train, tmp_path / "train.parquet")
     run = train_grpo.setup(train_grpo.Args(model=str(model), data=str(tmp_path / "train.parquet"),
                                            output_dir=str(tmp_path / "out"), max_prompt_tokens=4096), None)
     eot = run.tokenizer.convert_tokens_to_ids("<|eot_id|>")

@@ -20,11 +20,11 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import data_prep  # noqa: E402
 import engines  # noqa: E402
 import judge as judge_lib  # noqa: E402
 import policy  # noqa: E402
 import rewards  # noqa: E402
+import task_rows  # noqa: E402
 import tiny  # noqa: E402
 import train_grpo  # noqa: E402
 import script_runner  # noqa: E402
@@ -185,7 +185,7 @@ def test_a_dead_or_wrong_judge_stops_before_any_work(tmp_path):
         with pytest.raises(judge_lib.JudgeUnreachable, match=r"does not serve model 'qwen'.*\['scripted'\]"):
             judge_lib.Judge(url, model="qwen")
     data, samples = tmp_path / "rows.jsonl", tmp_path / "samples.jsonl"
-    data_prep.write_rows([vl_row("What colour?", "red")], data)
+    task_rows.write_rows([vl_row("What colour?", "red")], data)
     samples.write_text(json.dumps({"task_id": "vl_agent/0", "completion": "<answer>red</answer>"}) + "\n")
     with pytest.raises(ValueError, match="1 rows .*'vl_agent'.* scored with an LLM judge: pass --judge-url"):
         rewards.main(rewards.ScoreArgs(str(samples), data=str(data)))
@@ -290,7 +290,7 @@ def test_vision_toy_tool_rule_needs_no_judge():
 def test_score_cli_reports_judge_failures_apart(tmp_path, capsys):
     script = Script({("down", "verdict"): [("malformed",)]})
     data, samples = tmp_path / "rows.parquet", tmp_path / "samples.jsonl"
-    data_prep.write_rows([vl_row("[[up]] colour?", "red", index=0), vl_row("[[down]] colour?", "red", index=1)],
+    task_rows.write_rows([vl_row("[[up]] colour?", "red", index=0), vl_row("[[down]] colour?", "red", index=1)],
                          data)
     samples.write_text("".join(json.dumps({"task_id": f"vl_agent/{i}", "completion": c}) + "\n"
                                for i, c in ((0, "<answer>crimson</answer>"), (1, "<answer>crimson</answer>"),
@@ -353,7 +353,7 @@ def vl_task(tmp_path_factory):
     rows = [vl_row(f"[[mix]] What is {i} + 2?", str(i + 2), index=i, split="train") for i in range(8)]
     for row in rows:
         row["extra_info"]["split"] = "train"
-    data_prep.write_rows(rows, root / "train.parquet")
+    task_rows.write_rows(rows, root / "train.parquet")
     model = tiny.make_tiny_model(root / "model", [r["prompt"][0]["content"] + " the answer" for r in rows] * 20)
     return root, model
 

@@ -22,6 +22,7 @@ import engines  # noqa: E402
 import policy  # noqa: E402
 import ranks  # noqa: E402
 import rollout  # noqa: E402
+import task_rows  # noqa: E402
 import tiny  # noqa: E402
 import tools  # noqa: E402
 
@@ -165,7 +166,7 @@ def run_fixture(tokenizer, messages, **engine_kwargs):
     marker = next(w for m in prompt for w in str(m["content"]).replace("'", " ").replace(":", " ").split()
                   if w.startswith("task-"))
     engine = ScriptedEngine(tokenizer, {marker: assistant_texts(tokenizer, messages)}, **engine_kwargs)
-    row = {"prompt": prompt, "images": [PNG] * data_prep.count_image_parts(prompt)}
+    row = {"prompt": prompt, "images": [PNG] * task_rows.count_image_parts(prompt)}
     samples, metrics = rollout.multi_turn(
         engine, tokenizer, [row], 1, engines.Sampling(max_new_tokens=1000),
         replay_toolbox([m for m in messages if m["role"] == "tool"]), rollout.AgentLimits(max_turns=8))
@@ -387,7 +388,7 @@ def test_prompt_longer_than_max_total_tokens_is_refused_before_generating(tokeni
 
 def test_rows_are_measured_with_the_tool_signatures_they_will_be_shown(tokenizer, tmp_path, capsys):
     rows, _ = data_prep.toy_rows(20, 4, seed=0)
-    data_prep.write_rows(rows, tmp_path / "rows.parquet")
+    task_rows.write_rows(rows, tmp_path / "rows.parquet")
     plain = [len(chat.encode_prompt(tokenizer, r["prompt"])) for r in rows]
     shown = sorted(len(tokenizer(chat.render(tokenizer, r["prompt"], [tools.PYTHON_TOOL], True))["input_ids"])
                    for r in rows)
@@ -500,7 +501,7 @@ def test_python_tool_turns_reach_the_samples_outside_the_loss_mask(tokenizer):
 def test_two_rank_grpo_with_the_python_tool(tmp_path):
     """2 ranks under torchrun with the python tool, partial rollouts and rollout correction on."""
     train, _ = data_prep.toy_rows(40, 4, seed=0)
-    data_prep.write_rows(train, tmp_path / "train.parquet")
+    task_rows.write_rows(train, tmp_path / "train.parquet")
     corpus = [r["prompt"][-1]["content"] + "\n" + r["extra_info"]["solution"] for r in train] + CORPUS
     model = tiny.make_tiny_model(tmp_path / "model", corpus, seed=0)
     root = Path(__file__).resolve().parents[1]

@@ -16,11 +16,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import chat  # noqa: E402
-import data_prep  # noqa: E402
 import engines  # noqa: E402
 import losses  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
+import task_rows  # noqa: E402
 import tiny  # noqa: E402
 import tools  # noqa: E402
 import train_grpo  # noqa: E402
@@ -230,12 +230,12 @@ class TrainerEngine(TokenEngine):
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
     root = tmp_path_factory.mktemp("partial")
-    order = data_prep.in_epoch_order(list(range(len(KINDS))), 0, len(KINDS), 0)
+    order = task_rows.in_epoch_order(list(range(len(KINDS))), 0, len(KINDS), 0)
     kinds = [None] * len(KINDS)
     for position, item in enumerate(order):
         kinds[item] = KINDS[position]
     tests = {"test_list": ["assert True"], "test_setup_code": ""}
-    data_prep.write_rows([data_prep.make_row("toy", f"{kind}: solve it", tests, {"index": k, "split": "train"})
+    task_rows.write_rows([task_rows.make_row("toy", f"{kind}: solve it", tests, {"index": k, "split": "train"})
                           for k, kind in enumerate(kinds)], root / "train.parquet")
     return root, tiny.make_tiny_model(root / "model", CORPUS, seed=0)
 
@@ -304,7 +304,7 @@ def test_grpo_trains_carried_groups_whole_with_versions_and_corrected_weights(ta
     resumed = make_run(task, tmp_path / "out", resume=True)
     assert "the 2 groups in flight at the checkpoint start again from their prompts" in capsys.readouterr().out
     assert [(g, r["extra_info"]["index"]) for g, r in resumed.in_flight.regenerate] == [
-        (g, data_prep.in_epoch_order(resumed.rows, g, 1, 0)[0]["extra_info"]["index"]) for g in (4, 5)]
+        (g, task_rows.in_epoch_order(resumed.rows, g, 1, 0)[0]["extra_info"]["index"]) for g in (4, 5)]
     metrics = train_grpo.train_step(resumed)
     assert metrics["partial/regenerated"] == 4 and resumed.data_pos == 8  # one round: groups 4-5 are in flight again
 

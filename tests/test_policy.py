@@ -614,7 +614,7 @@ def test_fsdp2_two_ranks(model_dir, tmp_path):
         ranks.torchrun(2, ROOT / "tests" / "dist_policy.py", model_dir, tmp_path),
         capture_output=True, text=True, env=env, timeout=600)
     passed = {line[3:] for line in result.stdout.splitlines() if line.startswith("ok ")}
-    expected = {"iter_full_weights", "packed_logprobs_sharded", "hf_engine_sharded", "gradients_sharded", "clip_grad_norm",
+    expected = {"iter_full_weights", "same_micro_batch_count", "packed_logprobs_sharded", "hf_engine_sharded", "gradients_sharded", "clip_grad_norm",
                 "train_step_changes_params", "checkpoint_roundtrip", "checkpoint_resave_and_prune", "save_hf",
                 "mixed_precision"}
     assert result.returncode == 0 and passed == expected, result.stdout[-3000:] + result.stderr[-6000:]

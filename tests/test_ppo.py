@@ -24,6 +24,7 @@ import policy  # noqa: E402
 import rewards  # noqa: E402
 import ranks  # noqa: E402
 import rollout  # noqa: E402
+import task_rows  # noqa: E402
 import tiny  # noqa: E402
 import train_ppo  # noqa: E402
 from data_files import APPS_DIR  # noqa: E402
@@ -75,7 +76,7 @@ def apps(tmp_path_factory):
     rows = data_prep.apps_rows(APPS_DIR)
     assert sorted(r["extra_info"]["difficulty"] for r in rows) == ["competition", "interview", "interview",
                                                                    "introductory", "introductory"]
-    data_prep.write_rows(rows, root / "apps.parquet")
+    task_rows.write_rows(rows, root / "apps.parquet")
     corpus = [r["prompt"][-1]["content"] for r in rows] + [s for r in rows for s in r["extra_info"]["solutions"][:3]]
     return root, tiny.make_tiny_model(root / "model", corpus, seed=0), rows
 
@@ -85,7 +86,7 @@ class ScriptedEngine:
 
     def __init__(self, tokenizer, rows: list[dict], answers: dict[str, str]):
         self.tokenizer = tokenizer
-        self.task_of = {tuple(chat.encode_prompt(tokenizer, r["prompt"])): data_prep.row_id(r) for r in rows}
+        self.task_of = {tuple(chat.encode_prompt(tokenizer, r["prompt"])): task_rows.row_id(r) for r in rows}
         self.answers = answers
 
     def generate(self, prompts, sampling, seeds=None):
@@ -113,7 +114,7 @@ def fenced(code: str) -> str:
 
 def answers_with_known_scores(rows) -> tuple[dict[str, str], dict[str, float]]:
     """apps/1 right, apps/111 wrong, apps/2287 1 of 3 tests, apps/2404 no code, apps/4184 4 of 8 tests."""
-    solution = {data_prep.row_id(r): r["extra_info"]["solutions"][0] for r in rows}
+    solution = {task_rows.row_id(r): r["extra_info"]["solutions"][0] for r in rows}
     answers = {"apps/1": fenced(solution["apps/1"]), "apps/111": fenced("print(0)"),
                "apps/2287": fenced('print("No")'), "apps/2404": "I do not know.",
                "apps/4184": fenced("def is_prime(num):\n    return False")}
@@ -219,7 +220,7 @@ def test_step_and_eval_by_difficulty_with_real_apps_rewards(apps, tmp_path):
 
     # Better at step 3: the best moves; worse at step 4: it stays.
     t.engine.answers = {r: fenced(row["extra_info"]["solutions"][0]) for r, row in
-                        ((data_prep.row_id(row), row) for row in rows)}
+                        ((task_rows.row_id(row), row) for row in rows)}
     t.step = 3
     assert train_ppo.evaluate(t)["val-core/all/pass@1"] == 1.0
     t.engine.answers, t.step = answers, 4

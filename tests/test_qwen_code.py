@@ -5,7 +5,6 @@ gold fix the diff it leaves is graded resolved in a fresh container and exactly 
 tiny model the run completes and every recorded segment passes check_tito. No container outlives its agent.
 Needs qwen-code installed: npm install --prefix .npm-tools @qwen-code/qwen-code@0.15.10 (CI installs it)."""
 import json
-import os
 import sys
 from pathlib import Path
 

@@ -19,6 +19,7 @@ import eval_report  # noqa: E402
 import rewards  # noqa: E402
 import sandbox  # noqa: E402
 import script_runner  # noqa: E402
+import task_rows  # noqa: E402
 from data_files import APPS_DIR, MBPP_FILE  # noqa: E402
 
 # A mutation wraps the function under test so that it returns a wrong value of a plausible type.
@@ -140,7 +141,7 @@ def test_pass_at_k_matches_the_definition():
 
 def run_cli(tmp_path, lines: list[str]):
     train, _ = data_prep.toy_rows(40, 4, seed=0)
-    data_prep.write_rows(train, tmp_path / "rows.parquet")
+    task_rows.write_rows(train, tmp_path / "rows.parquet")
     (tmp_path / "samples.jsonl").write_text("\n".join(lines) + "\n")
     return train, script_runner.run([sys.executable, str(ROOT / "rewards.py"), "score", str(tmp_path / "samples.jsonl"),
                                   "--data", str(tmp_path / "rows.parquet"), "--out", str(tmp_path / "out.jsonl")],
@@ -152,7 +153,7 @@ def test_cli_reports_pass_at_k_by_source_and_difficulty(tmp_path):
     lines = []
     for row in train[:3]:  # 4 samples per task: 2 right, 2 wrong -> pass@1 = 0.5, pass@2 = 5/6, pass@4 = 1
         for code in [row["extra_info"]["solution"]] * 2 + ["def f(x):\n    return None"] * 2:
-            lines.append(json.dumps({"task_id": data_prep.row_id(row), "completion": fenced(code)}))
+            lines.append(json.dumps({"task_id": task_rows.row_id(row), "completion": fenced(code)}))
     _, proc = run_cli(tmp_path, lines)
     assert proc.returncode == 0, proc.stderr
     all_line = next(line for line in proc.stdout.splitlines() if line.startswith("all "))
@@ -172,11 +173,11 @@ def test_cli_rejects_malformed_samples_and_unknown_tasks(tmp_path):
 def test_programs_cannot_make_scoring_raise():
     """Outputs the numeric comparison treats specially, and an exception that cannot be rebuilt from its message:
     ordinary verdicts, never an exception out of score."""
-    apps = data_prep.make_row("apps", "echo", {"inputs": ["sNaN\n", "1e999999999\n"], "outputs": ["1", "2"]},
+    apps = task_rows.make_row("apps", "echo", {"inputs": ["sNaN\n", "1e999999999\n"], "outputs": ["1", "2"]},
                               {"index": 0, "split": "test"})
     reward = rewards.score(apps, fenced("print(input())"))
     assert reward.score == 0.0 and reward.info["error"] == "wrong_answer"
-    mbpp = data_prep.make_row("mbpp", "f", {"test_list": ["assert f(1) == 1"]}, {"index": 1, "split": "test"})
+    mbpp = task_rows.make_row("mbpp", "f", {"test_list": ["assert f(1) == 1"]}, {"index": 1, "split": "test"})
     reward = rewards.score(mbpp, fenced("raise UnicodeDecodeError('utf-8', b'x', 0, 1, 'no')\ndef f(x): return x"))
     assert reward.score == 0.0 and reward.info["error"] == "runtime_error"
 
@@ -186,7 +187,7 @@ def test_a_grading_that_fails_is_a_counted_grader_error():
     Reward of 0 with error grader_error and its reason, counted by batch_metrics; nothing raises."""
     box = sandbox.default_sandbox()
     sandbox.run("pass")  # the zygote is up, so its uid range is known
-    mbpp = data_prep.make_row("mbpp", "f", {"test_list": ["assert f(1) == 1"]}, {"index": 9, "split": "test"})
+    mbpp = task_rows.make_row("mbpp", "f", {"test_list": ["assert f(1) == 1"]}, {"index": 9, "split": "test"})
     outcome = []
     thread = threading.Thread(target=lambda: outcome.append(rewards.score(
         mbpp, fenced("import time\ntime.sleep(5)\ndef f(x): return x"), sandbox.Limits(timeout=10))))

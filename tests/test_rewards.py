@@ -15,16 +15,17 @@ import eval_report  # noqa: E402
 import rewards  # noqa: E402
 import runlog  # noqa: E402
 import script_runner  # noqa: E402
+import task_rows  # noqa: E402
 from data_files import APPS_DIR  # noqa: E402
 
 PROMPT = 'def inc(x: int) -> int:\n    """Add one."""\n'
-HUMANEVAL = data_prep.make_row("humaneval", "complete inc", {
+HUMANEVAL = task_rows.make_row("humaneval", "complete inc", {
     "prompt": PROMPT, "entry_point": "inc", "test": "def check(candidate):\n    assert candidate(1) == 2\n"},
     {"index": 0, "split": "test"})
 
 
 def io_row(index: int, truth: dict, difficulty: str) -> dict:
-    return data_prep.make_row("apps", "q", truth, {"index": index, "split": "test", "difficulty": difficulty})
+    return task_rows.make_row("apps", "q", truth, {"index": index, "split": "test", "difficulty": difficulty})
 
 
 ADD = io_row(1, {"inputs": ["1 2\n", "5 5\n", "0 0\n"], "outputs": ["3\n", "10\n", "0\n"]}, "introductory")
@@ -70,7 +71,7 @@ def test_humaneval_completion_shapes(completion, score):
 
 
 def test_error_category_is_the_first_failure():
-    toy = data_prep.make_row("toy", "f", {"test_list": ["assert f(1) == 1", "assert f(0) == 0"], "test_setup_code": ""},
+    toy = task_rows.make_row("toy", "f", {"test_list": ["assert f(1) == 1", "assert f(0) == 0"], "test_setup_code": ""},
                              {"index": 0, "split": "train"})
     reward = rewards.score(toy, fenced("def f(x):\n    return 1 / x"))
     assert reward.score == 0.5 and reward.info["error"] == "runtime_error"
@@ -81,7 +82,7 @@ def test_error_category_is_the_first_failure():
 
 
 def test_a_broken_ground_truth_raises_naming_the_task():
-    row = data_prep.make_row("mbpp", "f", {"test_list": ["assert f() == 1"], "test_setup_code": "import nonexistent"},
+    row = task_rows.make_row("mbpp", "f", {"test_list": ["assert f() == 1"], "test_setup_code": "import nonexistent"},
                              {"index": 77, "split": "test"})
     with pytest.raises(ValueError, match="mbpp/77.*ground truth"):
         rewards.score(row, fenced("def f():\n    return 1"))
@@ -104,7 +105,7 @@ def test_pass_at_k_edges():
 
 
 def cli(tmp_path, rows, lines, *extra):
-    data_prep.write_rows(rows, tmp_path / "rows.jsonl")
+    task_rows.write_rows(rows, tmp_path / "rows.jsonl")
     (tmp_path / "samples.jsonl").write_text("".join(line + "\n" for line in lines))
     return script_runner.run([sys.executable, str(ROOT / "rewards.py"), "score", str(tmp_path / "samples.jsonl"),
                            "--data", str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "out.jsonl"), *extra],
@@ -173,7 +174,7 @@ def hand_made_report():
                rewards.Reward(0.8, {"passed": 4, "total": 5}), rewards.Reward(0.6, {"passed": 3, "total": 5}),
                rewards.Reward(0.4, {"passed": 2, "total": 5}), rewards.Reward(0.0, {"passed": 0, "total": 1}),
                rewards.Reward(0.7, {})]
-    return eval_report.report({data_prep.row_id(r): r for r in rows}, task_ids, results)
+    return eval_report.report({task_rows.row_id(r): r for r in rows}, task_ids, results)
 
 
 def test_test_pass_rate_means_and_bands_by_hand():
@@ -243,7 +244,7 @@ def test_score_reports_each_training_step_and_filters_one(tmp_path, capsys):
     """A trainer's samples.jsonl holds several steps of a changing policy: reported step by step besides the pool, and
     `--step` grades one step alone."""
     good, bad = fenced("print(sum(map(int, input().split())))"), fenced("print(")
-    data_prep.write_rows([ADD], tmp_path / "rows.jsonl")
+    task_rows.write_rows([ADD], tmp_path / "rows.jsonl")
     lines = [{"step": 5, "task_id": "apps/1", "completion": bad}, {"step": 5, "task_id": "apps/1", "completion": bad},
              {"step": 10, "task_id": "apps/1", "completion": good}, {"step": 10, "task_id": "apps/1", "completion": bad}]
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -263,7 +264,7 @@ def test_score_of_a_run_without_samples_says_what_is_missing(tmp_path):
     says why the file is missing, no traceback."""
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
-    data_prep.write_rows([ADD], tmp_path / "rows.jsonl")
+    task_rows.write_rows([ADD], tmp_path / "rows.jsonl")
     proc = script_runner.run([sys.executable, str(ROOT / "rewards.py"), "score",
                               str(tmp_path / "run" / "samples.jsonl"), "--data", str(tmp_path / "rows.jsonl")],
                              capture_output=True, text=True, timeout=300)

@@ -23,6 +23,7 @@ import demo  # noqa: E402
 import policy  # noqa: E402
 import rewards  # noqa: E402
 import runlog  # noqa: E402
+import task_rows  # noqa: E402
 import tiny  # noqa: E402
 import ranks  # noqa: E402
 import train_grpo  # noqa: E402
@@ -35,9 +36,9 @@ from checkpoint import load_checkpoint, load_newest_checkpoint, save_checkpoint 
 def toy(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     train, test = data_prep.toy_rows(40, 4, seed=0, max_ops=2)
-    data_prep.write_rows(train, root / "train.parquet")
-    data_prep.write_rows(test[:2], root / "test.parquet")
-    data_prep.write_rows(test[:1], root / "one.parquet")
+    task_rows.write_rows(train, root / "train.parquet")
+    task_rows.write_rows(test[:2], root / "test.parquet")
+    task_rows.write_rows(test[:1], root / "one.parquet")
     corpus = [r["prompt"][-1]["content"] + "\n" + r["extra_info"]["solution"] for r in train]
     return root, tiny.make_tiny_model(root / "model", corpus, seed=0)
 
@@ -187,8 +188,8 @@ def test_settings_are_refused_before_anything_loads(toy, tmp_path, process_group
         train_sft.main(train_sft.Args(model=str(tmp_path / "nope"), data=base["data"], output_dir=base["output_dir"]))
 
     # A data_source without a reward function is named when the rows load, not after the first rollout.
-    rows = data_prep.load_rows(root / "train.parquet")
-    data_prep.write_rows([r | {"data_source": "my_task"} for r in rows[:4]], tmp_path / "mine.parquet")
+    rows = task_rows.load_rows(root / "train.parquet")
+    task_rows.write_rows([r | {"data_source": "my_task"} for r in rows[:4]], tmp_path / "mine.parquet")
     with pytest.raises(ValueError, match=r"mine.parquet: no reward function for data_source 'my_task'; known: apps"):
         train_grpo.setup(train_grpo.Args(**base | dict(data=str(tmp_path / "mine.parquet"))), rewards.score_batch)
     with pytest.raises(ValueError, match=r"no reward function for data_source 'my_task'"):
@@ -197,9 +198,9 @@ def test_settings_are_refused_before_anything_loads(toy, tmp_path, process_group
 
 def test_score_out_is_checked_first_and_written_whole_after_the_report(toy, tmp_path, capsys):
     root, _ = toy
-    rows = data_prep.load_rows(root / "test.parquet")
+    rows = task_rows.load_rows(root / "test.parquet")
     samples = tmp_path / "samples.jsonl"
-    samples.write_text("".join(json.dumps({"task_id": data_prep.row_id(r), "completion": "```python\n"
+    samples.write_text("".join(json.dumps({"task_id": task_rows.row_id(r), "completion": "```python\n"
                                            + r["extra_info"]["solution"] + "\n```"}) + "\n" for r in rows))
     for bad in (dict(workers=0), dict(timeout=0.0), dict(timeout=-1.0)):
         with pytest.raises(ValueError, match="--workers and --timeout must be > 0"):
@@ -297,7 +298,7 @@ def test_grpo_nan_reward_stops_and_nan_gradient_skips_the_step(toy, tmp_path, pr
         return [p.full_tensor().clone() for p in run.model.parameters()]
 
     before = weights()
-    task = data_prep.row_id(data_prep.in_epoch_order(run.rows, 0, 2, args.seed)[0])
+    task = task_rows.row_id(task_rows.in_epoch_order(run.rows, 0, 2, args.seed)[0])
     with pytest.raises(RuntimeError, match=rf"step 1: non-finite reward nan for task {task} \(1 sample"):
         train_grpo.train_step(run)
     assert all(torch.equal(a, b) for a, b in zip(weights(), before))

@@ -16,13 +16,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 import chat  # noqa: E402
 import containers  # noqa: E402
-import data_prep  # noqa: E402
 import engines  # noqa: E402
 import policy  # noqa: E402
 import rewards  # noqa: E402
 import swe_grading  # noqa: E402
 import rollout  # noqa: E402
 import ranks  # noqa: E402
+import task_rows  # noqa: E402
 import tiny  # noqa: E402
 import tools  # noqa: E402
 from test_multiturn import CORPUS, ScriptedEngine  # noqa: E402
@@ -184,7 +184,7 @@ def test_wall_limit_ends_a_trajectory_and_a_crash_leaves_no_container(docker_cli
 @pytest.mark.slow
 def test_two_rank_grpo_on_swebench_rows_leaves_no_container(docker_client, swe_rows, tmp_path):
     rows = [swe_rows[i] for i in sorted(swe_rows) if i.startswith("marshmallow")]
-    data_prep.write_rows(rows, tmp_path / "swe.parquet")
+    task_rows.write_rows(rows, tmp_path / "swe.parquet")
     model = tiny.make_tiny_model(tmp_path / "model", CORPUS, max_position_embeddings=8192)
     subprocess.run([*ranks.torchrun(2, ROOT / "train_grpo.py"), "--model", str(model), "--data", str(tmp_path / "swe.parquet"),
                     "--output-dir", str(tmp_path / "out"), "--prompts-per-step", "2", "--group-size", "2",
@@ -201,7 +201,7 @@ def test_two_rank_grpo_on_swebench_rows_leaves_no_container(docker_client, swe_r
 @pytest.mark.slow
 def test_a_ppo_step_on_swebench_rows_leaves_no_container(docker_client, swe_rows, tmp_path):
     rows = [swe_rows[i] for i in sorted(swe_rows) if i.startswith("marshmallow")]
-    data_prep.write_rows(rows, tmp_path / "swe.parquet")
+    task_rows.write_rows(rows, tmp_path / "swe.parquet")
     model = tiny.make_tiny_model(tmp_path / "model", CORPUS, max_position_embeddings=8192)
     subprocess.run([*ranks.torchrun(1, ROOT / "train_ppo.py"), "--model", str(model), "--data", str(tmp_path / "swe.parquet"),
                     "--eval-data", "None", "--output-dir", str(tmp_path / "out"), "--engine", "hf",
@@ -219,10 +219,10 @@ def test_a_ppo_step_on_swebench_rows_leaves_no_container(docker_client, swe_rows
 def test_a_trainer_interrupted_mid_rollout_removes_its_containers(docker_client, swe_rows, tmp_path, signum):
     """What train_grpo --tools swe installs at setup: Ctrl-C (SIGINT) and torchrun's SIGTERM remove this process's
     containers on the way out."""
-    data_prep.write_rows([swe_rows[M1359]], tmp_path / "row.parquet")
+    task_rows.write_rows([swe_rows[M1359]], tmp_path / "row.parquet")
     script = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); import containers, data_prep, tools\n"
               "containers.remove_owned_at_exit(containers.shared_client())\n"
-              f"boxes = [tools.swe_toolbox(data_prep.load_rows({str(tmp_path / 'row.parquet')!r})[0]) "
+              f"boxes = [tools.swe_toolbox(task_rows.load_rows({str(tmp_path / 'row.parquet')!r})[0]) "
               "for _ in range(2)]\n"
               "print('ready', flush=True)\ntime.sleep(600)\n")
     # A suite started in the background (`make test &`) ignores SIGINT, and a child inherits that: give the trainer
@@ -244,7 +244,7 @@ def test_a_trainer_interrupted_mid_rollout_removes_its_containers(docker_client,
 def test_generate_with_swe_tools_writes_the_containers_diffs(docker_client, swe_rows, tmp_path):
     """`generate.py --tools swe`: a line per sample whose completion is its container's diff (an untrained
     model changes nothing: ""); no container is left."""
-    data_prep.write_rows([swe_rows[M1359]], tmp_path / "swe.parquet")
+    task_rows.write_rows([swe_rows[M1359]], tmp_path / "swe.parquet")
     model = tiny.make_tiny_model(tmp_path / "model", CORPUS, max_position_embeddings=8192)
     generated = subprocess.run(
         [sys.executable, str(ROOT / "generate.py"), "--model", str(model), "--data",

@@ -26,12 +26,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 import containers  # noqa: E402
-import data_prep  # noqa: E402
 import rewards  # noqa: E402
 import swe_grading  # noqa: E402
 import swe_instances  # noqa: E402
 import script_runner  # noqa: E402
 import system_parts  # noqa: E402
+import task_rows  # noqa: E402
 
 M1343, M1359 = "marshmallow-code__marshmallow-1343", "marshmallow-code__marshmallow-1359"
 DJANGO = "django__django-11099"
@@ -134,7 +134,7 @@ def swe_rows(docker_client, tmp_path_factory) -> dict[str, dict]:
     out.mkdir(parents=True, exist_ok=True)
     with open(out / ".lock", "w") as lock:  # `make test` runs two pytest workers: one builds, the other waits
         fcntl.flock(lock, fcntl.LOCK_EX)
-        rows = data_prep.load_rows(swe_instances.main(swe_instances.Args(out=out)))
+        rows = task_rows.load_rows(swe_instances.main(swe_instances.Args(out=out)))
     return {row["extra_info"]["index"]: row for row in rows}
 
 
@@ -536,7 +536,7 @@ def test_score_reads_swebench_predictions_and_names_an_unknown_instance(tmp_path
 
 @pytest.mark.docker
 def test_score_cli_grades_a_prediction_file_with_kiln_or_run_instance_alike(docker_client, swe_rows, tmp_path):
-    data_prep.write_rows([swe_rows[M1343]], tmp_path / "rows.parquet")
+    task_rows.write_rows([swe_rows[M1343]], tmp_path / "rows.parquet")
     gold = truth_of(swe_rows[M1343])["patch"]
     (tmp_path / "preds.jsonl").write_text("".join(json.dumps({"instance_id": M1343, "model_patch": patch,
                                                               "model_name_or_path": "m"}) + "\n"
@@ -590,7 +590,7 @@ def test_swe_check_passes_good_rows_and_fails_a_row_whose_gold_patch_does_not_re
     truth = truth_of(good) | {"instance_id": M1343 + "0", "patch": NOOP}
     broken = good | {"reward_model": good["reward_model"] | {"ground_truth": json.dumps(truth)},
                      "extra_info": good["extra_info"] | {"index": truth["instance_id"]}}
-    data_prep.write_rows([good, broken], tmp_path / "rows.parquet")
+    task_rows.write_rows([good, broken], tmp_path / "rows.parquet")
     result = script_runner.run([sys.executable, str(ROOT / "rewards.py"), "swe-check", str(tmp_path / "rows.parquet")],
                             capture_output=True, text=True, timeout=600)
     lines = {line.split()[0]: line for line in result.stdout.splitlines()[1:] if line.startswith("marshmallow")}
@@ -599,7 +599,7 @@ def test_swe_check_passes_good_rows_and_fails_a_row_whose_gold_patch_does_not_re
     assert lines[truth["instance_id"]].split()[1:3] == ["no", "0/1"] and "FAIL: gold patch not resolved" in \
         lines[truth["instance_id"]]
     toy = tmp_path / "toy.parquet"
-    data_prep.write_rows([good | {"data_source": "toy", "reward_model": {
+    task_rows.write_rows([good | {"data_source": "toy", "reward_model": {
         "style": "rule", "ground_truth": json.dumps({"test_list": ["assert True"]})}}], toy)
     refused = script_runner.run([sys.executable, str(ROOT / "rewards.py"), "swe-check", str(toy)], capture_output=True,
                              text=True, timeout=120)

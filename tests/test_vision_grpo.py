@@ -19,6 +19,7 @@ import chat  # noqa: E402
 import data_prep  # noqa: E402
 import policy  # noqa: E402
 import ranks  # noqa: E402
+import task_rows  # noqa: E402
 import tiny  # noqa: E402
 from checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 
@@ -39,7 +40,7 @@ def warm_start(model_dir: Path, rows: list[dict], steps: int = 120) -> None:
     tokenizer = policy.load_tokenizer(model_dir)
     model = policy.load_model(model_dir, attn_implementation="packed_sdpa")
     encoded = [chat.encode_conversation(tokenizer, conversation(row)) for row in rows]
-    images = [data_prep.row_images(row) for row in rows]
+    images = [task_rows.row_images(row) for row in rows]
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(0)
     for _ in range(steps):
@@ -57,7 +58,7 @@ def warm_start(model_dir: Path, rows: list[dict], steps: int = 120) -> None:
 def task(tmp_path_factory):
     root = tmp_path_factory.mktemp("vision_grpo")
     rows, _ = data_prep.vision_toy_rows(16, 0, seed=0, size=256, families=("dots",))
-    data_prep.write_rows(rows, root / "train.parquet")
+    task_rows.write_rows(rows, root / "train.parquet")
     corpus = [json.dumps(conversation(row)) for row in rows] * 4 + [data_prep.CODEV_SYSTEM] * 20
     model = tiny.make_tiny_vlm(root / "model", corpus, seed=0)
     warm_start(model, rows)

@@ -25,6 +25,7 @@ import engines
 import generate
 import policy
 import ranks
+import task_rows
 import tiny
 import vision
 
@@ -296,13 +297,13 @@ def test_generate_counts_images_with_the_model_processor(vlm_dir, tokenizer, tmp
     counted as the model's own image processor expands it (at most 64 tokens for the tiny model), not as Qwen2.5-VL's
     defaults would (81 for a 256-pixel square) nor as one placeholder token, and answers them with their images."""
     rows, _ = data_prep.vision_toy_rows(6, 0, seed=0, size=256)
-    data_prep.write_rows(rows, tmp_path / "rows.parquet")
+    task_rows.write_rows(rows, tmp_path / "rows.parquet")
     qwen = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=12_845_056, patch_size=14, merge_size=2)
     text = [len(chat.encode_prompt(tokenizer, row["prompt"])) for row in rows]
     model_length = [n + vision.image_counter(str(vlm_dir))(row["images"][0]) - 1 for n, row in zip(text, rows)]
     qwen_length = [n + vision.image_tokens(qwen, row["images"][0]) - 1 for n, row in zip(text, rows)]
     limit = min(qwen_length)
-    kept = [data_prep.row_id(row) for row, n in zip(rows, model_length) if n <= limit]
+    kept = [task_rows.row_id(row) for row, n in zip(rows, model_length) if n <= limit]
     assert len(kept) != sum(n <= limit for n in qwen_length) and 0 < len(kept) < len(rows)
     created = not dist.is_initialized()
     policy.init_distributed()

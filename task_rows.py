@@ -1,0 +1,356 @@
+"""kiln's row schema, and rows read and written in it: what every trainer, reward and tool loads at run time.
+
+A row:
+    data_source : str                                  # picks the reward function
+    prompt      : list[{"role": str, "content": str | list[part]}]
+    images      : list[bytes | str | {"bytes", "path"}] (optional; one per {"type": "image"} part, in order)
+    ability     : str                                  # "code", "swe", "vision"
+    reward_model: {"style": "rule" | "judge", "ground_truth": str}   # JSON text for the code families
+    extra_info  : {"index": int | str, "split": str, "difficulty": str (optional), ...}
+
+ground_truth JSON per family (what rewards.py reads):
+    apps, codecontests, taco, livecodebench: {"inputs": [...], "outputs": [...], "fn_name"?: str}
+    humaneval: {"test": str, "entry_point": str, "prompt": str}
+    mbpp, toy: {"test_list": ["assert ...", ...], "test_setup_code": str}
+    swebench: SWE-bench 5.x instance fields {"instance_id", "repo", "version", "base_commit", "image", "eval_script",
+               "log_parser", "eval_type", "FAIL_TO_PASS": [...], "PASS_TO_PASS": [...], "test_patch", "patch"}
+               (the gold "patch" is for checks only; nothing of ground_truth is ever shown to the policy)
+    calc: the exact answer as plain text (rewards.answer_reward)
+    vl_agent family (vision_toy, vstar, chart, ...; rewards.py): the answer as plain text; vision_toy rows also have
+               extra_info.target_box [x0, y0, x1, y1], the region of images[0] that holds the answer
+
+`load_rows` reads .parquet, .jsonl or a Hugging Face dataset name and validates every row (a bad one raises
+RowError naming file, row and field); `write_rows` writes them back exactly; `in_epoch_order` is the seeded order the
+trainers visit them in. data_prep.py converts public datasets into this schema.
+"""
+from __future__ import annotations
+
+import base64
+import functools
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+IMAGE_MARKER = "<image>"  # CodeV's inline image placeholder, which kiln rows replace by image parts
+IO_SOURCES = ("apps", "codecontests", "taco", "livecodebench")  # stdin/stdout or call-based tests, APPS format
+# What rewards.py needs in ground_truth, per family.
+GROUND_TRUTH_KEYS = {"io": {"inputs": list, "outputs": list}, "mbpp": {"test_list": list}, "toy": {"test_list": list},
+                     "humaneval": {"test": str, "entry_point": str, "prompt": str},
+                     "swebench": {"instance_id": str, "image": str, "eval_script": str, "log_parser": str,
+                                  "eval_type": str, "base_commit": str, "FAIL_TO_PASS": list}}
+ROLES = ("system", "user", "assistant", "tool")
+# Parquet has no "mixed type" column: columns arrow cannot hold exactly are stored as JSON text and listed here.
+JSON_COLUMNS_KEY = b"kiln.json_columns"
+
+
+class RowError(ValueError):
+    """A row that does not fit the schema; the message names where (file, row) and the field."""
+
+
+def validate_row(row: dict, where: str = "row") -> dict:
+    """Check `row` against the schema; return a copy with null optional fields dropped.
+
+    Parquet structs cannot tell a missing key from a null one, so null extra_info values count as absent.
+    """
+    def fail(field: str, problem: str):
+        raise RowError(f"{where}: {field}: {problem}")
+
+    def need(value, types, field: str):
+        if not isinstance(value, types) or isinstance(value, bool):
+            names = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+            fail(field, f"expected {names}, got {type(value).__name__}")
+
+    if not isinstance(row, dict):
+        raise RowError(f"{where}: expected a dict, got {type(row).__name__}")
+    row = {k: v for k, v in row.items() if v is not None}
+    for field in ("data_source", "prompt", "ability", "reward_model", "extra_info"):
+        if field not in row:
+            fail(field, "missing")
+    need(row["data_source"], str, "data_source")
+    need(row["ability"], str, "ability")
+    need(row["prompt"], list, "prompt")
+    if not row["prompt"]:
+        fail("prompt", "empty")
+    for i, message in enumerate(row["prompt"]):
+        need(message, dict, f"prompt[{i}]")
+        if message.get("role") not in ROLES:
+            fail(f"prompt[{i}].role", f"expected one of {ROLES}, got {message.get('role')!r}")
+        need(message.get("content"), (str, list), f"prompt[{i}].content")
+    if "images" in row:
+        need(row["images"], list, "images")
+        for i, image in enumerate(row["images"]):
+            need(image, (bytes, str, dict), f"images[{i}]")
+    parts, images = count_image_parts(row["prompt"]), len(row.get("images", []))
+    if parts != images:  # the chat template renders one placeholder per part: each must get its image
+        markers = any(IMAGE_MARKER in text for text in _prompt_texts(row["prompt"]))
+        fail("images", f"{images} images but the prompt has {parts} image parts" + (
+            f" (its text holds {IMAGE_MARKER} markers: convert the file with `python data_prep.py codev`)"
+            if markers else ""))
+    reward_model = row["reward_model"]
+    need(reward_model, dict, "reward_model")
+    if reward_model.get("style") not in ("rule", "judge"):
+        fail("reward_model.style", f"expected 'rule' or 'judge', got {reward_model.get('style')!r}")
+    need(reward_model.get("ground_truth"), str, "reward_model.ground_truth")
+    _check_ground_truth(row["data_source"], reward_model["ground_truth"], fail)
+    need(row["extra_info"], dict, "extra_info")
+    extra_info = {k: v for k, v in row["extra_info"].items() if v is not None}
+    need(extra_info.get("index"), (int, str), "extra_info.index")
+    need(extra_info.get("split"), str, "extra_info.split")
+    if "difficulty" in extra_info:
+        need(extra_info["difficulty"], str, "extra_info.difficulty")
+    return {**row, "extra_info": extra_info}
+
+
+def _check_ground_truth(data_source: str, text: str, fail) -> None:
+    family = "io" if data_source in IO_SOURCES else data_source
+    if family not in GROUND_TRUTH_KEYS:
+        return  # other families (judge, swe, ...) define their own ground truth
+    field = "reward_model.ground_truth"
+    try:
+        truth = json_shape(text)
+    except ValueError as e:
+        fail(field, f"not valid JSON ({e})")
+    if not isinstance(truth, dict):
+        fail(field, f"expected a JSON object, got {type(truth).__name__}")
+    for key, kind in GROUND_TRUTH_KEYS[family].items():
+        if not isinstance(truth.get(key), kind) or not truth[key]:
+            fail(f"{field}.{key}", f"expected a non-empty {kind.__name__} (a task without tests cannot be scored)")
+    if family == "swebench" and not isinstance(truth.get("PASS_TO_PASS"), list):
+        fail(f"{field}.PASS_TO_PASS", "expected a list")
+    for key in ("fn_name", "test_setup_code"):
+        if not isinstance(truth.get(key, ""), str):
+            fail(f"{field}.{key}", "expected a string")
+    if family == "io" and len(truth["inputs"]) != len(truth["outputs"]):
+        fail(field, f"{len(truth['inputs'])} inputs but {len(truth['outputs'])} outputs")
+    if not all(isinstance(test, str) for test in truth.get("test_list", [])):
+        fail(f"{field}.test_list", "expected assert statements as strings")
+
+
+def json_shape(text: str):
+    """Parse JSON for its structure only: every integer reads as 0, since APPS has integers longer than
+    int() accepts by default (sys.get_int_max_str_digits)."""
+    return json.loads(text, parse_int=lambda _: 0)
+
+
+def row_id(row: dict) -> str:
+    """The task id samples refer to: "<data_source>/<extra_info.index>"."""
+    return f"{row['data_source']}/{row['extra_info']['index']}"
+
+
+def make_row(data_source: str, user_message: str, ground_truth: dict, extra_info: dict) -> dict:
+    return {"data_source": data_source, "prompt": [{"role": "user", "content": user_message}], "ability": "code",
+            "reward_model": {"style": "rule", "ground_truth": json.dumps(ground_truth)}, "extra_info": extra_info}
+
+
+def count_image_parts(prompt: list[dict]) -> int:
+    """The {"type": "image"} parts of a prompt's messages: one image placeholder each in the rendered prompt."""
+    return sum(isinstance(part, dict) and part.get("type") == "image"
+               for message in prompt if isinstance(message, dict) and isinstance(message.get("content"), list)
+               for part in message["content"])
+
+
+def _prompt_texts(prompt: list[dict]) -> list[str]:
+    return [part if isinstance(part, str) else str(part.get("text") or "")
+            for message in prompt if isinstance(message, dict)
+            for part in ([message.get("content")] if isinstance(message.get("content"), str)
+                         else message.get("content") or []) if isinstance(part, (str, dict))]
+
+
+def image_bytes(image, base: Path | None = None) -> bytes:
+    """A row image as encoded bytes: bytes, a {"bytes", "path"} dict (Hugging Face's Image feature), a data URL, or
+    a path (absolute, else relative to `base` when it exists there, else to the working dir)."""
+    if isinstance(image, dict):
+        return image["bytes"] if image.get("bytes") else image_bytes(image.get("path") or "", base)
+    if isinstance(image, bytes):
+        return image
+    if image.startswith("data:image"):
+        return base64.b64decode(image.partition(",")[2])
+    path = Path(image)
+    if base is not None and not path.is_absolute() and (base / path).is_file():
+        path = base / path
+    if not path.is_file():
+        raise FileNotFoundError(f"image {image!r}: no such file")
+    return path.read_bytes()
+
+
+def row_images(row: dict) -> list[bytes]:
+    """The row's images as encoded bytes, in the order of its image parts."""
+    return [image_bytes(image) for image in row.get("images") or []]
+
+
+def load_rows(source: str | os.PathLike, split: str = "train") -> list[dict]:
+    """Validated rows from a .parquet or .jsonl file (read whole) or a Hugging Face dataset name (`split` of it)."""
+    path = Path(source)
+    if path.suffix in (".parquet", ".jsonl") or path.exists():
+        if not path.is_file():
+            raise FileNotFoundError(f"{source}: no such file" if not path.exists() else f"{source}: not a file")
+        if path.suffix == ".parquet":
+            rows = [validate_row(r, f"{source} row {i}") for i, r in enumerate(_read_parquet(path))]
+        elif path.suffix == ".jsonl":
+            rows = [validate_row(r, f"{source} line {n}") for n, r in read_jsonl(path)]
+        else:
+            raise ValueError(f"{source}: expected a .parquet or .jsonl file")
+    elif re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(source)):
+        rows = [validate_row(r, f"{source}[{split}] row {i}") for i, r in enumerate(hub_records(str(source), split))]
+    else:
+        raise ValueError(f"{source}: not a .parquet/.jsonl file or a Hugging Face dataset name")
+    if not rows:
+        raise ValueError(f"{source}: no rows")
+    _check_unique_ids(rows, source)
+    return rows
+
+
+def in_epoch_order(items: list, start: int, count: int, seed: int) -> list:
+    """Items `start` .. `start + count - 1` of an endless stream that visits `items` in a fresh seeded permutation every
+    epoch (epoch e uses seed + e): a run that resumes at a position replays exactly the same order."""
+    picked = []
+    for position in range(start, start + count):
+        epoch, offset = divmod(position, len(items))
+        picked.append(items[_permutation(len(items), seed + epoch)[offset]])
+    return picked
+
+
+@functools.lru_cache(maxsize=2)
+def _permutation(n: int, seed: int) -> list[int]:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _check_unique_ids(rows: list[dict], where) -> None:
+    seen: dict[str, int] = {}
+    for i, row in enumerate(rows):
+        first = seen.setdefault(row_id(row), i)
+        if first != i:
+            raise RowError(f"{where} row {i}: extra_info.index: task id {row_id(row)!r} repeats row {first}")
+
+
+def write_atomically(path, lines: Iterable[dict]) -> None:
+    """JSONL written to a temp file beside `path`, then renamed over it: a crash never leaves a half-written file (the
+    previous one, if any, stays whole) and the temp file is removed on any error."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(line) + "\n" for line in lines)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_rows(rows: list[dict], path: str | os.PathLike) -> None:
+    """Write validated rows to .parquet (verl layout) or .jsonl; `load_rows(path)` gives them back unchanged."""
+    path = Path(path)
+    rows = [validate_row(r, f"{path} row {i}") for i, r in enumerate(rows)]
+    if not rows:
+        raise ValueError(f"{path}: no rows to write")
+    _check_unique_ids(rows, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".jsonl":
+        with open(path, "w") as f:
+            for i, row in enumerate(rows):
+                try:
+                    f.write(json.dumps(row) + "\n")
+                except TypeError as e:
+                    raise ValueError(f"{path} row {i}: cannot be JSON ({e}); write .parquet instead") from e
+        return
+    if path.suffix != ".parquet":
+        raise ValueError(f"{path}: expected a .parquet or .jsonl path")
+    names = list(dict.fromkeys(k for row in rows for k in row))
+    json_columns: list[str] = []
+    arrays = []
+    for name in names:
+        values = [row.get(name) for row in rows]
+        if name == "extra_info":  # by key, so one odd key does not turn the whole struct into text
+            keys = list(dict.fromkeys(k for v in values for k in v))
+            children = [_column([v.get(k) for v in values], f"extra_info.{k}", json_columns, path) for k in keys]
+            arrays.append(pa.StructArray.from_arrays(children, names=keys))
+        else:
+            arrays.append(_column(values, name, json_columns, path))
+    table = pa.Table.from_arrays(arrays, names=names)
+    table = table.replace_schema_metadata({JSON_COLUMNS_KEY: json.dumps(json_columns).encode()})
+    pq.write_table(table, path)
+
+
+def _column(values: list, name: str, json_columns: list[str], path: Path) -> pa.Array:
+    """An arrow array holding `values` exactly, or their JSON text where arrow would change them.
+
+    pyarrow infers one type per column: it unions struct keys (filling nulls), fails on int-vs-str, and so on.
+    """
+    try:
+        array = pa.array(values)
+        if _same(array.to_pylist(), values):
+            return array
+    except (pa.ArrowException, OverflowError):
+        pass
+    json_columns.append(name)
+    try:
+        return pa.array([None if v is None else json.dumps(v) for v in values], pa.string())
+    except TypeError as e:
+        raise ValueError(f"{path}: column {name} mixes types parquet cannot hold and is not JSON ({e})") from e
+
+
+def _same(a, b) -> bool:
+    """Equality that also requires equal types (1 != 1.0 != True here), so a round trip is exact."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and math.isnan(a):
+        return math.isnan(b)
+    return a == b
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    table = pq.read_table(path)
+    if "__index_level_0__" in table.column_names:  # pandas' saved index, not data
+        table = table.drop(["__index_level_0__"])
+    json_columns = json.loads((table.schema.metadata or {}).get(JSON_COLUMNS_KEY, b"[]"))
+    rows = table.to_pylist()
+    for name in json_columns:
+        top, _, key = name.partition(".")
+        for row in rows:
+            holder, field = (row[top], key) if key else (row, top)
+            if holder is not None and holder.get(field) is not None:
+                holder[field] = json.loads(holder[field])
+    return rows
+
+
+def read_jsonl(path: Path):
+    """(line number, record) for each non-blank line of a JSON Lines file; a bad line raises RowError naming it."""
+    with open(path) as f:
+        for n, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    yield n, json.loads(line)
+                except ValueError as e:
+                    raise RowError(f"{path} line {n}: not valid JSON ({e})") from e
+
+
+def hub_error(name: str, e: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"could not get {name!r} from the Hugging Face hub ({type(e).__name__}: {e}). If the hub is unreachable "
+        "(offline machine, HF_HUB_OFFLINE=1), fetch the data elsewhere and pass a local path instead.")
+
+
+def hub_records(name: str, split: str | None) -> list[dict]:
+    """Records of a Hugging Face dataset (all splits when `split` is None)."""
+    try:
+        import datasets  # only here: a second of import for every script that never reads the hub
+    except ImportError as e:
+        raise RuntimeError(f"loading the Hugging Face dataset {name!r} needs `pip install datasets`") from e
+    try:
+        loaded = datasets.load_dataset(name, split=split)
+    except Exception as e:  # the hub raises many types (connection, offline, not found); all mean "not here"
+        raise hub_error(name, e) from e
+    parts = loaded.values() if split is None else [loaded]
+    return [dict(record) for part in parts for record in part]
