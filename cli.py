@@ -7,6 +7,7 @@ alone under torchrun), and errors a user can act on reported as one `error:` lin
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -21,11 +22,18 @@ import task_rows
 
 
 def parse_args(args_class):
-    """`tyro.cli(args_class)`, with --help and argument errors printed by rank 0 alone under torchrun."""
+    """`tyro.cli(args_class)`, with --help and argument errors printed by rank 0 alone under torchrun. Args with a
+    `dry_run` field that is set are printed resolved, as JSON, and the process exits: nothing loads."""
     if int(os.environ.get("RANK", "0")) == 0:
-        return tyro.cli(args_class)
-    with open(os.devnull, "w") as devnull, redirect_stdout(devnull), redirect_stderr(devnull):
-        return tyro.cli(args_class)
+        args = tyro.cli(args_class)
+    else:
+        with open(os.devnull, "w") as devnull, redirect_stdout(devnull), redirect_stderr(devnull):
+            args = tyro.cli(args_class)
+    if getattr(args, "dry_run", False):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(dataclasses.asdict(args), indent=2))
+        sys.exit(0)
+    return args
 
 
 # Errors a user acts on (a bad argument, row or path), reported with their type and message.

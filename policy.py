@@ -106,9 +106,14 @@ def load_model(path, dtype: torch.dtype = torch.float32, attn_implementation: st
         attn_implementation={"text_config": attn_implementation, "vision_config": "sdpa"})
 
 
+ATTENTIONS = ("packed_sdpa", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+
+
 def check_attention(path, attn_implementation: str) -> None:
-    """Refuse, before anything loads, an attention the model cannot train with: transformers refuses flex_attention
-    for Qwen2.5-VL's language model."""
+    """Refuse, before anything loads, an attention the model cannot train with: one transformers does not know, or
+    flex_attention for a vision-language model (transformers refuses it for Qwen2.5-VL's language model)."""
+    if attn_implementation not in ATTENTIONS:
+        raise ValueError(f"--attn-implementation {attn_implementation}: unknown; use one of {', '.join(ATTENTIONS)}")
     if attn_implementation == "flex_attention" and vision.is_vision_model(
             AutoConfig.from_pretrained(path, local_files_only=True)):
         raise ValueError(f"{path}: a vision-language model cannot train with flex_attention; use "

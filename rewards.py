@@ -29,7 +29,7 @@ from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import math_verify
 import numpy as np
@@ -56,8 +56,31 @@ class Reward:
     info: dict = field(default_factory=dict)
 
 
-# What the trainers call to score a batch: (rows, completions) -> one Reward per completion.
-ScoreFn = Callable[[list[dict], list[str]], list[Reward]]
+@dataclass(frozen=True)
+class ScoreContext:
+    """What a reward function may need besides the row and the completion; each family reads only its own part."""
+    limits: sandbox.Limits = sandbox.Limits()
+    """the sandbox limits the code families' tests run under"""
+    judge: judge_lib.Judge | None = None
+    """the LLM judge of vl_agent rows (None: none is configured)"""
+    sample_info: dict = field(default_factory=dict)
+    """the rollout's Sample.info: the messages and tool images the vl_agent rubric judge sees"""
+    swe: swe_grading.SweConfig = swe_grading.SweConfig()
+    """how swebench patches are graded"""
+
+
+# One data source's reward: (row, completion, context) -> the completion's Reward; registered in REWARDS.
+RewardFn = Callable[[dict, str, ScoreContext], Reward]
+
+
+class ScoreFn(Protocol):
+    """What the trainers call to score a batch: one Reward per completion, in order.
+
+    The trainers always pass `sample_infos`, each sample's rollout info (Sample.info: the messages and tool images a
+    vl_agent judge sees); a custom score function may ignore it. They bind their LLM judge onto the default,
+    rewards.score_batch, alone (functools.partial(score_batch, judge=judge)): a custom one brings its own."""
+
+    def __call__(self, rows: list[dict], completions: list[str], *, sample_infos: list[dict]) -> list[Reward]: ...
 
 
 FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*).*$", re.M)
@@ -127,7 +150,11 @@ def humaneval_reward(code: str, truth: dict, limits: sandbox.Limits) -> Reward:
     return _from_verdicts(verdicts, all_or_nothing=True)
 
 
-def assert_reward(all_or_nothing: bool) -> Callable:
+# A code family's test run: (program, the row's parsed ground truth, sandbox limits) -> its Reward.
+CodeGrader = Callable[[str, dict, sandbox.Limits], Reward]
+
+
+def assert_reward(all_or_nothing: bool) -> CodeGrader:
     """MBPP (all asserts pass -> 1, else 0; stops at the first failure) and the toy task (fraction passed)."""
     def reward(code: str, truth: dict, limits: sandbox.Limits) -> Reward:
         verdicts = sandbox.run_assert_tests(code, truth["test_list"], setup=truth.get("test_setup_code", ""),
@@ -136,25 +163,48 @@ def assert_reward(all_or_nothing: bool) -> Callable:
     return reward
 
 
-# Exact answers (calc, `make demo-agent`'s agent tasks): nothing is run, so a policy gets one right only by working it
-# out, e.g. with its python tool.
-ANSWER_SOURCES = ("calc",)
+def code_reward(grade: CodeGrader, body_after_prompt: bool = False) -> RewardFn:
+    """A code family's RewardFn: the completion's program (extract_code; with `body_after_prompt` also a bare body
+    continuing ground_truth's "prompt", HumanEval's native format) run by `grade`, plus its format_reward. Whatever
+    the program does, this returns: no program is error "no_code"; a failure of the grading itself (a supervisor that
+    died) is a Reward of 0 with error "grader_error", logged and counted (`critic/score/grader_errors`). Broken tests
+    (a data problem the program cannot cause) raise ValueError naming the task."""
+    def reward(row: dict, completion: str, context: ScoreContext) -> Reward:
+        truth = json.loads(row["reward_model"]["ground_truth"])
+        code = extract_code(completion)
+        if code is None and body_after_prompt and sandbox.syntax_error(truth["prompt"] + completion) is None:
+            code = completion
+        if code is None:
+            return Reward(0.0, {"error": "no_code", "passed": 0, "total": None, "format": 0.0})
+        try:
+            result = grade(code, truth, context.limits)
+        except ValueError as e:  # the row's tests themselves are broken: a data problem, never the program's doing
+            raise ValueError(f"task {row['data_source']}/{row['extra_info']['index']}: {e}") from e
+        except Exception as e:
+            reason = f"task {row['data_source']}/{row['extra_info']['index']}: {type(e).__name__}: {e}"
+            logging.getLogger("kiln.rewards").warning("grader error, scored 0: %s", reason)
+            result = Reward(0.0, {"error": "grader_error", "reason": reason, "passed": 0, "total": None})
+        result.info["format"] = format_reward(completion)
+        return result
+    return reward
 
 
-def answer_reward(row: dict, completion: str) -> Reward:
-    """1 when the completion's answer (extract_answer: its last <answer>...</answer>) is ground_truth, as text."""
+def answer_reward(row: dict, completion: str, context: ScoreContext) -> Reward:
+    """Exact answers (calc, `make demo-agent`'s agent tasks): 1 when the completion's answer (extract_answer: its last
+    <answer>...</answer>) is ground_truth, as text. Nothing is run, so a policy gets one right only by working it out,
+    e.g. with its python tool."""
     answer, _ = extract_answer(completion)
     right = answer is not None and answer == row["reward_model"]["ground_truth"].strip()
     return Reward(float(right), {"answer": answer, "error": None if right else
                                  ("no_answer" if answer is None else "wrong_answer")})
 
 
-REWARDS: dict[str, Callable[[str, dict, sandbox.Limits], Reward]] = {
-    "apps": io_reward, "codecontests": io_reward, "taco": io_reward, "livecodebench": io_reward,
-    "humaneval": humaneval_reward,
-    "mbpp": assert_reward(all_or_nothing=True),
-    "toy": assert_reward(all_or_nothing=False),
-}
+def swebench_reward(row: dict, completion: str, context: ScoreContext) -> Reward:
+    """SWE-bench: the completion is the patch, graded in Docker by swebench's own grading (swe_grading, settings
+    context.swe). Grading errors raise: a patch is never scored -1 for the grader's fault."""
+    grade = swe_grading.swebench_reward(json.loads(row["reward_model"]["ground_truth"]),
+                                        completion.encode(errors="surrogateescape"), config=context.swe)
+    return Reward(grade.score, grade.info)
 
 
 # ------------------------------------------------------------------------- vl_agent: CodeV's code-with-images reward
@@ -174,10 +224,10 @@ def is_vl_agent(row: dict) -> bool:
 
 
 def needs_judge(row: dict) -> bool:
-    """Whether scoring `row` may call the LLM judge: accuracy falls back to it for style "judge" rows, and the tool
-    score is a rubric judge's except for RULE_TOOL_SOURCES."""
-    return is_vl_agent(row) and (row["reward_model"].get("style") == "judge"
-                                 or row["data_source"].lower() not in RULE_TOOL_SOURCES)
+    """Whether scoring `row` may call the LLM judge: it is scored by vl_agent_reward, whose accuracy falls back to the
+    judge for style "judge" rows and whose tool score is a rubric judge's except for RULE_TOOL_SOURCES."""
+    return reward_fn(row) is vl_agent_reward and (row["reward_model"].get("style") == "judge"
+                                                  or row["data_source"].lower() not in RULE_TOOL_SOURCES)
 
 
 def check_judge_configured(rows: list[dict], judge_url: str | None, where: str) -> None:
@@ -289,10 +339,11 @@ def vl_tool_score(row: dict, completion: str, judge: judge_lib.Judge | None,
     return judge.rubric(rubric, parts)
 
 
-def vl_agent_reward(row: dict, completion: str, judge: judge_lib.Judge | None, sample_info: dict) -> Reward:
-    """CodeV's reward: acc (math-verify on the extracted answer, else the judge's TRUE/FALSE for style "judge" rows),
-    format (vl_format_ok), tool (vl_tool_score); each reported in info. A judge failure leaves its component None and
-    the score NaN, with info["judge_error"]."""
+def vl_agent_reward(row: dict, completion: str, context: ScoreContext) -> Reward:
+    """CodeV's reward: acc (math-verify on the extracted answer, else context.judge's TRUE/FALSE for style "judge"
+    rows), format (vl_format_ok), tool (vl_tool_score over context.sample_info); each reported in info. A judge
+    failure leaves its component None and the score NaN, with info["judge_error"]."""
+    judge = context.judge
     if needs_judge(row) and judge is None:
         raise ValueError(f"task {task_rows.row_id(row)}: scored with an LLM judge, but none is configured "
                          "(--judge-url)")
@@ -310,7 +361,7 @@ def vl_agent_reward(row: dict, completion: str, judge: judge_lib.Judge | None, s
         errors += [f"acc: {verdict.error}"] if verdict.error else []
     else:
         info["acc"], info["acc_by"] = 0.0, "math_verify"
-    tool = vl_tool_score(row, completion, judge, sample_info)
+    tool = vl_tool_score(row, completion, judge, context.sample_info)
     info["tool"] = tool.value
     errors += [f"tool: {tool.error}"] if tool.error else []
     if errors:
@@ -335,41 +386,35 @@ def component_metrics(data_sources: Sequence[str], infos: Sequence[dict]) -> dic
     return {k: statistics.fmean(v) for k, v in values.items()}
 
 
+# ----------------------------------------------------------------- the registry: one reward function per data_source
+# Adding a reward is one line: REWARDS["my_source"] = my_fn, a RewardFn (row, completion, context) -> Reward.
+REWARDS: dict[str, RewardFn] = {
+    **dict.fromkeys(("apps", "codecontests", "taco", "livecodebench"), code_reward(io_reward)),
+    "humaneval": code_reward(humaneval_reward, body_after_prompt=True),
+    "mbpp": code_reward(assert_reward(all_or_nothing=True)),
+    "toy": code_reward(assert_reward(all_or_nothing=False)),
+    "calc": answer_reward,
+    "swebench": swebench_reward,
+    **dict.fromkeys(VL_AGENT_SOURCES, vl_agent_reward),
+}
+
+
+def reward_fn(row: dict) -> RewardFn | None:
+    """The reward function of `row` (None: it has none), the one lookup score and check_sources share: REWARDS by
+    data_source, else vl_agent_reward for the other is_vl_agent rows (style "judge", CodeV's sources in any case)."""
+    return REWARDS.get(row["data_source"]) or (vl_agent_reward if is_vl_agent(row) else None)
+
+
 def score(row: dict, completion: str, limits: sandbox.Limits = sandbox.Limits(), judge: judge_lib.Judge | None = None,
           sample_info: dict | None = None, swe: swe_grading.SweConfig = swe_grading.SweConfig()) -> Reward:
-    """The reward of one completion for one row (kiln's row schema); tests run in the sandbox, vl_agent rows go to
-    `judge` (sample_info: the rollout's Sample.info, whose tool images and messages the rubric judge sees), swebench
-    rows to swe_grading (the completion is the patch; `swe` its settings). Whatever
-    the program does, this returns: a failure of the grading itself (a supervisor that died) is a Reward of 0 with
-    error "grader_error" and its reason, logged and counted (`critic/score/grader_errors`). Broken tests (a data
-    problem the program cannot cause) raise ValueError naming the task."""
-    if is_vl_agent(row):
-        return vl_agent_reward(row, completion, judge, sample_info or {})
-    source = row["data_source"]
-    if source in ANSWER_SOURCES:
-        return answer_reward(row, completion)
-    if source == "swebench":  # grading errors raise (never scored -1)
-        grade = swe_grading.swebench_reward(json.loads(row["reward_model"]["ground_truth"]),
-                                            completion.encode(errors="surrogateescape"), config=swe)
-        return Reward(grade.score, grade.info)
-    if source not in REWARDS:
-        raise KeyError(f"no reward function for data_source {source!r}; known: {sorted(REWARDS)}")
-    truth = json.loads(row["reward_model"]["ground_truth"])
-    code = extract_code(completion)
-    if code is None and source == "humaneval" and sandbox.syntax_error(truth["prompt"] + completion) is None:
-        code = completion  # HumanEval's native format: a function body continuing the prompt
-    if code is None:
-        return Reward(0.0, {"error": "no_code", "passed": 0, "total": None, "format": 0.0})
-    try:
-        reward = REWARDS[source](code, truth, limits)
-    except ValueError as e:  # the row's tests themselves are broken: a data problem, never the program's doing
-        raise ValueError(f"task {source}/{row['extra_info']['index']}: {e}") from e
-    except Exception as e:
-        reason = f"task {source}/{row['extra_info']['index']}: {type(e).__name__}: {e}"
-        logging.getLogger("kiln.rewards").warning("grader error, scored 0: %s", reason)
-        reward = Reward(0.0, {"error": "grader_error", "reason": reason, "passed": 0, "total": None})
-    reward.info["format"] = format_reward(completion)
-    return reward
+    """The reward of one completion for one row (kiln's row schema), from its reward_fn: tests run in the sandbox
+    under `limits`, vl_agent rows go to `judge` (sample_info: the rollout's Sample.info, whose tool images and
+    messages the rubric judge sees), swebench rows to swe_grading (the completion is the patch; `swe` its settings).
+    A program never makes it raise (code_reward); broken tests and a row without a reward function do."""
+    fn = reward_fn(row)
+    if fn is None:
+        raise KeyError(f"no reward function for data_source {row['data_source']!r}; known: {sorted(REWARDS)}")
+    return fn(row, completion, ScoreContext(limits, judge, sample_info or {}, swe))
 
 
 def score_batch(rows: list[dict], completions: list[str], max_workers: int | None = None,
@@ -434,8 +479,7 @@ def refuse_nonfinite(offenders: list[tuple[str, float]], step: int) -> None:
 
 def check_sources(rows: list[dict], where: str) -> None:
     """Refuse rows whose data_source has no reward function, naming the source and `where`, before any work."""
-    unknown = sorted({row["data_source"] for row in rows if not is_vl_agent(row)} - REWARDS.keys() - {"swebench"}
-                     - set(ANSWER_SOURCES))
+    unknown = sorted({row["data_source"] for row in rows if reward_fn(row) is None})
     if unknown:
         raise ValueError(f"{where}: no reward function for data_source {', '.join(map(repr, unknown))}; known: "
                          f"{', '.join(sorted(REWARDS))} (rewards.REWARDS)")
@@ -650,6 +694,6 @@ def swe_check_main(args: SweCheckArgs) -> list[dict]:
 
 
 if __name__ == "__main__":
-    cli = tyro.extras.subcommand_cli_from_dict({"score": ScoreArgs, "swe-check": SweCheckArgs})
     with cli.one_line_errors():
-        (swe_check_main if isinstance(cli, SweCheckArgs) else main)(cli)
+        args = tyro.extras.subcommand_cli_from_dict({"score": ScoreArgs, "swe-check": SweCheckArgs})
+        (swe_check_main if isinstance(args, SweCheckArgs) else main)(args)

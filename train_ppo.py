@@ -16,87 +16,48 @@ sit in <output_dir>/critic/checkpoints/, under the policy's step names.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import random
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 from tqdm import tqdm
 
-import chat
 import cli
 import collectives
-import containers
 import engines
-import eval_report
 import losses
 import policy
 import rewards
+import rl_run
 import rollout
 import runlog
-import sandbox
-import swe_grading
 import task_rows
-from checkpoint import check_best_metric, keep_best, load_checkpoint, load_newest_checkpoint, save_checkpoint
+from checkpoint import load_checkpoint, load_newest_checkpoint, save_checkpoint
 
 
 @dataclass
-class Args:
-    model: str = "runs/demo/sft/hf"
-    """policy to train: a Hugging Face folder or hub name (default: the SFT'd tiny model `make demo` builds)"""
+class Args(rl_run.SharedArgs):
+    """PPO with a critic for code LLMs: `torchrun --nproc-per-node 4 train_ppo.py --model ... --data ...`."""
+
+    # The settings both trainers share (rows, sampling, engine, memory, checkpoints, evaluation, tools, judge) are
+    # declared once, in rl_run.SharedArgs; here are this algorithm's own, and its defaults where it differs.
     critic_model: str | None = None
     """critic initialisation (a value head is added to it); None = the actor's model"""
-    data: str = "runs/demo/train.parquet"
-    """training rows (parquet / jsonl / HF dataset name) in kiln's row schema"""
-    eval_data: str | None = None
-    """held-out rows, evaluated greedily every `eval_every` steps"""
     output_dir: str = "runs/ppo"
     """where metrics.jsonl, samples.jsonl, eval_report.json/.md/.png, best/ and checkpoints/ go"""
-    engine: Literal["hf", "vllm"] = "hf"
-    """rollout engine: colocated vLLM on GPUs, or generation with the policy itself (CPU, debugging)"""
-    seed: int = 0
-    """seed for data order, sampling and initialisation"""
 
-    prompts_per_step: int = 8
-    """prompts per step across all ranks (must divide by the world size)"""
     group_size: int = 1
     """samples per prompt (1 = classic PPO; the critic is the baseline)"""
     epochs: int = 5
     """passes over the training rows, when total_steps is None"""
     total_steps: int | None = None
     """training steps; None = epochs * rows / prompts_per_step"""
-    max_prompt_tokens: int = 512
-    """rows whose prompt is longer are skipped at load (and counted in the log)"""
-    max_new_tokens: int = 256
-    """generation budget per sample"""
-    temperature: float = 1.0
-    """sampling temperature; the trainer scores tokens under the same temperature"""
-    top_p: float = 1.0
-    """nucleus sampling (keep 1.0: below it the samples and the engine logprobs that --tis-cap uses come from the
-    truncated distribution while the trainer scores the full one, a bias nothing corrects; see losses.py's TIS)"""
-    end_of_turn: str | None = None
-    """token that closes an assistant turn (default: found in the chat template, e.g. <|im_end|>, <|eot_id|>)"""
-    sandbox_isolation: Literal["full", "userns", "plain"] = "full"
-    """the weakest isolation allowed for reward programs and the python tool (full: namespaces, filesystem view, no
-    network, a uid per run; see docs/sandbox.md); the run stops at start if the machine allows less"""
     tools: Literal["none", "python", "swe"] = "none"
     """multi-turn agent rollouts with these tools (python: a stateful sandboxed interpreter per trajectory; swe: bash,
     an editor and submit in a Docker container per trajectory, for swebench rows, graded on the container's diff)"""
-    max_turns: int = 4
-    """assistant turns per trajectory (tools on)"""
-    max_total_tokens: int = 2048
-    """prompt + all turns and tool outputs per trajectory (tools on)"""
-    max_tool_response_tokens: int = 512
-    """longer tool outputs are cut and marked (tools on)"""
-    max_agent_seconds: float = 1800.0
-    """wall clock per trajectory; checked before each turn's tools run (tools on; docs/swebench.md's budget table)"""
-    check_tito: bool = False
-    """compare every trajectory with the chat template's rendering of its messages; log the drifting fraction
-    (tools/tito_drift_frac) and the first drift of each step (tools on)"""
 
     gamma: float = 1.0
     """GAE discount"""
@@ -133,86 +94,25 @@ class Args:
     """gradient clipping of both"""
     minibatches: int = 4
     """optimizer steps per batch of rollouts and per epoch (each model)"""
-    epochs_per_step: int = 1
-    """passes over each batch of rollouts"""
-    micro_batch_tokens: int = 8192
-    """tokens packed into one forward/backward (gradient accumulation beyond that)"""
-    logprob_chunk_size: int = 512
-    """rows of the output layer computed at once for logprobs (each holds rows x vocab fp32 values)"""
 
-    mixed_precision: bool = False
-    """bf16 parameters with fp32 reductions (use on GPUs)"""
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"
-    """recompute in backward to save memory: full (decoder layers from their inputs) or selective (keeps matmul and
-    attention outputs, recomputes only elementwise work)"""
-    attn_implementation: str = "packed_sdpa"
-    """attention of the trained models: packed_sdpa (policy.py: sdpa per packed sequence), flex_attention (faster on
-    GPUs), flash_attention_2 when installed; plain sdpa masks the whole micro-batch, quadratic in its tokens"""
-    compile_layers: bool = False
-    """torch.compile each decoder layer of the trained models (GPUs: fuses norms, rotary and activations)"""
-    vllm_gpu_memory_utilization: float = 0.5
-    """fraction of GPU memory vLLM may take while awake"""
-    vllm_max_model_len: int = 4096
-    """vLLM context length"""
-    vllm_tensor_parallel_size: int = 1
-    """ranks per vLLM engine (consecutive ranks form a group)"""
-
-    save_every: int = 50
-    """checkpoint every N steps (0 = only at the end)"""
     keep_checkpoints: int = 2
     """how many recent checkpoints to keep (of each model)"""
-    eval_every: int = 0
-    """evaluate on eval_data every N steps (0 = only before and after training)"""
-    best_metric: str = "val-core/all/test_pass_rate"
-    """evaluation metric (higher is better) that picks the policy kept as a Hugging Face folder in <output_dir>/best
-    (e.g. val-core/all/pass@1, val-core/apps/interview/test_pass_rate); "" = keep none"""
     eval_temperature: float = 0.0
     """0 = greedy evaluation; > 0 samples eval_samples completions per problem"""
     eval_samples: int = 1
     """completions per eval problem (pass@1 = mean pass rate over them)"""
-    sample_every: int = 10
-    """write sample completions to samples.jsonl every N steps and at the last step (0 = never)"""
-    rich_samples: bool = False
-    """samples.jsonl also keeps each sample's tokens, loss mask, engine and trainer logprobs, advantage, group, reward
-    components, tool calls and images (sample_images/), for board.py (docs/board.md: its cost per sample)"""
-    samples_max_mb: float = 1024.0
-    """samples.jsonl rotates to samples.old.jsonl past half of this, so the two stay within it (0 = never)"""
-    resume: bool = False
-    """continue from the newest checkpoint in output_dir"""
-    overwrite: bool = False
-    """replace an earlier run in output_dir (without it or --resume, a non-empty output_dir is refused)"""
-    wandb_project: str | None = None
-    """log to wandb too (WANDB_MODE=offline works without network)"""
-    dry_run: bool = False
-    """print the resolved Args and exit"""
 
 
-@dataclass
-class Run:
-    """Everything a step touches, built once by `setup()`."""
+@dataclass(kw_only=True)
+class Run(rl_run.Run):
+    """Everything a step touches, built once by `setup()`: rl_run.Run's fields and PPO's own."""
 
     args: Args
-    rank: int
-    world: int
-    total_steps: int
-    model: torch.nn.Module
-    value_model: torch.nn.Module
-    ref_model: torch.nn.Module | None
+    total_steps: int  # --total-steps, or --epochs over the rows
+    value_model: torch.nn.Module  # the critic: the policy's architecture with a value head
     optimizer: torch.optim.Optimizer
     critic_optimizer: torch.optim.Optimizer
-    engine: engines.Engine
-    tokenizer: object
-    sampling: engines.Sampling
-    limits: rollout.AgentLimits  # of multi-turn rollouts (--tools)
-    rows: list[dict]
-    eval_rows: list[dict]
-    score_fn: rewards.ScoreFn
-    log: runlog.RunLog
-    step: int = 0
-    data_pos: int = 0
-    kl_coef: float = 0.0
-    best: dict = field(default_factory=dict)  # {"step", "metric", "value"} of the policy kept in best/
-    evals: list[dict] = field(default_factory=list)  # every eval's eval_report.report summary and step, for the report
+    kl_coef: float = 0.0  # the KL penalty's coefficient now (adaptive with --kl-target)
 
 
 @dataclass
@@ -228,112 +128,40 @@ class Experience:
     kl_mean: float  # mean KL to the reference over every rank's policy tokens (0 without one): adaptive KL's input
 
 
-def main(args: Args, score_fn: rewards.ScoreFn = rewards.score_batch) -> Run | None:
-    if args.dry_run:
-        print(json.dumps(dataclasses.asdict(args), indent=2))
-        return None
+def main(args: Args, score_fn: rewards.ScoreFn = rewards.score_batch) -> Run:
     run = setup(args, score_fn)
-    if run.step == 0 and run.eval_rows:
-        run.log.metrics(runlog.announced_eval(evaluate, run) | {"step": 0})
-    bar = tqdm(total=run.total_steps, initial=run.step, desc="ppo", disable=run.rank != 0)
-    while run.step < run.total_steps:
-        metrics = train_step(run)
-        run.step += 1
-        last = run.step == run.total_steps
-        if run.eval_rows and (last or (args.eval_every and run.step % args.eval_every == 0)):
-            metrics |= runlog.announced_eval(evaluate, run)
-        run.log.metrics(metrics | {"step": run.step})
-        bar.update(1)
-        bar.set_postfix(score=f"{metrics['critic/score/mean']:.3f}")
-        if last or (args.save_every and run.step % args.save_every == 0):
-            save(run)
-    bar.close()
-    if run.rank == 0:
-        print("done: metrics" + (", eval report and best/" if run.eval_rows else "") + f" in {args.output_dir}")
-    run.log.finish()
+    rl_run.train(run, train_step, save, run.total_steps, desc="ppo")
     return run
 
 
 def check_args(args: Args, world: int) -> None:
-    """Refuse settings that would fail or train nothing, before anything loads (vLLM start-up and model loads take
-    minutes on GPUs)."""
-    for name in ("prompts_per_step", "group_size", "max_new_tokens", "minibatches", "epochs_per_step", "eval_samples"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    if args.total_steps is not None and args.total_steps < 0:
-        raise ValueError(f"--total-steps must be >= 0, got {args.total_steps}")
-    if args.temperature <= 0:
-        raise ValueError(f"--temperature must be > 0 (the trainer scores tokens under it), got {args.temperature}")
-    if args.prompts_per_step % world:
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world}")
-    if args.prompts_per_step // world < args.minibatches:  # a minibatch takes whole groups
-        raise ValueError(f"--minibatches {args.minibatches} needs as many prompts per rank; --prompts-per-step "
-                         f"{args.prompts_per_step} over {world} ranks gives {args.prompts_per_step // world}")
+    """PPO's own refusals, after rl_run.check_args' shared ones and before anything loads."""
+    if args.eval_samples < 1:
+        raise ValueError(f"--eval-samples must be > 0, got {args.eval_samples}")
     if args.kl_target is not None and args.kl_coef <= 0:
         raise ValueError("--kl-target needs a starting --kl-coef > 0")
-    check_best_metric(args.best_metric)
-    runlog.check_output_dir(args.output_dir, args.resume, args.overwrite, dataclasses.asdict(args))
-    policy.check_model_path(args.model)
     if args.critic_model:
         policy.check_model_path(args.critic_model, "--critic-model")
-    policy.check_attention(args.model, args.attn_implementation)
-    engines.check_engine(args.engine)
 
 
 def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
-    rank, world, device = policy.init_distributed()
-    check_args(args, world)
-    # Decided once, before any model loads (IsolationError names what the machine lacks); every sample is graded at
-    # this level.
-    isolation = sandbox.require(args.sandbox_isolation, sessions=args.tools == "python")
-    if rank == 0:
-        print(sandbox.describe(isolation))
-    torch.manual_seed(args.seed + rank)
-    random.seed(args.seed + rank)
-    tokenizer = policy.load_tokenizer(args.model)
-    rows = rollout.load_rows_within(args.data, tokenizer, args.max_prompt_tokens, verbose=rank == 0, tools=args.tools)
-    eval_rows = (rollout.load_rows_within(args.eval_data, tokenizer, args.max_prompt_tokens, verbose=rank == 0,
-                                          tools=args.tools) if args.eval_data else [])
-    if 0 < len(eval_rows) < world:  # a rank without eval rows would leave the others' collectives hanging
-        raise ValueError(f"{args.eval_data}: {len(eval_rows)} eval rows for {world} ranks; need at least one each")
-    if score_fn is rewards.score_batch:  # a caller's own score function decides which sources it knows
-        rewards.check_sources(rows, args.data)
-        rewards.check_sources(eval_rows, args.eval_data)
+    """Checks, rows and judge first (rl_run.prepare), then the engine, the actor (and reference), the critic with its
+    value head, both optimizers, and the state of a resumed run (the critic's checkpoint of the same step)."""
+    ready = rl_run.prepare(args, score_fn, check_args)
     total_steps = (args.total_steps if args.total_steps is not None  # 0: evaluate only
-                   else max(1, args.epochs * len(rows) // args.prompts_per_step))
-    # vLLM takes its memory before the FSDP models do (its allocator must see a clean device).
-    engine = None
-    if args.engine == "vllm":
-        engine = engines.VLLMEngine(
-            args.model, seed=args.seed, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            max_model_len=args.vllm_max_model_len, tensor_parallel_size=args.vllm_tensor_parallel_size)
-        engine.sleep()
-    model = policy.shard_model(policy.load_model(args.model, attn_implementation=args.attn_implementation).to(device),
-                               mixed_precision=args.mixed_precision,
-                               activation_checkpointing=args.activation_checkpointing,
-                               compile_layers=args.compile_layers)
+                   else max(1, args.epochs * len(ready.rows) // args.prompts_per_step))
+    vllm_engine = rl_run.start_vllm(args, ready)
+    model = rl_run.load_policy(args, ready.device)
     value_model = policy.shard_model(policy.load_value_model(args.critic_model or args.model,
-                                                             attn_implementation=args.attn_implementation).to(device),
-                                     mixed_precision=args.mixed_precision,
+                                                             attn_implementation=args.attn_implementation)
+                                     .to(ready.device), mixed_precision=args.mixed_precision,
                                      activation_checkpointing=args.activation_checkpointing,
                                      compile_layers=args.compile_layers)
-    ref_model = None
-    if args.kl_coef > 0:
-        ref_model = policy.shard_model(policy.load_model(args.model, attn_implementation=args.attn_implementation)
-                                       .to(device), mixed_precision=args.mixed_precision)
-        ref_model.requires_grad_(False)
-    if engine is None:
-        engine = engines.HFEngine(model, pad_token_id=tokenizer.pad_token_id)
+    ref_model = rl_run.load_reference(args, ready.device)
     optimizer = policy.adamw(model, args.lr, args.weight_decay)
     critic_optimizer = policy.adamw(value_model, args.critic_lr, args.weight_decay)
-    sampling = engines.Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                                stop_token_ids=policy.stop_token_ids(tokenizer, args.model,
-                                                                     chat.end_of_turn(tokenizer, args.end_of_turn)))
-    limits = rollout.AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens,
-                                 args.max_agent_seconds)
-    if args.tools == "swe":  # containers of dead kiln processes go; this one's go when it ends, however it ends
-        containers.sweep(containers.shared_client())
-        containers.remove_owned_at_exit(containers.shared_client())
+    rl_run.start_tools(args)
+
     def load_both(checkpoint: Path) -> dict:  # the critic's checkpoint of the step, saved before the policy's
         critic_checkpoint = Path(args.output_dir) / "critic" / "checkpoints" / checkpoint.name
         if not (critic_checkpoint / "trainer_state.json").is_file():
@@ -344,64 +172,63 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     checkpoint, state = load_newest_checkpoint(args.output_dir, load_both) if args.resume else (None, None)
     if checkpoint is None:
         state = {"step": 0, "data_pos": 0, "kl_coef": args.kl_coef, "best": {}, "evals": []}
-    elif rank == 0:
+    elif ready.rank == 0:
         print(f"resumed from {checkpoint} at step {state['step']}")
-    log = runlog.start(args.output_dir, rank, dataclasses.asdict(args), args.wandb_project,
+    log = runlog.start(args.output_dir, ready.rank, dataclasses.asdict(args), args.wandb_project,
                        resume_step=state["step"] if args.resume else None, samples_max_mb=args.samples_max_mb)
-    return Run(args=args, rank=rank, world=world, total_steps=total_steps, model=model, value_model=value_model,
-               ref_model=ref_model, optimizer=optimizer, critic_optimizer=critic_optimizer, engine=engine,
-               tokenizer=tokenizer, sampling=sampling, limits=limits, rows=rows, eval_rows=eval_rows,
-               score_fn=score_fn, log=log, step=state["step"], data_pos=state["data_pos"], kl_coef=state["kl_coef"],
-               best=state["best"], evals=state["evals"])
+    return Run(args=args, rank=ready.rank, world=ready.world, total_steps=total_steps, model=model,
+               value_model=value_model, ref_model=ref_model, optimizer=optimizer, critic_optimizer=critic_optimizer,
+               engine=rl_run.rollout_engine(vllm_engine, model, ready.tokenizer), tokenizer=ready.tokenizer,
+               sampling=ready.sampling, limits=ready.limits, rows=ready.rows, eval_rows=ready.eval_rows,
+               score_fn=ready.score_fn, log=log, step=state["step"], data_pos=state["data_pos"],
+               kl_coef=state["kl_coef"], best=state["best"], evals=state["evals"], judge=ready.judge)
 
 
 def train_step(run: Run) -> dict:
     """One PPO step, phase by phase; each phase is the function of that name right below, in this order."""
     seconds = {}
     # 1-5. Prompts -> rollouts -> rewards (tool output between turns is outside the loss mask: no value, no loss).
-    samples, metrics = collect_samples(run, seconds)
+    samples, batch, metrics = collect_samples(run, seconds)
     # 6-7. Old/reference logprobs and values, token rewards, GAE, whitened advantages.
     with runlog.timed(seconds, "experience"):
-        exp, experience_metrics = make_experience(run, samples)
+        exp, experience_metrics = make_experience(run, batch)
     # 8. Minibatch updates: the critic every step, the actor once the critic has warmed up; then adaptive KL.
     with runlog.timed(seconds, "update"):
         update_metrics = update_epochs(run, exp)
-    # 9. Throughput, timings and sample records.
-    return metrics | experience_metrics | update_metrics | step_metrics(run, exp, seconds)
+    # 9. Throughput, timings and the trained samples' records (with --rich-samples, old logprobs and advantages).
+    rich = dict(trainer_logprobs=exp.old_logprobs, token_advantages=exp.advantages)
+    return (metrics | experience_metrics | update_metrics
+            | rl_run.step_metrics(run, batch, seconds, run.total_steps, **rich))
 
 
-def collect_samples(run: Run, seconds: dict) -> tuple[list[rollout.Sample], dict]:
+def collect_samples(run: Run, seconds: dict) -> tuple[list[rollout.Sample], list[rollout.Sample], dict]:
     """Phases 1-5: this rank's prompts (a seeded shuffle per epoch, so resuming replays the same order), the engine
     woken with the current weights (a level-2 sleep dropped them), `group_size` rollouts of each, the engine asleep
-    again, and every sample's reward from the sandbox; a non-finite reward stops every rank naming the task."""
+    again, and every sample's reward (rl_run.score); then every sample of the step, the batch it trains on (the samples
+    that have a reward) and their metrics."""
     args, per_rank = run.args, run.args.prompts_per_step // run.world
     rows = task_rows.in_epoch_order(run.rows, run.data_pos + run.rank * per_rank, per_rank, args.seed)
     run.data_pos += args.prompts_per_step
+    # Each sample's tokens come from its own seed (step, group, index, turn): a resumed run repeats them.
+    sampling = dataclasses.replace(run.sampling, seed=engines.derive_seed(args.seed, run.step))
     with runlog.timed(seconds, "wake_and_sync"):
-        run.engine.wake_up()
-        run.engine.load_weights(policy.iter_full_weights(run.model))
+        rl_run.wake_with_current_weights(run)
     with runlog.timed(seconds, "rollout"):
-        # Each sample's tokens come from its own seed (step, group, index, turn): a resumed run repeats them.
-        sampling = dataclasses.replace(run.sampling, seed=engines.derive_seed(args.seed, run.step))
-        samples, rollout_metrics = rollout.collect(run.engine, run.tokenizer, rows, args.group_size, sampling,
-                                                   args.tools, run.limits, first_group=run.rank * len(rows),
-                                                   check=args.check_tito, eot=args.end_of_turn)
+        samples, rollout_metrics = rl_run.run_rollouts(run, rows, args.group_size, sampling,
+                                                       first_group=run.rank * len(rows))
         run.engine.sleep()
+    metrics = {}
+    if run.judge is not None:
+        run.judge.stats(reset=True)  # the step's judge metrics start here
     with runlog.timed(seconds, "reward"):
-        for s, r in zip(samples, run.score_fn([s.row for s in samples], [s.text for s in samples])):
-            s.reward, s.info = r.score, s.info | r.info  # the rollout's info (multi-turn messages) stays
-    rewards.refuse_nonfinite(collectives.gather_objects(  # every rank gets every offender: all stop together
-        [(task_rows.row_id(s.row), s.reward) for s in samples if not math.isfinite(s.reward)]), run.step + 1)
-    tool_metrics = {k: v for k, v in rollout_metrics.items() if k.startswith(("tools/", "swe/", "agents/"))}
-    metrics = (rollout_metrics | collectives.mean_dicts_over_ranks(tool_metrics)
-               | getattr(run.engine, "last_metrics", {}))
-    sources, scores, errors, lengths, isolations = zip(*collectives.gather_objects(
-        [(s.row["data_source"], s.reward, s.info.get("error"), len(s.completion_ids), s.info.get("sandbox_isolation"))
-         for s in samples]))
-    metrics |= rewards.batch_metrics(sources, scores, errors, lengths, isolations)
-    if args.tools == "swe":
-        metrics |= swe_grading.swe_metrics(collectives.gather_objects([s.info for s in samples]))
-    return samples, metrics
+        rl_run.score(run, samples)
+    nonfinite_dropped = rl_run.refuse_or_count_nonfinite(run, samples)
+    if run.judge is not None:  # stops the run past --judge-max-failure-rate, before any update
+        metrics |= rl_run.judge_metrics(run, samples)
+    if args.nonfinite_rewards == "drop":
+        metrics["critic/score/nonfinite_dropped"] = float(nonfinite_dropped)
+    batch = [s for s in samples if math.isfinite(s.reward)]  # no reward (judge failures, dropped): not trained on
+    return samples, batch, metrics | rl_run.reward_metrics(run, samples, rollout_metrics)
 
 
 def make_experience(run: Run, samples: list[rollout.Sample]) -> tuple[Experience, dict]:
@@ -456,21 +283,6 @@ def update_epochs(run: Run, exp: Experience) -> dict:
     return metrics
 
 
-def step_metrics(run: Run, exp: Experience, seconds: dict) -> dict:
-    """Phase 9: seconds per phase, sample tokens per second over all ranks; every --sample-every steps (and at the
-    last) every sample of the step goes to samples.jsonl (with --rich-samples, its old logprobs and per-token
-    advantages too)."""
-    samples = exp.samples
-    metrics = {f"timing_s/{k}": v for k, v in seconds.items()}
-    metrics["perf/tokens_per_s"] = (collectives.sum_over_ranks(sum(len(s.ids) for s in samples))
-                                    / sum(seconds.values()))
-    if runlog.writes_samples(run.step + 1, run.args.sample_every, run.total_steps):
-        rich = dict(tokenizer=run.tokenizer, trainer_logprobs=exp.old_logprobs,
-                    token_advantages=exp.advantages) if run.args.rich_samples else {}
-        run.log.samples(collectives.gather_objects(runlog.sample_records(run.step + 1, samples, **rich)))
-    return metrics
-
-
 def update_actor(run: Run, exp: Experience, minibatch: int) -> dict:
     """One actor optimizer step on this rank's share of one minibatch: per micro-batch, packed forward -> clipped
     surrogate on the whitened advantages (- entropy bonus) -> backward; then clip and step."""
@@ -521,32 +333,6 @@ def minibatch_plan(run: Run, exp: Experience, minibatch: int) -> tuple[list[list
     global_tokens = max(1.0, collectives.sum_over_ranks(exp.mask[index].sum().item()))
     # The actor's planning for both models: they share the attention, so a shared prompt counts once for either.
     return policy.completion_micro_batches(run.model, exp.samples, index, run.args.micro_batch_tokens), global_tokens
-
-
-def evaluate(run: Run) -> dict:
-    """pass@1 and mean reward on the held-out rows, overall, by data source and by difficulty; updates the report and
-    keeps the policy in <output_dir>/best when it is the best so far. Collective."""
-    args = run.args
-    rows = run.eval_rows[run.rank :: run.world]
-    sampling = dataclasses.replace(run.sampling, temperature=args.eval_temperature,
-                                   seed=engines.derive_seed(args.seed, "eval", run.step))
-    run.engine.wake_up()
-    run.engine.load_weights(policy.iter_full_weights(run.model))
-    samples, _ = rollout.collect(run.engine, run.tokenizer, rows, args.eval_samples, sampling, args.tools,
-                                 run.limits, first_group=run.rank * len(rows), check=args.check_tito,
-                                 eot=args.end_of_turn)
-    run.engine.sleep()
-    results = run.score_fn([s.row for s in samples], [s.text for s in samples])
-    graded = collectives.gather_objects([(task_rows.row_id(s.row), rewards.for_report(r))
-                                         for s, r in zip(samples, results)])
-    summary = eval_report.report({task_rows.row_id(row): row for row in run.eval_rows}, [task for task, _ in graded],
-                             [reward for _, reward in graded])
-    metrics = eval_report.report_metrics(summary)
-    run.evals.append({"step": run.step} | summary)
-    run.best = keep_best(run.best, args.best_metric, metrics, run.step, run.model, args.model, args.output_dir)
-    if run.rank == 0:
-        eval_report.write_eval_report(args.output_dir, run.evals, run.best, args.eval_data)
-    return metrics
 
 
 def save(run: Run) -> None:

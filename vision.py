@@ -15,6 +15,8 @@ import torch
 from PIL import Image
 from transformers import AutoConfig, AutoImageProcessor
 
+import task_rows
+
 MIN_SIDE = 28  # a smaller side is scaled up to this (aspect kept), as CodeV's tool does
 MAX_ASPECT_RATIO = 100  # a longer/shorter side ratio above this is refused (the image processor raises past 200)
 DUMMY_SIDE = 56  # the blank image of an image-less micro-batch: 2x2 merged patches, 4 tokens
@@ -88,6 +90,14 @@ def image_counter(path: str):
     if not is_vision_model(AutoConfig.from_pretrained(path, local_files_only=True)):
         return None
     return functools.partial(image_tokens, image_processor(str(path)))
+
+
+def images_per_prompt(model: str, rows: list[dict], tool_images: int) -> int | None:
+    """The image budget vLLM reserves per prompt for a vision-language model: the most images a row has, plus
+    `tool_images`, what a trajectory's tool calls may add; None for a text model."""
+    if not is_vision_model(AutoConfig.from_pretrained(model, local_files_only=True)):
+        return None
+    return max(len(task_rows.row_images(row)) for row in rows) + tool_images
 
 
 def added_tokens(config, prompt_ids: list[int], images: list) -> tuple[int, int]:

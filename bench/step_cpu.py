@@ -61,7 +61,8 @@ def distinct_char_fraction(text: str) -> float:
     return len(set(text)) / len(text) if text else 0.0
 
 
-def kiln_score(rows: list[dict], completions: list[str]) -> list[rewards.Reward]:
+def kiln_score(rows: list[dict], completions: list[str],
+               sample_infos: list[dict] | None = None) -> list[rewards.Reward]:
     return [rewards.Reward(distinct_char_fraction(c)) for c in completions]
 
 

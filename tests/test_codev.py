@@ -163,7 +163,8 @@ def test_vision_toy_is_deterministic_and_its_answers_are_right():
         # The rule reward: the right answer with a returned crop of the target box scores everything.
         crop = io.BytesIO()
         picture.crop(box).save(crop, format="PNG")
-        reward = rewards.vl_agent_reward(row, f"<answer>{answer}</answer>", None, {"images": [crop.getvalue()]})
+        reward = rewards.vl_agent_reward(row, f"<answer>{answer}</answer>",
+                                         rewards.ScoreContext(sample_info={"images": [crop.getvalue()]}))
         assert (reward.info["acc"], reward.info["format"], reward.info["tool"]) == (1.0, 1.0, 1.0)
 
 

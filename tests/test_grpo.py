@@ -126,7 +126,7 @@ def test_tiny_model_learns_a_simple_reward(task, tmp_path):
 
     root, model = task
 
-    def x_fraction(rows, texts):
+    def x_fraction(rows, texts, sample_infos=None):
         return [Score(t.count("x") / max(1, len(t)), {}) for t in texts]
 
     args = train_grpo.Args(model=str(model), data=str(root / "train.parquet"), output_dir=str(tmp_path),
@@ -149,7 +149,8 @@ def test_wandb_offline_logs_every_metric_of_every_step(task, tmp_path, monkeypat
     args = train_grpo.Args(model=str(model), data=str(root / "train.parquet"), output_dir=str(tmp_path),
                            total_steps=2, max_new_tokens=8, prompts_per_step=4, group_size=2, save_every=1000,
                            sample_every=0, wandb_project="kiln-test")
-    train_grpo.main(args, score_fn=lambda rows, texts: [Score(t.count("x") / max(1, len(t)), {}) for t in texts])
+    train_grpo.main(args, score_fn=lambda rows, texts, sample_infos=None: [Score(t.count("x") / max(1, len(t)), {})
+                                                                           for t in texts])
     run = offline_run(tmp_path)
     steps = metrics_by_step(tmp_path)
     assert sorted(steps) == [1, 2]
@@ -211,7 +212,7 @@ def test_best_policy_follows_the_chosen_metric(tmp_path):
             model=str(model_dir), data=str(tmp_path / "test.parquet"), eval_data=str(tmp_path / "test.parquet"),
             output_dir=str(out), max_new_tokens=4, prompts_per_step=4, best_metric=best_metric), None)
 
-        def scripted(rows, texts):
+        def scripted(rows, texts, sample_infos=None):
             counts = [tests_passed[run.step][index[task_rows.row_id(r)]] for r in rows]
             return [rewards.Reward(p / t, {"passed": p, "total": t, "verdicts": []}) for p, t in counts]
 

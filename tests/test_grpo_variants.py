@@ -60,7 +60,7 @@ def informative(row: dict) -> bool:
 def position_rewards(group_size: int):
     """A score_fn: rows with an index divisible by 3 get rewards 0, 1, 0, 1... over their group (they teach
     something), the others 0.5 for every sample (nothing to learn)."""
-    def score(rows, texts):
+    def score(rows, texts, sample_infos=None):
         return [rewards.Reward(float(i % group_size % 2) if informative(row) else 0.5, {})
                 for i, row in enumerate(rows)]
     return score
@@ -109,8 +109,9 @@ def test_dynamic_sampling_refills_the_batch_with_groups_that_differ(task, tmp_pa
 
 def test_dynamic_sampling_tries_are_bounded(task, tmp_path, monkeypatch):
     seen = spy_update(monkeypatch)
-    run = make_run(task, tmp_path, LengthsEngine([3], stop_id=2), lambda rows, texts: [rewards.Reward(0.5, {})] * len(
-        rows), prompts_per_step=4, group_size=2, max_new_tokens=8, dynamic_sampling=True, max_sampling_tries=3)
+    run = make_run(task, tmp_path, LengthsEngine([3], stop_id=2),
+                   lambda rows, texts, sample_infos=None: [rewards.Reward(0.5, {})] * len(rows),
+                   prompts_per_step=4, group_size=2, max_new_tokens=8, dynamic_sampling=True, max_sampling_tries=3)
     metrics = train_grpo.train_step(run)
     assert metrics["batch/sampling_tries"] == 3 and metrics["batch/kept_frac"] == 0.0 and run.data_pos == 12
     assert seen == [[]] and "actor/pg_loss" not in metrics  # nothing to learn: no optimizer step
@@ -121,7 +122,7 @@ def test_overlong_punishment_and_filtering(task, tmp_path, monkeypatch):
     shaped rewards 1, 1, 0.5, 0: mean 0.625, deviations .375 .375 -.125 -.625, unbiased std sqrt(.6875 / 3) =
     0.4787136. The 8-token sample was cut by the limit: it counts in the advantages, not in the loss."""
     seen = spy_update(monkeypatch)
-    run = make_run(task, tmp_path, LengthsEngine([2, 4, 6, 8], stop_id=2), lambda rows, texts: [
+    run = make_run(task, tmp_path, LengthsEngine([2, 4, 6, 8], stop_id=2), lambda rows, texts, sample_infos=None: [
         rewards.Reward(1.0, {})] * len(rows), prompts_per_step=2, group_size=4, max_new_tokens=8, overlong_buffer=4,
         mask_truncated=True)
     metrics = train_grpo.train_step(run)

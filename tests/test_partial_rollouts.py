@@ -246,7 +246,8 @@ def make_run(task, output_dir, **kwargs) -> train_grpo.Run:
                            total_steps=3, save_every=0, sample_every=0, lr=1e-3, tools="python", max_turns=4,
                            max_total_tokens=900, max_tool_response_tokens=16, prompts_per_step=2, group_size=2,
                            partial_rollouts=True, max_staleness=1, rollout_is="token", check_tito=True, **kwargs)
-    run = train_grpo.setup(args, lambda rows, texts: [rewards.Reward(float("42" in t)) for t in texts])
+    run = train_grpo.setup(args, lambda rows, texts, sample_infos=None: [rewards.Reward(float("42" in t))
+                                                                      for t in texts])
     run.engine = TrainerEngine(run.tokenizer, SCRIPTS)
     return run
 

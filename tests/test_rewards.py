@@ -97,6 +97,48 @@ def test_score_batch_keeps_order_across_sources():
         rewards.score_batch(rows[:2], completions[:1])
 
 
+def test_a_registered_data_source_is_checked_and_scored(monkeypatch):
+    """Adding a reward is one line, REWARDS[source] = fn: check_sources then accepts the source, and score_batch routes
+    its rows to fn with each sample's rollout info, beside the built-in families."""
+    shout = task_rows.make_row("shout", "say hi loudly", {}, {"index": 0, "split": "train"})
+    with pytest.raises(ValueError, match=r"^mine.parquet: no reward function for data_source 'shout'; known: apps, "
+                                         r".*\(rewards.REWARDS\)$"):
+        rewards.check_sources([shout, ADD], "mine.parquet")
+    seen = {}
+
+    def loud(row: dict, completion: str, context: rewards.ScoreContext) -> rewards.Reward:
+        seen[completion] = context.sample_info
+        return rewards.Reward(float(completion.isupper()), {"error": None})
+
+    monkeypatch.setitem(rewards.REWARDS, "shout", loud)
+    rewards.check_sources([shout, ADD], "mine.parquet")
+    results = rewards.score_batch([shout, shout, ADD], ["HI", "hi", fenced("print(sum(map(int, input().split())))")],
+                                  sample_infos=[{"turns": 1}, {"turns": 2}, {}])
+    assert [r.score for r in results] == [1.0, 0.0, 1.0]
+    assert seen == {"HI": {"turns": 1}, "hi": {"turns": 2}}
+
+
+def test_every_family_resolves_through_the_one_lookup():
+    """Code, answer, vl_agent and swebench rows all find their reward function in REWARDS through reward_fn, which
+    score and check_sources share; a style "judge" row of an unregistered source is vl_agent's, any other has none."""
+    toy = data_prep.toy_rows(20, 4, seed=0)[0][0]
+    calc = data_prep.calc_rows(4, 0, seed=0)[0][0]
+    vision = data_prep.vision_toy_rows(1, 0, seed=0, size=256)[0][0]
+    mbpp = task_rows.make_row("mbpp", "f", {"test_list": ["assert f() == 1"]}, {"index": 0, "split": "test"})
+    swebench = {"data_source": "swebench", "reward_model": {"style": "rule", "ground_truth": "{}"}}
+    families = {"apps": ADD, "humaneval": HUMANEVAL, "mbpp": mbpp, "toy": toy, "calc": calc, "vision_toy": vision,
+                "swebench": swebench}
+    for source, row in families.items():
+        assert rewards.reward_fn(row) is rewards.REWARDS[source], source
+    assert rewards.reward_fn(vision) is rewards.vl_agent_reward
+    judged = {"data_source": "my_vqa", "reward_model": {"style": "judge", "ground_truth": "7"}}
+    assert rewards.reward_fn(judged) is rewards.vl_agent_reward and rewards.needs_judge(judged)
+    assert rewards.reward_fn(judged | {"data_source": "VStar"}) is rewards.vl_agent_reward  # CodeV's, any case
+    unknown = judged | {"reward_model": {"style": "rule", "ground_truth": "7"}}
+    assert rewards.reward_fn(unknown) is None and not rewards.needs_judge(unknown)
+    rewards.check_sources([*families.values(), judged], "all families")
+
+
 def test_pass_at_k_edges():
     assert eval_report.pass_at_k(10, 0, 5) == 0.0
     assert eval_report.pass_at_k(10, 10, 1) == 1.0

@@ -289,7 +289,7 @@ def test_grpo_nan_reward_stops_and_nan_gradient_skips_the_step(toy, tmp_path, pr
                            prompts_per_step=2, group_size=2, max_new_tokens=8, lr=1e-2, sample_every=1,
                            tools="python", max_turns=1)
 
-    def score(rows, texts):  # the judge failed to parse its answer for the second sample
+    def score(rows, texts, sample_infos=None):  # the judge failed to parse its answer for the second sample
         return [rewards.Reward(float("nan") if i == 1 else 0.5 * i, {"judge": "parsed"}) for i in range(len(texts))]
 
     run = train_grpo.setup(args, score)
@@ -312,7 +312,8 @@ def test_grpo_nan_reward_stops_and_nan_gradient_skips_the_step(toy, tmp_path, pr
     run.args.nonfinite_rewards = "stop"
 
     # A reward function that works, and a gradient that does not: the optimizer step is skipped and counted.
-    run.score_fn = lambda rows, texts: [rewards.Reward(float(i % 2), {"judge": "parsed"}) for i in range(len(texts))]
+    run.score_fn = lambda rows, texts, sample_infos=None: [rewards.Reward(float(i % 2), {"judge": "parsed"})
+                                                          for i in range(len(texts))]
     hook = run.model.model.layers[0].mlp.register_full_backward_pre_hook(  # backward only: generation is unharmed
         lambda module, grad_output: tuple(g * float("nan") for g in grad_output))
     metrics = train_grpo.train_step(run)
