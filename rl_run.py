@@ -180,8 +180,7 @@ COUNTS = ("prompts_per_step", "group_size", "max_new_tokens", "minibatches", "ep
 def check_args(args, world: int) -> None:
     """Refuse the settings either trainer cannot run, before anything loads (vLLM start-up and model loads take
     minutes on GPUs): counts below 1, a temperature the trainer cannot score under, prompts that do not split over
-    the ranks or the minibatches, an unknown --best-metric, a bad --agent-cmd, an output dir in use, a model path or
-    attention that does not exist, an engine that is not installed."""
+    the ranks or the minibatches, judge limits out of range, an unknown --best-metric, a bad --agent-cmd."""
     for name in COUNTS:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
@@ -200,6 +199,11 @@ def check_args(args, world: int) -> None:
     check_best_metric(args.best_metric)
     if getattr(args, "agent_cmd", None) is not None:
         agent_server.check_agent_cmd(args.agent_cmd)
+
+
+def check_paths(args) -> None:
+    """Refuse, before anything loads, an output dir in use, a model path or attention that does not exist, an engine
+    that is not installed."""
     runlog.check_output_dir(args.output_dir, args.resume, args.overwrite, dataclasses.asdict(args))
     policy.check_model_path(args.model)
     policy.check_attention(args.model, args.attn_implementation)
@@ -225,12 +229,13 @@ class Prepared:
 
 def prepare(args, score_fn: rewards.ScoreFn, check: Callable[[object, int], None]) -> Prepared:
     """Everything a run can check or build before its models load, in the order that fails fastest: the process
-    group, `check(args, world)` (the trainer's own checks after the shared ones), the sandbox level every sample is
-    graded at, the seeds, the tokenizer, the training and held-out rows (too-long prompts skipped, sources checked),
-    and the judge the rows need, asked to answer now."""
+    group, the settings (the shared checks, then the trainer's own `check(args, world)`, then the paths), the sandbox
+    level every sample is graded at, the seeds, the tokenizer, the training and held-out rows (too-long prompts
+    skipped, sources checked), and the judge the rows need, asked to answer now."""
     rank, world, device = policy.init_distributed()
     check_args(args, world)
     check(args, world)
+    check_paths(args)
     isolation = sandbox.require(args.sandbox_isolation, sessions=args.tools in ("python", "codev"))
     if rank == 0:
         print(sandbox.describe(isolation))

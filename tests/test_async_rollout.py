@@ -304,7 +304,7 @@ def test_rollout_correction_flags_reach_the_loss(grpo_task, tmp_path):
     metrics = train_grpo.train_step(weighted)
     assert 0 < metrics["rollout_corr/is_weight_mean"] < 1e-4 and metrics["rollout_corr/rs_rejected_frac"] == 0
     with pytest.raises(ValueError, match="--tis-cap is rollout correction's token-level weight"):
-        train_grpo.check_variants(train_grpo.Args(model="m", data="d", tis_cap=2.0, rollout_is="token"))
+        train_grpo.check_args(train_grpo.Args(model="m", data="d", tis_cap=2.0, rollout_is="token"), 1)
 
 
 class PeerEngine(TokenEngine):

@@ -19,6 +19,7 @@ import data_prep  # noqa: E402
 import policy  # noqa: E402
 import ranks  # noqa: E402
 import rewards  # noqa: E402
+import rl_run  # noqa: E402
 import rollout  # noqa: E402
 import task_rows  # noqa: E402
 import tiny  # noqa: E402
@@ -173,8 +174,9 @@ def test_minibatches_take_whole_groups_and_an_empty_one_takes_no_step(tmp_path):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         args = train_grpo.Args(model=str(model_dir), minibatches=2)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        run = train_grpo.Run(args, 0, 1, model, None, optimizer, scheduler, engine=None, tokenizer=None, sampling=None,
-                             limits=None, rows=[], eval_rows=[], score_fn=None, log=None)
+        run = train_grpo.Run(args=args, rank=0, world=1, model=model, ref_model=None, optimizer=optimizer,
+                             scheduler=scheduler, engine=None, tokenizer=None, sampling=None, limits=None, rows=[],
+                             eval_rows=[], score_fn=None, judge=None, log=None)
         batch = [rollout.Sample(prompt_ids=[1, 2, 3], completion_ids=completion, loss_mask=[1, 1],
                                 engine_logprobs=[0.0, 0.0], row={}, group=5, advantage=advantage)
                  for completion, advantage in (([40, 41], 1.0), ([42, 43], -1.0))]
@@ -220,7 +222,7 @@ def test_best_policy_follows_the_chosen_metric(tmp_path):
         metrics = []
         for step in (0, 1, 2):
             run.step = step
-            metrics.append(train_grpo.evaluate(run))
+            metrics.append(rl_run.evaluate(run))
         return run, metrics
 
     created = not torch.distributed.is_initialized()

@@ -11,6 +11,7 @@ import data_prep
 import engines
 import policy
 import rewards
+import rl_run
 import task_rows
 import tiny
 import train_grpo
@@ -176,4 +177,4 @@ def test_variants_reach_the_command_line():
                                            "reinforce++-baseline", "--dynamic-sampling"])
     assert (args.clip_low, args.clip_high, args.loss_agg) == (3e-4, 5e-4, "seq-mean-token-mean")
     assert args.advantage == "reinforce++-baseline" and args.dynamic_sampling
-    train_grpo.check_variants(args)  # a group baseline first: dynamic sampling is defined for it
+    train_grpo.check_args(args, 1)  # a group baseline first: dynamic sampling is defined for it

@@ -22,6 +22,7 @@ import engines  # noqa: E402
 import losses  # noqa: E402
 import policy  # noqa: E402
 import rewards  # noqa: E402
+import rl_run  # noqa: E402
 import ranks  # noqa: E402
 import rollout  # noqa: E402
 import task_rows  # noqa: E402
@@ -208,7 +209,7 @@ def test_step_and_eval_by_difficulty_with_real_apps_rewards(apps, tmp_path):
     answers, expected = answers_with_known_scores(rows)
     t.engine = ScriptedEngine(t.tokenizer, rows, answers)
 
-    metrics = train_ppo.evaluate(t)
+    metrics = rl_run.evaluate(t)
     assert metrics["val-core/all/pass@1"] == pytest.approx(1 / 5)
     assert metrics["val-core/apps/interview/pass@1"] == pytest.approx(1 / 2)
     assert metrics["val-core/apps/introductory/pass@1"] == 0 and metrics["val-core/apps/competition/pass@1"] == 0
@@ -222,9 +223,9 @@ def test_step_and_eval_by_difficulty_with_real_apps_rewards(apps, tmp_path):
     t.engine.answers = {r: fenced(row["extra_info"]["solutions"][0]) for r, row in
                         ((task_rows.row_id(row), row) for row in rows)}
     t.step = 3
-    assert train_ppo.evaluate(t)["val-core/all/pass@1"] == 1.0
+    assert rl_run.evaluate(t)["val-core/all/pass@1"] == 1.0
     t.engine.answers, t.step = answers, 4
-    train_ppo.evaluate(t)
+    rl_run.evaluate(t)
     assert json.loads((tmp_path / "best" / "best.json").read_text())["step"] == 3
     assert policy.load_model(tmp_path / "best").config.num_hidden_layers == 2  # a loadable Hugging Face folder
     report = json.loads((tmp_path / "eval_report.json").read_text())
@@ -246,7 +247,7 @@ def test_step_and_eval_by_difficulty_with_real_apps_rewards(apps, tmp_path):
     assert metrics["critic/score/pass_rate"] == pytest.approx(1 / 5)
     assert metrics["critic/vf_loss"] > 0 and metrics["critic/grad_norm"] > 0 and metrics["actor/grad_norm"] > 0
     assert metrics["critic/returns/mean"] > 0 and metrics["actor/frozen"] == 0
-    evaluation = train_ppo.evaluate(t)
+    evaluation = rl_run.evaluate(t)
     assert not undocumented(metrics | evaluation)  # docs/metrics.md lists every key
 
 

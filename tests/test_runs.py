@@ -183,7 +183,7 @@ def test_settings_are_refused_before_anything_loads(toy, tmp_path, process_group
                                (dict(critic_model=str(tmp_path / "nope")), r"--critic-model .*nope: model folder"),
                                (dict(total_steps=-1), r"--total-steps must be >= 0")]:
         with pytest.raises(ValueError, match=message):
-            train_ppo.check_args(train_ppo.Args(**base | dict(eval_data=None) | overrides), 1)
+            train_ppo.setup(train_ppo.Args(**base | dict(eval_data=None) | overrides), rewards.score_batch)
     with pytest.raises(ValueError, match=r"--model .*nope: model folder does not exist"):
         train_sft.main(train_sft.Args(model=str(tmp_path / "nope"), data=base["data"], output_dir=base["output_dir"]))
 
@@ -270,7 +270,7 @@ def test_grpo_resume_after_an_unreadable_checkpoint(toy, tmp_path, monkeypatch, 
     train_grpo.main(args.__class__(**vars(args) | {"resume": True}))
     assert "step_00000004 is unreadable (ValueError" in capsys.readouterr().out
     again = lines(out / "metrics.jsonl")
-    assert [r["step"] for r in again] == [0, 1, 2, 3, 4, 4]  # step 0 and 4 hold the evaluations too
+    assert [r["step"] for r in again] == [0, 1, 2, 3, 4]  # step 0 is the first evaluation; step 4 holds the last
     skip = ("timing_s/", "perf/", "rollout/seconds", "rollout/tokens_per_s", "timestamp")
     for a, b in zip(first, again):
         assert {k: v for k, v in a.items() if not k.startswith(skip)} == \
