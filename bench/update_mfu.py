@@ -164,8 +164,9 @@ def main(args: Args) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     # No engine, data, reward or log: update_policy() needs only the model, its optimizer and the Args.
-    grpo = train_grpo.Run(grpo_args, rank, world, model, None, optimizer, scheduler, engine=None, tokenizer=None,
-                          sampling=None, limits=None, rows=[], eval_rows=[], score_fn=None, log=None)
+    grpo = train_grpo.Run(args=grpo_args, rank=rank, world=world, model=model, ref_model=None, optimizer=optimizer,
+                          scheduler=scheduler, engine=None, tokenizer=None, sampling=None, limits=None, rows=[],
+                          eval_rows=[], score_fn=None, judge=None, log=None)
     rng = random.Random(args.seed + rank)
     seconds, flops, tokens, tokens_run = [], [], [], []
     for step in range(args.warmup + args.steps):

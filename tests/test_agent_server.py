@@ -29,6 +29,7 @@ import engines  # noqa: E402
 import losses  # noqa: E402
 import policy  # noqa: E402
 import rollout  # noqa: E402
+import rl_run  # noqa: E402
 import task_rows  # noqa: E402
 import tiny  # noqa: E402
 import ranks  # noqa: E402
@@ -553,7 +554,7 @@ def test_agents_see_no_answers_and_get_their_placeholders(tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="unknown placeholder"):
         agent_server.check_agent_cmd("run --url {url}")
     with pytest.raises(ValueError, match="unknown placeholder"):  # refused before anything loads
-        train_grpo.check_args(train_grpo.Args(agent_cmd="run --url {url}", output_dir=str(tmp_path / "run")), 1)
+        rl_run.check_args(train_grpo.Args(agent_cmd="run --url {url}", output_dir=str(tmp_path / "run")), 1)
 
 
 def served_url(process) -> str:

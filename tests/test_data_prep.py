@@ -169,7 +169,7 @@ def mixed_rows(humaneval, mbpp, apps, toy) -> list[dict]:
 
 def assert_identical(a, b):
     assert a == b
-    assert data_prep._same(a, b)  # also types: no int turned float, no str turned int
+    assert task_rows._same(a, b)  # also types: no int turned float, no str turned int
 
 
 def test_parquet_round_trip_of_mixed_sources_is_exact(tmp_path, humaneval, mbpp, apps, toy):
@@ -240,6 +240,7 @@ def test_hub_names_fail_clearly_when_offline():
     # HF_HUB_OFFLINE makes the hub libraries refuse the network at once: no network is touched here.
     script = """
 import data_prep
+import task_rows
 for load in (lambda: task_rows.load_rows("someone/rows"), lambda: data_prep.apps_rows("codeparrot/apps"),
              lambda: data_prep.mbpp_rows("google-research-datasets/mbpp")):
     try:
@@ -338,7 +339,7 @@ def test_apps_keeps_huge_integers_intact(tmp_path):
 
 
 def test_cli_writes_loadable_files(tmp_path):
-    commands = [["mbpp", "--split", "train", "--out", tmp_path / "mbpp.parquet"],
+    commands = [["mbpp", "--source", MBPP_FILE, "--split", "train", "--out", tmp_path / "mbpp.parquet"],
                 ["apps", "--source", APPS_DIR, "--out", tmp_path / "apps.parquet"],
                 ["toy", "--split", "test", "--n-train", "50", "--n-test", "20", "--out", tmp_path / "toy.jsonl"]]
     for args in commands:

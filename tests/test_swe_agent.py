@@ -220,7 +220,7 @@ def test_a_trainer_interrupted_mid_rollout_removes_its_containers(docker_client,
     """What train_grpo --tools swe installs at setup: Ctrl-C (SIGINT) and torchrun's SIGTERM remove this process's
     containers on the way out."""
     task_rows.write_rows([swe_rows[M1359]], tmp_path / "row.parquet")
-    script = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); import containers, data_prep, tools\n"
+    script = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); import containers, task_rows, tools\n"
               "containers.remove_owned_at_exit(containers.shared_client())\n"
               f"boxes = [tools.swe_toolbox(task_rows.load_rows({str(tmp_path / 'row.parquet')!r})[0]) "
               "for _ in range(2)]\n"

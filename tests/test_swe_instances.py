@@ -33,8 +33,8 @@ def test_the_rows_come_from_the_repository_a_file_or_the_hub(tmp_path, monkeypat
         swe_instances.source_rows(str(tmp_path / "nope.json"), "dev", MARSHMALLOW)
     with pytest.raises(ValueError, match=r"no row for astropy__astropy-1"):
         swe_instances.source_rows(str(tmp_path / "rows.jsonl"), "dev", ["astropy__astropy-1"])
-    # a hub name goes to data_prep's hub reader (tests/test_data_prep.py), with --split
-    monkeypatch.setattr(swe_instances.data_prep, "hub_records", lambda name, split: [
+    # a hub name goes to task_rows' hub reader (tests/test_data_prep.py), with --split
+    monkeypatch.setattr(swe_instances.task_rows, "hub_records", lambda name, split: [
         rows[MARSHMALLOW[1]] | {"FAIL_TO_PASS": json.dumps(rows[MARSHMALLOW[1]]["FAIL_TO_PASS"])}] if (
             name, split) == ("SWE-bench/SWE-bench_Lite", "dev") else [])
     assert list(swe_instances.source_rows("SWE-bench/SWE-bench_Lite", "dev", MARSHMALLOW[1:])) == MARSHMALLOW[1:]
