@@ -10,6 +10,7 @@ tokens a placeholder expands to; without one each image is its placeholder alone
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import tempfile
 import time
@@ -17,7 +18,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from tqdm import tqdm
 
@@ -96,11 +97,11 @@ def load_rows_within(source: str, tokenizer, max_prompt_tokens: int, verbose: bo
 def collect(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampling: Sampling, tools: str = "none",
             limits: AgentLimits | None = None, first_group: int = 0, check: bool = False,
             eot: str | None = None, count_image: Callable[[bytes], int] = placeholder_only,
-            in_flight: InFlight | None = None, version: int = 0) -> tuple[list[Sample], dict]:
+            in_flight=None, version: int = 0) -> tuple[list[Sample], dict]:
     """`group_size` samples of each row: single-turn, or multi-turn agent rollouts with the toolbox `tools` names
     (TOOLBOXES) whose turns end with the token `eot` (default: end_of_turn's), budgets counting each image as
-    `count_image` tokens (in_flight and version: multi_turn's, for partial rollouts). check: compare every trajectory
-    with the chat template's rendering of its messages; the drifting fractions go to the metrics
+    `count_image` tokens (in_flight, for partial rollouts, and version: multi_turn's). check: compare every
+    trajectory with the chat template's rendering of its messages; the drifting fractions go to the metrics
     (tools/tito_drift_frac: any finding; tools/tito_split_frac: ids that split the text otherwise;
     tools/tito_mask_drift_frac: a loss mask or text that is wrong) and the first drift to the console: logged, not
     fatal. Returns samples and this rank's metrics."""
@@ -208,111 +209,34 @@ def tito_metrics(drifts: list[dict]) -> dict:
             "tools/tito_mask_drift_frac": sum(chat.mask_drifted(d) for d in drifts) / len(drifts)}
 
 
-def staleness(traj: Trajectory, version: int) -> int:
-    """How many versions older than `version` the trajectory's oldest token is (0 for one with no token yet)."""
-    return version - min(traj.versions, default=version)
-
-
-def due(traj: Trajectory, version: int, max_staleness: int) -> bool:
-    """Whether an unfinished trajectory must finish in the phase of `version`: carried into the next phase, its
-    oldest token (this phase's, if it has no older one) would be more than `max_staleness` versions old."""
-    return bool(not traj.finish_reason and traj.completion_ids and staleness(traj, version) + 1 > max_staleness)
-
-
-@dataclass
-class InFlight:
-    """Partial rollouts (train_grpo --partial-rollouts): what one rollout phase hands to the next. A phase ends once
-    `groups` groups are complete (all their trajectories finished; a group is never split) and returns that many; the
-    trajectories of the other groups stay here, the unfinished ones paused between turns with their tokens, engine
-    logprobs, versions and live toolbox (no tool call runs while paused), to go on in the next phase under its
-    weights. No trajectory is carried past `max_staleness`: one whose oldest token would be more than that many
-    versions old in the next phase is due, and the phase waits for it to finish (its work is never thrown away). A
-    complete group left waiting past the bound (more groups completed than a phase takes) restarts from its prompts in
-    the next phase, on fresh toolboxes. `regenerate`: groups (id, row) to start from their prompts in the next phase
-    (a resumed run's: its paused trajectories were not checkpointed). `close` releases every toolbox it holds: call it
-    on every exit path."""
-
-    groups: int
-    max_staleness: int
-    trajectories: list[Trajectory] = field(default_factory=list)
-    regenerate: list[tuple[int, dict]] = field(default_factory=list)
-    paused_at: float = 0.0  # time.monotonic() when the last phase ended
-
-    def group_ids(self) -> list[int]:
-        return sorted({traj.group for traj in self.trajectories} | {group for group, _ in self.regenerate})
-
-    def close(self) -> None:
-        boxes, self.trajectories = [traj.box for traj in self.trajectories], []
-        close_all(boxes)
-
-
-def complete_groups(trajectories: list[Trajectory]) -> list[int]:
-    """Ids, in order, of the groups whose every trajectory has finished."""
-    live = {traj.group for traj in trajectories if not traj.finish_reason}
-    return sorted({traj.group for traj in trajectories} - live)
-
-
 def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampling: Sampling,
                new_toolbox: Callable[[dict], ToolBox], limits: AgentLimits = AgentLimits(),
                first_group: int = 0, eot: str | None = None,
                count_image: Callable[[bytes], int] = placeholder_only, lockstep: bool = False,
-               in_flight: InFlight | None = None, version: int = 0) -> tuple[list[Sample], dict]:
+               version: int = 0, in_flight=None) -> tuple[list[Sample], dict]:
     """Multi-turn rollout: each row's prompt (and images) `group_size` times, every trajectory on its own
     (`run_trajectories`): its next turn goes to the engine as soon as its tool results are in, its tool calls start as
     soon as its reply is parsed. lockstep: the reference the tests and bench/agent_rollout.py compare against, every
     engine call waiting for every live trajectory. A turn that ends with the token `eot` (default: end_of_turn's), or
     (tag protocol) stops on </code>, can call tools. Lengths count each image as `count_image` tokens; an observation
     that does not fit ends the trajectory before it, images and all. Every token appended is of policy `version`
-    (Sample.versions). in_flight (partial rollouts, InFlight): the phase also runs the trajectories it holds (the stale
-    ones restarted) and its groups to regenerate, returns in_flight.groups complete groups (those with the oldest
-    tokens first, then by group id; each group's samples together) and leaves the rest in it. Returns samples (info:
-    messages, the images the tools returned, tool schemas, turn and tool counts) and metrics. Toolboxes are closed
-    once their group is returned, and all of them (in_flight's too) on an error or Ctrl-C, each even when another's
-    close fails. A prompt that leaves no room under max_total_tokens is refused (ValueError) before anything is
-    generated. Ranks do not meet here (but for a tensor-parallel engine's peers, at each engine call)."""
+    (Sample.versions). Returns samples (info: messages, the images the tools returned, tool schemas, turn and tool
+    counts) and metrics. Toolboxes are closed once their trajectories are returned, and all of them on an error or
+    Ctrl-C, each even when another's close fails. A prompt that leaves no room under max_total_tokens is refused
+    (ValueError) before anything is generated. Ranks do not meet here (but for a tensor-parallel engine's peers, at
+    each engine call).
+    in_flight (partial rollouts: partial_rollouts.InFlight) drives the same loop its own way (`run_phase`): it adds
+    the trajectories it carries, ends the rollout once it has its groups, and keeps the trajectories it does not
+    return."""
     start = time.perf_counter()
     eot = eot or chat.end_of_turn(tokenizer)
     starts = [(first_group + i // group_size, i % group_size, rows[i // group_size])
               for i in range(len(rows) * group_size)]  # (group, index in the group, row) to start from the prompt
-    trajectories: list[Trajectory] = []  # every one whose toolbox the `finally` closes: all but the paused
-    paused: list[Trajectory] = []
-    start_failures = []  # trajectories whose container the daemon would not start, even after retries
-    partial = {}
-    try:
-        if in_flight is not None:
-            trajectories, starts, partial = _resume(in_flight, version, group_size, starts)
-        for group, index, row in starts:
-            try:
-                box = new_toolbox(row)
-            except containers.ContainerStartFailed as e:  # lost, but counted (swe/start_failures), never scored
-                start_failures.append(e)
-                continue
-            images = task_rows.row_images(row)
-            prompt_text = chat.render(tokenizer, row["prompt"], box.schemas, add_generation_prompt=True)
-            traj = Trajectory(row, group, index, box, list(row["prompt"]),
-                              tokenizer(prompt_text, add_special_tokens=False)["input_ids"], images=images,
-                              prompt_images=len(images), image_tokens=sum(count_image(im) - 1 for im in images))
-            trajectories.append(traj)
-            if traj.length >= limits.max_total_tokens:
-                task = task_rows.row_id(row) if "extra_info" in row else f"rows[{group - first_group}]"
-                raise ValueError(f"{task}: the prompt is {traj.length} tokens with the tool signatures and its "
-                                 f"images, no room for an answer within max_total_tokens {limits.max_total_tokens}")
-        trajectories.sort(key=lambda traj: (traj.group, traj.index))
-        schedule = run_trajectories(engine, tokenizer, trajectories, sampling, limits, eot, count_image, lockstep,
-                                    in_flight, version)
-        if in_flight is not None:  # the stalest complete groups first: they are the next to be restarted
-            age = {}
-            for traj in trajectories:
-                age[traj.group] = max(age.get(traj.group, 0), staleness(traj, version))
-            returned = set(sorted(complete_groups(trajectories), key=lambda g: (-age[g], g))[: in_flight.groups])
-            paused = [traj for traj in trajectories if traj.group not in returned]
-            trajectories = [traj for traj in trajectories if traj.group in returned]
-            partial["partial/paused"] = float(sum(not traj.finish_reason for traj in paused))
-            partial["partial/groups_in_flight"] = float(len({traj.group for traj in paused}))
-    finally:
-        if in_flight is not None:  # empty after an error: every toolbox closes below
-            in_flight.trajectories, in_flight.paused_at = paused, time.monotonic()
-        close_all([traj.box for traj in trajectories])
+    run = functools.partial(_start_and_run, engine, tokenizer, sampling, new_toolbox, limits, eot, count_image,
+                            lockstep, version, first_group)
+    trajectories, run_metrics = (run(starts) if in_flight is None
+                                 else in_flight.run_phase(run, starts, group_size, version))
+    close_all([traj.box for traj in trajectories])
     samples, pad_id = [], chat.image_pad_id(tokenizer)
     for traj in trajectories:
         samples.append(Sample(
@@ -338,11 +262,7 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
         "tools/seconds": sum(traj.tool_seconds for traj in trajectories),
         "tools/truncated_responses": sum(traj.truncated_responses for traj in trajectories),
         "tools/agent_seconds_mean": sum(traj.seconds for traj in trajectories) / n,
-    } | schedule | partial
-    if start_failures:
-        tqdm.write(f"rank {collectives.rank()}: {len(start_failures)} of {len(rows) * group_size} trajectories had no "
-                   f"container (left out): {start_failures[0]}")
-        metrics["swe/start_failures"] = float(len(start_failures))
+    } | run_metrics
     if any("container_seconds" in traj.box.info for traj in trajectories):
         metrics["swe/container_seconds"] = sum(traj.box.info.get("container_seconds", 0.0) for traj in trajectories)
         metrics["swe/diff_errors"] = sum("diff_error" in traj.box.info for traj in trajectories)
@@ -351,27 +271,44 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
     return samples, metrics
 
 
-def _resume(in_flight: InFlight, version: int, group_size: int,
-            starts: list[tuple[int, int, dict]]) -> tuple[list[Trajectory], list[tuple[int, int, dict]], dict]:
-    """Take in_flight's trajectories into a phase of `version`: (those that go on, their paused time taken off their
-    wall clock; `starts` with the stale ones' and the regenerated groups' trajectories in front; partial/ metrics).
-    The stale ones' toolboxes are closed."""
-    carried, in_flight.trajectories = in_flight.trajectories, []
-    regenerated, in_flight.regenerate = in_flight.regenerate, []
-    stale = [traj for traj in carried if staleness(traj, version) > in_flight.max_staleness]
-    kept = [traj for traj in carried if staleness(traj, version) <= in_flight.max_staleness]
+def _start_and_run(engine: Engine, tokenizer, sampling: Sampling, new_toolbox: Callable[[dict], ToolBox],
+                   limits: AgentLimits, eot: str, count_image: Callable[[bytes], int], lockstep: bool, version: int,
+                   first_group: int, starts: list[tuple[int, int, dict]], carried: Sequence[Trajectory] = (),
+                   stop_when: Callable[[list[Trajectory]], bool] | None = None) -> tuple[list[Trajectory], dict]:
+    """multi_turn's loop: a trajectory on a fresh toolbox for each (group, index in the group, row) of `starts`, run
+    with `carried` (trajectories started in an earlier call) by `run_trajectories` (with its `stop_when`). Returns
+    them all, by group and index, and the schedule's metrics with swe/start_failures: trajectories whose container
+    the daemon would not start, even after retries, are left out (never scored) and counted. On an error or Ctrl-C
+    every toolbox, the carried ones' too, is closed."""
+    trajectories, start_failures = list(carried), []
     try:
-        close_all([traj.box for traj in stale])
+        for group, index, row in starts:
+            try:
+                box = new_toolbox(row)
+            except containers.ContainerStartFailed as e:  # lost, but counted (swe/start_failures), never scored
+                start_failures.append(e)
+                continue
+            images = task_rows.row_images(row)
+            prompt_text = chat.render(tokenizer, row["prompt"], box.schemas, add_generation_prompt=True)
+            traj = Trajectory(row, group, index, box, list(row["prompt"]),
+                              tokenizer(prompt_text, add_special_tokens=False)["input_ids"], images=images,
+                              prompt_images=len(images), image_tokens=sum(count_image(im) - 1 for im in images))
+            trajectories.append(traj)
+            if traj.length >= limits.max_total_tokens:
+                task = task_rows.row_id(row) if "extra_info" in row else f"rows[{group - first_group}]"
+                raise ValueError(f"{task}: the prompt is {traj.length} tokens with the tool signatures and its "
+                                 f"images, no room for an answer within max_total_tokens {limits.max_total_tokens}")
+        trajectories.sort(key=lambda traj: (traj.group, traj.index))
+        metrics = run_trajectories(engine, tokenizer, trajectories, sampling, limits, eot, count_image, lockstep,
+                                   version, stop_when)
     except BaseException:
-        close_all([traj.box for traj in kept])
+        close_all([traj.box for traj in trajectories])
         raise
-    for traj in kept:
-        traj.started += time.monotonic() - in_flight.paused_at
-    starts = ([(traj.group, traj.index, traj.row) for traj in stale]
-              + [(group, index, row) for group, row in regenerated for index in range(group_size)] + starts)
-    return kept, starts, {"partial/resumed": float(sum(not traj.finish_reason for traj in kept)),
-                          "partial/restarted_stale": float(len(stale)),
-                          "partial/regenerated": float(len(regenerated) * group_size)}
+    if start_failures:
+        tqdm.write(f"rank {collectives.rank()}: {len(start_failures)} of {len(starts)} trajectories had no container "
+                   f"(left out): {start_failures[0]}")
+        metrics["swe/start_failures"] = float(len(start_failures))
+    return trajectories, metrics
 
 
 def close_all(boxes: list[ToolBox]) -> None:
@@ -392,27 +329,29 @@ MAX_TOOL_THREADS = 64  # tool calls running at once on a rank (SWE: docker execs
 
 def run_trajectories(engine: Engine, tokenizer, trajectories: list[Trajectory], sampling: Sampling,
                      limits: AgentLimits, eot: str, count_image: Callable[[bytes], int] = placeholder_only,
-                     lockstep: bool = False, in_flight: InFlight | None = None, version: int = 0) -> dict:
-    """Drive every trajectory to its finish_reason, or with `in_flight` until it holds its groups complete and no
-    unfinished trajectory is `due` (no turn starts after that; the turns and tool calls running then end and are
-    appended, and the unfinished trajectories are left ready for their next turn). A continuously batching engine
-    (`engines.continuous`) gets each trajectory's turn as soon as it is ready (its prompt, or its tool results, are in)
-    and gives the reply back at the decoding step that ends it; any other engine's call takes every trajectory that is
-    ready, in trajectory order. Meanwhile the tools of the others run on a thread pool, and the main thread waits only
-    when nothing is generating. lockstep: an engine call waits until no tool call is running (every live trajectory is
-    ready), as one turn of all trajectories at a time. Every token appended gets `version` (Trajectory.versions). The
-    engine's peers (`engines.call_group`, a tensor-parallel vLLM engine's ranks) agree before each call, a peer with
-    nothing ready calling with no prompts; other ranks never meet here. Returns the schedule's metrics: engine and tool
-    busy fractions of the wall time, engine calls (steps, for a continuous engine) and trajectories per call, most tool
-    calls running at once, and with in_flight the seconds it waited for due trajectories once it had its groups."""
+                     lockstep: bool = False, version: int = 0,
+                     stop_when: Callable[[list[Trajectory]], bool] | None = None) -> dict:
+    """Drive every trajectory to its finish_reason. A continuously batching engine (`engines.continuous`) gets each
+    trajectory's turn as soon as it is ready (its prompt, or its tool results, are in) and gives the reply back at the
+    decoding step that ends it; any other engine's call takes every trajectory that is ready, in trajectory order.
+    Meanwhile the tools of the others run on a thread pool, and the main thread waits only when nothing is
+    generating. lockstep: an engine call waits until no tool call is running (every live trajectory is ready), as one
+    turn of all trajectories at a time. Every token appended gets `version` (Trajectory.versions). stop_when(the
+    trajectories), asked each time tool results are in, ends the rollout early (partial rollouts:
+    partial_rollouts.Ending): while it holds no turn starts, the turns and tool calls running end and are appended,
+    and once none runs the unfinished trajectories are left ready for their next turn. The engine's peers
+    (`engines.call_group`, a tensor-parallel vLLM engine's ranks) agree before each call, a peer with nothing ready
+    calling with no prompts; other ranks never meet here. Returns the schedule's metrics: engine and tool busy
+    fractions of the wall time, engine calls (steps, for a continuous engine) and trajectories per call, most tool
+    calls running at once."""
     start, eot_id, group = time.monotonic(), tokenizer.convert_tokens_to_ids(eot), engines.call_group(engine)
     stepping = engines.continuous(engine) and not lockstep
     order = {id(traj): k for k, traj in enumerate(trajectories)}
     submitted: dict[int, Trajectory] = {}  # turns in a continuous engine, by id(trajectory)
     ready = [traj for traj in trajectories if not traj.finish_reason]
+    held: list[Trajectory] = []  # ready, but no turn may start while stop_when holds
     running: list[tuple[Trajectory, list[Future]]] = []  # trajectories whose tool calls have not all returned
     engine_seconds, calls, batched, spans, most_running = 0.0, 0, 0, [], 0
-    had_groups_at = None  # when the phase first held its groups (partial rollouts); it may then wait for due ones
     pool = ThreadPoolExecutor(max_workers=MAX_TOOL_THREADS, thread_name_prefix="kiln-tools")
     try:
         while True:
@@ -425,19 +364,17 @@ def run_trajectories(engine: Engine, tokenizer, trajectories: list[Trajectory], 
                 if _take_tool_results(tokenizer, traj, [(call, r, s) for call, r, s, _, _ in results], limits, eot,
                                       count_image):
                     ready.append(traj)
-            have_groups = in_flight is not None and len(complete_groups(trajectories)) >= in_flight.groups
-            if have_groups and had_groups_at is None:
-                had_groups_at = time.monotonic()
-            enough = have_groups and not any(due(traj, version, in_flight.max_staleness) for traj in trajectories)
+            stop = stop_when is not None and stop_when(trajectories)
+            ready, held = ([], held + ready) if stop else (held + ready, [])
             if stepping:
-                for traj in ready if not enough else []:
+                for traj in ready:
                     _submit(engine, traj, sampling, limits)
                     submitted[id(traj)] = traj
-                ready = ready if enough else []
-                generating, live = bool(submitted), bool(running or submitted or (ready and not enough))
+                ready = []
+                generating, live = bool(submitted), bool(running or submitted)
             else:
-                batch = sorted(ready, key=lambda t: order[id(t)]) if not (enough or (lockstep and running)) else []
-                generating, live = bool(batch), bool(running or (ready and not enough))
+                batch = sorted(ready, key=lambda t: order[id(t)]) if not (lockstep and running) else []
+                generating, live = bool(batch), bool(running or ready)
                 if group is not None:
                     generating, live = collectives.any_ranks(generating, live, group=group)
             if not live:
@@ -465,12 +402,10 @@ def run_trajectories(engine: Engine, tokenizer, trajectories: list[Trajectory], 
             engine.abort()
     for traj in trajectories:
         traj.versions += [version] * (len(traj.completion_ids) - len(traj.versions))
-    end = time.monotonic()
-    seconds = max(end - start, 1e-9)
+    seconds = max(time.monotonic() - start, 1e-9)
     return {"rollout/engine_busy_frac": engine_seconds / seconds, "tools/busy_frac": _covered(spans) / seconds,
             "rollout/engine_calls": float(calls), "rollout/in_flight_mean": batched / max(1, calls),
-            "tools/running_max": float(most_running)} | (
-        {"rollout/due_wait_seconds": end - (had_groups_at or end)} if in_flight is not None else {})
+            "tools/running_max": float(most_running)}
 
 
 def _timed_call(box: ToolBox, call: dict | str) -> tuple:

@@ -20,6 +20,7 @@ import cli
 import collectives
 import engines
 import losses
+import partial_rollouts
 import policy
 import rewards
 import rl_run
@@ -121,7 +122,7 @@ class Args(rl_run.SharedArgs):
     agent_keep_failed: bool = False
     """with --agent-cmd: also train on the sessions of agents that exit non-zero or are killed (default: dropped)"""
     partial_rollouts: bool = False
-    """agent rollouts across steps (--tools; rollout.InFlight): each rank keeps twice its groups in flight, a step's
+    """agent rollouts across steps (--tools; partial_rollouts.py): each rank keeps twice its groups in flight, a step's
     rollouts end once it holds its groups complete (never split), and the other trajectories pause between turns
     with their tokens, engine logprobs and live tools to go on next step under the new weights; combine with
     --rollout-is token (the engine's logprobs are the behaviour policy). A resumed run drops the paused ones (tool
@@ -144,7 +145,7 @@ class Run(rl_run.Run):
     args: Args
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    in_flight: rollout.InFlight | None = None  # trajectories carried between steps (--partial-rollouts)
+    in_flight: partial_rollouts.InFlight | None = None  # trajectories carried between steps (--partial-rollouts)
 
 
 def main(args: Args, score_fn: rewards.ScoreFn = rewards.score_batch) -> Run:
@@ -152,8 +153,7 @@ def main(args: Args, score_fn: rewards.ScoreFn = rewards.score_batch) -> Run:
     try:
         rl_run.train(run, train_step, save, args.total_steps, desc="grpo")
     finally:  # the paused trajectories' tools (sessions, containers) end with training, however it ends
-        if run.in_flight is not None:
-            run.in_flight.close()
+        partial_rollouts.close(run.in_flight)
     return run
 
 
@@ -201,15 +201,6 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
         scheduler.load_state_dict(state["scheduler"])
         if ready.rank == 0:
             print(f"resumed from {checkpoint} at step {state['step']}")
-    in_flight = None
-    if args.partial_rollouts:
-        in_flight = rollout.InFlight(groups=args.prompts_per_step // ready.world, max_staleness=args.max_staleness)
-        regenerated = state.get("in_flight_groups", [])
-        in_flight.regenerate = [(group, task_rows.in_epoch_order(ready.rows, group, 1, args.seed)[0])
-                                for group in regenerated[ready.rank::ready.world]]
-        if regenerated and ready.rank == 0:
-            print(f"--partial-rollouts: the {len(regenerated)} groups in flight at the checkpoint start again from "
-                  "their prompts (paused trajectories and their tools are not checkpointed: dropped)")
     log = runlog.start(args.output_dir, ready.rank, dataclasses.asdict(args), args.wandb_project,
                        resume_step=state["step"] if args.resume else None, samples_max_mb=args.samples_max_mb)
     return Run(args=args, rank=ready.rank, world=ready.world, model=model, ref_model=ref_model, optimizer=optimizer,
@@ -217,7 +208,7 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
                tokenizer=ready.tokenizer, sampling=ready.sampling, limits=ready.limits, rows=ready.rows,
                eval_rows=ready.eval_rows, score_fn=ready.score_fn, log=log, step=state["step"],
                data_pos=state["data_pos"], best=state.get("best", {}), evals=state.get("evals", []), judge=ready.judge,
-               in_flight=in_flight)
+               in_flight=partial_rollouts.setup(args, state, ready.rows, ready.rank, ready.world))
 
 
 def train_step(run: Run) -> dict:
@@ -235,7 +226,8 @@ def train_step(run: Run) -> dict:
     with runlog.timed(seconds, "update"):
         update_metrics = update_epochs(run, batch, old_logprobs, ref_logprobs)
     # 9. Throughput, timings, the learning rate, staleness of the trained tokens and sample records.
-    return (metrics | advantage_metrics | update_metrics | staleness_metrics(run, batch)
+    return (metrics | advantage_metrics | update_metrics
+            | partial_rollouts.staleness_metrics(run.in_flight, run.step, batch)
             | {"actor/lr": run.scheduler.get_last_lr()[0]}
             | rl_run.step_metrics(run, samples, seconds, run.args.total_steps, trainer_logprobs=recorded_logprobs))
 
@@ -283,12 +275,11 @@ def sample_prompts(run: Run, tries: int, seconds: dict) -> tuple[list[rollout.Sa
     back to sleep. With --partial-rollouts the rollouts go on with the groups in flight; a step with none on any rank
     (the first) takes two rounds of prompts."""
     args, per_rank = run.args, run.args.prompts_per_step // run.world
-    starting = run.in_flight is not None and not collectives.any_rank(bool(run.in_flight.group_ids()))
-    count = per_rank * (2 if starting else 1)
+    count = partial_rollouts.prompts_per_rank(run.in_flight, per_rank)
     rows = task_rows.in_epoch_order(run.rows, run.data_pos + run.rank * count, count, args.seed)
-    # Group ids are unique over ranks and rounds; groups carried across steps take their row's data position, unique
-    # over steps too and where a resumed run finds the row again.
-    first_group = (run.data_pos if run.in_flight is not None else tries * args.prompts_per_step) + run.rank * count
+    # Group ids are unique over ranks and rounds (and, with partial rollouts, over steps).
+    first_group = (partial_rollouts.first_group(run.in_flight, run.data_pos, tries * args.prompts_per_step)
+                   + run.rank * count)
     run.data_pos += count * run.world
     # Each sample's tokens come from its own seed (step, round, group, index, turn): a resumed run repeats them.
     sampling = dataclasses.replace(run.sampling, seed=engines.derive_seed(args.seed, run.step, tries))
@@ -435,22 +426,9 @@ def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_log
     return collectives.sum_dicts_over_ranks(stats) | policy.step_if_finite(run.optimizer, grad_norm, "actor")
 
 
-def staleness_metrics(run: Run, batch: list[rollout.Sample]) -> dict:
-    """With --partial-rollouts: how many steps before this one each trained token was sampled (run.step minus its
-    version), mean and max over the loss-mask tokens of every rank's batch. Collective."""
-    if run.in_flight is None:
-        return {}
-    ages = [run.step - v for s in batch for v, m in zip(s.versions, s.loss_mask) if m]
-    tokens = collectives.sum_over_ranks(len(ages))
-    return {"partial/staleness_mean": collectives.sum_over_ranks(sum(ages)) / max(tokens, 1),
-            "partial/staleness_max": float(max(collectives.gather_objects([max(ages, default=0)])))}
-
-
 def save(run: Run) -> None:
     state = {"step": run.step, "data_pos": run.data_pos, "scheduler": run.scheduler.state_dict(), "best": run.best,
-             "evals": run.evals}
-    if run.in_flight is not None:  # their rows, to start again at a resume (their trajectories and tools are not kept)
-        state["in_flight_groups"] = sorted(collectives.gather_objects(run.in_flight.group_ids()))
+             "evals": run.evals} | partial_rollouts.checkpoint_state(run.in_flight)
     path = save_checkpoint(run.args.output_dir, run.step, run.model, run.optimizer, state,
                            hf_source_dir=run.args.model, keep_last=run.args.keep_checkpoints)
     if run.rank == 0:

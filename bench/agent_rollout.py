@@ -22,8 +22,8 @@ each reply as long as its own tokens), each at 20 and 40 ms a decoding step.
 Long tail (--long-tail): GRPO steps of --groups groups of --group-size trajectories, each trajectory --turns turns but
 one in ten (drawn per trajectory) 10x as many; replies, tool times and outputs per turn drawn and scaled as above.
 Step time (the rollout phase; the update is the same work at equal trained groups) without partial rollouts (every
-step's groups to their end) against with them (rollout.InFlight: twice the groups in flight, a step ends once it
-holds --groups complete groups, unfinished trajectories carried, restarted past staleness 1), --steps steps each on
+step's groups to their end) against with them (partial_rollouts.InFlight: twice the groups in flight, a step ends once
+it holds --groups complete groups, unfinished trajectories carried, restarted past staleness 1), --steps steps each on
 the same plan (a restarted trajectory replays its own), the two alternating step by step. Goal: >= 1.5x. On this CPU
 a decoding step costs more with more rows, and partial rollouts batch twice the trajectories; --fixed-step-ms gives
 the engine a GPU's cost shape (a step costs the same at any rows) in the same loop.
@@ -56,6 +56,7 @@ import tyro
 
 import chat
 import engines
+import partial_rollouts
 import policy
 import rollout
 import tiny
@@ -325,7 +326,7 @@ def run(args: Args) -> None:
 class Variant:
     """One side of the long-tail comparison: its groups in flight (partial rollouts) and what its steps did."""
 
-    in_flight: rollout.InFlight | None
+    in_flight: partial_rollouts.InFlight | None
     next_group: int = 0
     seconds: list[float] = field(default_factory=list)
     engine_calls: float = 0.0
@@ -353,12 +354,13 @@ def run_long_tail(args: Args) -> None:
           f"(in {len(long)} of {len(rows)} groups), scale 1/{args.scale:g}; decoding step "
           + (f"fixed at {step * 1000:.1f} ms whatever the rows" if fixed_step else f"here {step * 1000:.1f} ms")
           + (", continuous batching" if args.continuous else ", an engine call per batch of ready trajectories"))
-    variants = {"without": Variant(None), "partial": Variant(rollout.InFlight(groups=groups, max_staleness=1))}
+    variants = {"without": Variant(None),
+                "partial": Variant(partial_rollouts.InFlight(groups=groups, max_staleness=1))}
     try:
         for version in range(args.steps):  # the variants alternate: both see the same load of a shared machine
             for name, variant in variants.items():
                 in_flight = variant.in_flight
-                count = groups * (2 if in_flight is not None and not in_flight.group_ids() else 1)
+                count = partial_rollouts.prompts_per_rank(in_flight, groups)
                 replies = SeededReplies(engine, tokenizer, lengths, args.seed, fixed_step, args.continuous)
                 start = time.perf_counter()
                 samples, metrics = rollout.multi_turn(

@@ -1,10 +1,12 @@
-"""Partial rollouts across steps (rollout.InFlight, train_grpo --partial-rollouts): a phase returns whole groups
+"""Partial rollouts across steps (partial_rollouts.py, train_grpo --partial-rollouts): a phase returns whole groups
 only, the oldest first; unfinished trajectories pause with their tokens, engine logprobs, versions and live tool
 state and go on in the next phase; every token records the version that sampled it; a phase waits for a trajectory
 the staleness bound would pass, and a complete group left waiting past it restarts from its prompts; nothing leaks on
 an error or Ctrl-C; the loss corrects carried tokens with the engine logprobs recorded when they were sampled; a
-checkpoint keeps the groups in flight, which a resumed run regenerates. The engine is scripted (test_async_rollout's
-TokenEngine: replies depend only on a trajectory's tokens)."""
+checkpoint keeps the groups in flight, which a resumed run regenerates; the default multi-turn loop knows nothing of
+them but one hook. The engine is scripted (test_async_rollout's TokenEngine: replies depend only on a trajectory's
+tokens)."""
+import ast
 import json
 import math
 import sys
@@ -18,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import chat  # noqa: E402
 import engines  # noqa: E402
 import losses  # noqa: E402
+import partial_rollouts  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
 import task_rows  # noqa: E402
@@ -71,7 +74,7 @@ def test_a_paused_trajectory_resumes_with_its_python_session_and_versions(tokeni
     have set x = 41 in their sessions and pause. Phase 1 (version 1) resumes them in the same sessions: print(x + 1)
     says 42. Tokens up to the pause are version 0, the rest version 1."""
     opened = []
-    in_flight = rollout.InFlight(groups=1, max_staleness=1)
+    in_flight = partial_rollouts.InFlight(groups=1, max_staleness=1)
     engine = TokenEngine(tokenizer, SCRIPTS)
     first, metrics = rollout.multi_turn(engine, tokenizer, rows("task-S", "task-L"), 2, SAMPLING,
                                         recording(tools.python_toolbox, opened), LIMITS, in_flight=in_flight)
@@ -102,7 +105,7 @@ def test_a_trajectory_the_bound_would_pass_finishes_in_its_phase(tokenizer):
     would be 2 versions old in phase 2, past the bound (1): the phase waits for it, and returns it (the stalest),
     with no work thrown away. The fresh group waits, complete, and goes in phase 2 with no engine call."""
     closed = []
-    in_flight = rollout.InFlight(groups=1, max_staleness=1)
+    in_flight = partial_rollouts.InFlight(groups=1, max_staleness=1)
     engine = TokenEngine(tokenizer, SCRIPTS)
     toolbox = counting_closes(latency_toolbox(0, 0.0), closed)
     returned, turns = [], []  # trajectory turns the engine ran, per phase
@@ -128,7 +131,7 @@ def test_a_complete_group_left_past_the_bound_restarts_from_its_prompts(tokenize
     in phase 2 its version-0 tokens would train 2 versions late, so it starts again from its prompts on fresh
     toolboxes, and is returned with version-2 tokens only."""
     closed = []
-    in_flight = rollout.InFlight(groups=1, max_staleness=1)
+    in_flight = partial_rollouts.InFlight(groups=1, max_staleness=1)
     engine = TokenEngine(tokenizer, SCRIPTS)
     toolbox = counting_closes(latency_toolbox(0, 0.0), closed)
     returned = []
@@ -144,7 +147,7 @@ def test_complete_groups_beyond_the_need_wait_stalest_first(tokenizer):
     """Two groups a phase. Phase 0 completes groups 10-12 in one call and returns 10 and 11; 12 waits. Phase 1
     completes new groups 0 and 1 in one call: of 0, 1 and 12 it returns 12 (its tokens are a version older) and 0.
     Phase 2 has only group 1 left: it returns it alone, with no engine call (it was complete already)."""
-    in_flight = rollout.InFlight(groups=2, max_staleness=1)
+    in_flight = partial_rollouts.InFlight(groups=2, max_staleness=1)
     engine = TokenEngine(tokenizer, SCRIPTS)
     toolbox = latency_toolbox(0, 0.0)
     first, metrics = rollout.multi_turn(engine, tokenizer, rows("task-S", "task-T", "task-U"), 2, SAMPLING, toolbox,
@@ -177,7 +180,7 @@ def test_an_error_mid_phase_closes_every_session_carried_and_new(tokenizer, erro
     sent task-L and a new task-Z to their tools (their sessions running): no session is left open, nothing stays in
     flight."""
     opened = []
-    in_flight = rollout.InFlight(groups=1, max_staleness=1)
+    in_flight = partial_rollouts.InFlight(groups=1, max_staleness=1)
     toolbox = recording(tools.python_toolbox, opened)
     engine = FailingEngine(tokenizer, SCRIPTS, error, at=2)
     rollout.multi_turn(engine, tokenizer, rows("task-S", "task-L"), 2, SAMPLING, toolbox, LIMITS, in_flight=in_flight)
@@ -319,3 +322,31 @@ def test_grpo_trains_carried_groups_whole_with_versions_and_corrected_weights(ta
     assert resumed.in_flight.trajectories == [] and not any(map(session_open, opened))
     resumed.log.finish()
     assert math.isfinite(metrics["actor/pg_loss"])
+
+
+def test_the_default_loop_names_partial_rollouts_at_one_hook():
+    """rollout.py never imports partial_rollouts (it imports rollout) and holds none of its names. Its hook, in_flight
+    for multi_turn and stop_when for run_trajectories, is branched on in one statement each and otherwise only passed
+    on: collect hands in_flight to multi_turn, multi_turn's loop (_start_and_run) hands stop_when on."""
+    source = Path(rollout.__file__).read_text()
+    tree = ast.parse(source)
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert "partial_rollouts" not in imported
+    assert not {"InFlight", "staleness", "due", "complete_groups", "resume"} & set(vars(rollout))
+    hooks = {}  # (function, hook) -> the source of each statement naming it (the innermost one)
+    for function in (node for node in tree.body if isinstance(node, ast.FunctionDef)):
+        parents = {child: node for node in ast.walk(function) for child in ast.iter_child_nodes(node)}
+        for name in (node for node in ast.walk(function) if isinstance(node, ast.Name)):
+            if name.id in ("in_flight", "stop_when"):
+                statement = parents[name]
+                while not isinstance(statement, ast.stmt):
+                    statement = parents[statement]
+                text = ast.get_source_segment(source, statement)
+                hooks.setdefault((function.name, name.id), {})[statement.lineno] = text
+    hooks = {key: list(statements.values()) for key, statements in hooks.items()}
+    assert {key: len(statements) for key, statements in hooks.items()} == {
+        ("collect", "in_flight"): 1, ("multi_turn", "in_flight"): 1, ("_start_and_run", "stop_when"): 1,
+        ("run_trajectories", "stop_when"): 1}, hooks
+    assert "in_flight is None" in hooks["multi_turn", "in_flight"][0]  # the one branch of multi_turn
+    assert "stop_when is not None" in hooks["run_trajectories", "stop_when"][0]  # and of run_trajectories

@@ -1,4 +1,6 @@
-"""The README's commands as a new user types them: flags that exist and do what the text says."""
+"""The README's commands (and its CPU recipes, docs/recipes.md) as a new user types them: flags that exist and do
+what the text says; the README within its size, its code map linked near the top."""
+import inspect
 import json
 import os
 import re
@@ -21,6 +23,7 @@ import train_grpo  # noqa: E402
 import train_sft  # noqa: E402
 
 README = (ROOT / "README.md").read_text()
+RECIPES = (ROOT / "docs" / "recipes.md").read_text()
 
 
 def readme_commands(script: str) -> list[list[str]]:
@@ -59,8 +62,8 @@ def test_judge_component_metrics_are_named_as_logged():
 
 
 def recipe(title: str) -> list[str]:
-    """The shell commands of the README's CPU recipe titled `title` (its bash block, continuation lines joined)."""
-    section = README.split(f"**{title}**", 1)[1]
+    """The shell commands of the CPU recipe titled `title` (its bash block, continuation lines joined)."""
+    section = RECIPES.split(f"**{title}**", 1)[1]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
     return [line for line in block.replace("\\\n", " ").splitlines() if line.strip()]
 
@@ -82,7 +85,7 @@ def test_readme_cpu_recipes_give_flags_the_trainer_takes(title):
 
 @pytest.mark.slow
 def test_readme_vision_recipe_runs_as_written(tmp_path):
-    """The README's vision recipe, command by command as a user pastes it, in a folder holding the checkout's scripts
+    """The vision recipe, command by command as a user pastes it, in a folder holding the checkout's scripts
     (its runs/ would otherwise get the output). About 90 s on 2 loaded cores: data, a tiny VLM, 2 GRPO steps on 2 ranks."""
     for path in [*ROOT.glob("*.py"), *ROOT.glob("*.json")]:
         (tmp_path / path.name).symlink_to(path)
@@ -114,3 +117,21 @@ def test_gpu_quick_start_fetches_the_model_it_trains(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"--model Qwen/Qwen2.5-Coder-7B-Instruct: .*`hf download "
                                          r"Qwen/Qwen2.5-Coder-7B-Instruct`"):
         policy.check_model_path("Qwen/Qwen2.5-Coder-7B-Instruct")
+
+
+def test_readme_fits_and_points_to_the_code_map_first():
+    assert len(README.encode()) <= 16 * 1024
+    top = "\n".join(README.splitlines()[:40])
+    assert "](docs/code.md)" in top and (ROOT / "docs" / "code.md").is_file()
+
+
+def test_readme_phase_numbers_are_the_step_comments():
+    """The README's walk through a GRPO step numbers its phases as train_step's comments do, and names the phase
+    functions train_step calls."""
+    source = inspect.getsource(train_grpo.train_step)
+    in_code = re.findall(r"^\s*# (\d+(?:-\d+)?)\. ", source, re.M)
+    walk = README.split("### One GRPO step", 1)[1].split("**The mask**", 1)[0]
+    in_readme = re.findall(r"^(\d+(?:-\d+)?)\. \*\*", walk, re.M)
+    assert in_readme == in_code == ["1-5", "6", "7", "8", "9"]
+    called = set(re.findall(r"\b([a-z_][\w.]*)\(run\b", source))
+    assert called and all(f"`{name}`" in walk for name in called), called
