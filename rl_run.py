@@ -381,14 +381,14 @@ def score(run, samples: list[rollout.Sample]) -> None:
     messages through its info). A sample the judge could not grade gets NaN: it leaves the batch, never scored 0."""
     results = run.score_fn([s.row for s in samples], [s.text for s in samples], sample_infos=[s.info for s in samples])
     for s, r in zip(samples, results):
-        s.reward, s.info = r.score, s.info | r.info  # the rollout's info (multi-turn messages) stays
+        s.reward, s.reward_info = r.score, r.info
 
 
 def refuse_or_count_nonfinite(run, samples: list[rollout.Sample]) -> int:
     """A NaN or infinite reward the judge does not account for is a reward-function bug: with --nonfinite-rewards
     stop, every rank stops naming every offender; with drop, their number over all ranks."""
     offenders = [(task_rows.row_id(s.row), s.reward) for s in samples
-                 if not math.isfinite(s.reward) and not rewards.judge_failed(s.info)]
+                 if not math.isfinite(s.reward) and not rewards.judge_failed(s.reward_info)]
     if run.args.nonfinite_rewards == "stop":
         rewards.refuse_nonfinite(collectives.gather_objects(offenders), run.step + 1)
         return 0
@@ -403,11 +403,11 @@ def reward_metrics(run, samples: list[rollout.Sample], rollout_metrics: dict) ->
     metrics = (rollout_metrics | collectives.mean_dicts_over_ranks(tool_metrics)
                | collectives.sum_dicts_over_ranks(counts) | getattr(run.engine, "last_metrics", {}))
     sources, scores, errors, lengths, isolations = zip(*collectives.gather_objects(
-        [(s.row["data_source"], s.reward, s.info.get("error"), len(s.completion_ids), s.info.get("sandbox_isolation"))
-         for s in samples if math.isfinite(s.reward)]))
+        [(s.row["data_source"], s.reward, s.reward_info.get("error"), len(s.completion_ids),
+          s.reward_info.get("sandbox_isolation")) for s in samples if math.isfinite(s.reward)]))
     metrics |= rewards.batch_metrics(sources, scores, errors, lengths, isolations)
     if run.args.tools == "swe":
-        metrics |= swe_grading.swe_metrics(collectives.gather_objects([s.info for s in samples]))
+        metrics |= swe_grading.swe_metrics(collectives.gather_objects([s.reward_info for s in samples]))
     return metrics
 
 
@@ -416,9 +416,8 @@ def judge_metrics(run, samples: list[rollout.Sample]) -> dict:
     failed) and the vl_agent reward components by data source. Collective. Past --judge-max-failure-rate of failed
     questions the run stops, naming the judge and its errors: a dead judge must not train the policy."""
     stats = collectives.gather_objects([run.judge.stats()])
-    graded = collectives.gather_objects([(s.row["data_source"], {k: s.info.get(k) for k in ("acc_by", "acc", "format",
-                                                                                        "tool", "judge_error")})
-                                         for s in samples])
+    graded = collectives.gather_objects([(s.row["data_source"], {k: s.reward_info.get(k) for k in (
+        "acc_by", "acc", "format", "tool", "judge_error")}) for s in samples])
     failed = [info["judge_error"] for _, info in graded if info["judge_error"]]
     metrics = judge_lib.metrics(stats) | rewards.component_metrics([s for s, _ in graded], [i for _, i in graded])
     metrics |= {"judge/excluded_samples": float(len(failed)), "judge/excluded_frac": len(failed) / len(graded)}
@@ -461,10 +460,11 @@ def evaluate(run) -> dict:
     samples, _ = run_rollouts(run, rows, draws, sampling, first_group=run.rank * len(rows), evaluation=True)
     run.engine.sleep()
     # An external agent's session can hold several segments, all with its one result: graded once.
-    samples = [s for s in samples if s.info.get("segment", 0) == s.info.get("segments", 1) - 1]
+    samples = [s for s in samples if s.segment == s.segments - 1]
     score(run, samples)
-    graded = collectives.gather_objects([(task_rows.row_id(s.row), rewards.for_report(rewards.Reward(s.reward, s.info)))
-                                         for s in samples if not rewards.judge_failed(s.info)])
+    graded = collectives.gather_objects([(task_rows.row_id(s.row), rewards.for_report(rewards.Reward(s.reward,
+                                                                                                      s.reward_info)))
+                                         for s in samples if not rewards.judge_failed(s.reward_info)])
     ungraded = {"val-aux/judge_ungraded": len(run.eval_rows) * draws - len(graded)} if run.judge is not None else {}
     if not graded:
         return ungraded

@@ -32,9 +32,33 @@ from engines import Engine, Sampling
 from tools import TOOL_SCHEMAS, TOOLBOXES, ToolBox, call_tool, check_swe_rows, tool_message
 
 
+# Sample.info: what a rollout leaves beside the tokens, for check_tito, the judge, samples.jsonl and the board. The
+# trainers never read it (what they read is a typed field of Sample); each key is written in one place, named here.
+INFO_KEYS = {
+    # rollout.multi_turn (kiln's own agent loop)
+    "messages": "the conversation as chat messages: the prompt, each turn, each tool result (external agents too)",
+    "tools": "the tool schemas the chat template rendered (external agents too)",
+    "images": "the images the tools returned, in order (Sample.images holds the row's first)",
+    "turns": "assistant turns taken",
+    "tool_calls": "tool calls made",
+    "tool_errors": "tool calls that failed (a bad call, an exception, a timeout)",
+    "agent_seconds": "wall seconds of the trajectory (external agents: of the agent process)",
+    "tool_log": "per tool call: turn, name, arguments, output, error, seconds, images",
+    # tools.py's ToolBox.info (the swe toolbox), copied in by multi_turn
+    "container_seconds": "seconds spent in Docker: start, commands, the diff, removal",
+    "diff_error": "why the container's diff could not be taken (the completion is then empty)",
+    # rollout.external_agents
+    "agent_status": "the agent process: ok, failed (non-zero exit) or timeout (killed at --max-agent-seconds)",
+    "agent_returncode": "the agent process's exit status",
+    "opened": "when the segment's first request arrived (seconds since the session opened)",
+    "open_turns": "assistant turns the agent left open (a reply it never sent back), which check_tito allows",
+}
+
+
 @dataclass
 class Sample:
-    """One trajectory: the prompt, everything after it, and what the trainer needs to learn from it."""
+    """One trajectory: the prompt, everything after it, and what the trainer needs to learn from it. `info` holds the
+    rollout's extras (INFO_KEYS says what each key is), `reward_info` the Reward's (rewards.py's families say theirs)."""
 
     prompt_ids: list[int]
     completion_ids: list[int]  # generated tokens (and, multi-turn, tool/user tokens between turns)
@@ -47,7 +71,11 @@ class Sample:
     reward: float = 0.0
     shaped_reward: float = 0.0  # what advantages are computed from: the reward plus the trainer's shaping, if any
     advantage: float = 0.0  # the sample's share of the signal, set by the trainer from the rewards of its batch
-    info: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)  # the rollout's extras: INFO_KEYS
+    reward_info: dict = field(default_factory=dict)  # the Reward's info: error kind, test counts, judge verdicts, ...
+    session: str | None = None  # an external agent's session (its segments are samples that share one result)
+    segment: int = 0  # this sample's place among its session's segments
+    segments: int = 1  # how many segments its session has
     images: list[bytes] = field(default_factory=list)  # encoded images, one per placeholder in `ids`, in that order
     versions: list[int] = field(default_factory=list)  # multi-turn, per completion token: the policy version (the
     # trainer's step) whose weights sampled it, or, outside the loss mask, in force when it was appended
@@ -592,11 +620,10 @@ def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict],
             samples.append(Sample(
                 prompt_ids=segment.prompt_ids, completion_ids=segment.completion_ids, loss_mask=segment.loss_mask,
                 engine_logprobs=segment.logprobs, row=agent.row, group=agent.group, text=text,
-                finish_reason=segment.finish_reason,
+                finish_reason=segment.finish_reason, session=agent.key, segment=k, segments=len(trained),
                 info={"messages": segment.messages, "tools": segment.tools, "agent_status": agent.status,
                       "agent_returncode": agent.process.returncode, "agent_seconds": agent.seconds,
-                      "session": agent.key, "segment": k, "segments": len(trained), "opened": segment.opened,
-                      "open_turns": segment.open_turns}))
+                      "opened": segment.opened, "open_turns": segment.open_turns}))
     n = max(1, len(agents))
     seconds = time.perf_counter() - start
     metrics = {

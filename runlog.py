@@ -196,9 +196,9 @@ def sample_record(step: int, sample) -> dict:
     """One line of samples.jsonl for a scored rollout.Sample (a multi-turn one keeps its messages, tool output
     included)."""
     record = {"step": step, "task_id": task_rows.row_id(sample.row), "reward": sample.reward,
-              "completion": sample.text, "error": sample.info.get("error")}
-    if "sandbox_isolation" in sample.info:  # the sandbox level that graded it (sandbox.py's levels)
-        record["sandbox_isolation"] = sample.info["sandbox_isolation"]
+              "completion": sample.text, "error": sample.reward_info.get("error")}
+    if "sandbox_isolation" in sample.reward_info:  # the sandbox level that graded it (sandbox.py's levels)
+        record["sandbox_isolation"] = sample.reward_info["sandbox_isolation"]
     if "messages" in sample.info:
         record["messages"] = sample.info["messages"]
     return record
@@ -228,7 +228,9 @@ def rich_sample_record(step: int, sample, tokenizer, trainer_logprobs: list[floa
     record = sample_record(step, sample) | {
         "data_source": sample.row.get("data_source"), "group": sample.group, "shaped_reward": sample.shaped_reward,
         "advantage": sample.advantage, "finish_reason": sample.finish_reason,
-        "info": {k: v for k, v in sample.info.items() if k not in ROLLOUT_ONLY},
+        "info": {k: v for k, v in sample.info.items() if k not in ROLLOUT_ONLY} | sample.reward_info | (
+            {"session": sample.session, "segment": sample.segment, "segments": sample.segments} if sample.session
+            else {}),
         "messages": with_image_paths(messages, [path[data] for data in sample.images]),
         "images": [path[data] for data in sample.images], "prompt_tokens": len(sample.prompt_ids),
         "prompt_images": len(sample.images) - len(sample.info.get("images", [])),

@@ -310,7 +310,7 @@ def assign_advantages(run: Run, samples: list[rollout.Sample],
     limit count in their group's advantages but leave the batch the loss sees. The segments of an external agent's
     session share its one result: the session counts once, with its first segment's reward."""
     args, metrics = run.args, {}
-    units = [s.info.get("session") or f"{run.rank}:{k}" for k, s in enumerate(batch)]
+    units = [s.session or f"{run.rank}:{k}" for k, s in enumerate(batch)]
     everyone = collectives.gather_objects([(s.shaped_reward, s.group, u) for s, u in zip(batch, units)])
     unit_ids = {u: k for k, u in enumerate(dict.fromkeys(u for _, _, u in everyone))}
     advantage = losses.unit_advantages(args.advantage, torch.tensor([r for r, _, _ in everyone]),

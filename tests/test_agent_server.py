@@ -518,6 +518,8 @@ def test_agents_that_crash_or_hang_end_their_sessions_and_never_block(tokenizer,
     by_row = {s.row["prompt"][0]["content"]: s for s in samples}
     assert set(by_row) == ({"task-ok", "task-crash", "task-hang"} if keep_failed else {"task-ok"})
     assert by_row["task-ok"].text == "answer: reply for task-ok" and by_row["task-ok"].info["agent_status"] == "ok"
+    assert all(set(s.info) <= set(rollout.INFO_KEYS) for s in samples)  # info keys: the documented ones
+    assert all(s.session and s.segments == 1 and s.segment == 0 for s in samples)  # one segment per session here
     if keep_failed:
         assert by_row["task-crash"].info["agent_status"] == "failed" and by_row["task-crash"].text == ""
         assert by_row["task-hang"].info["agent_status"] == "timeout"

@@ -64,7 +64,7 @@ def test_tiny_model_run_completes_and_every_segment_passes_check_tito(docker_cli
     for s in samples:
         assert chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"]) == {}
         assert s.info["tools"][0]["function"]["name"] == "bash"  # mini-swe-agent's tool, through the template
-    assert left_behind(docker_client, {s.info["session"] for s in samples}) == []
+    assert left_behind(docker_client, {s.session for s in samples}) == []
 
 
 def test_scripted_gold_fix_is_rewarded_and_only_sampled_ids_are_trained(docker_client, swe_rows, model_dir):
@@ -84,7 +84,7 @@ def test_scripted_gold_fix_is_rewarded_and_only_sampled_ids_are_trained(docker_c
     assert sum(sample.loss_mask) == len(engine.emitted["task-gold"])
     assert chat.check_tito(tokenizer, sample, sample.info["messages"], sample.info["tools"]) == {}
     assert rewards.score(row, sample.text).score == 1.0  # graded in a fresh container from the instance image
-    assert left_behind(docker_client, [sample.info["session"]]) == []
+    assert left_behind(docker_client, [sample.session]) == []
 
 
 def test_a_hung_agent_is_killed_and_its_container_swept(docker_client, swe_rows, model_dir):
@@ -98,4 +98,4 @@ def test_a_hung_agent_is_killed_and_its_container_swept(docker_client, swe_rows,
     (sample,) = samples
     assert sample.info["agent_status"] == "timeout" and metrics["agents/timeout_frac"] == 1
     assert metrics["agents/requests"] == 1  # it had started its container and was running `sleep 300` in it
-    assert left_behind(docker_client, [sample.info["session"]]) == []  # the sweep after the round removed it
+    assert left_behind(docker_client, [sample.session]) == []  # the sweep after the round removed it

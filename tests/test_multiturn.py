@@ -194,6 +194,7 @@ def test_fixture_trajectory_matches_template_and_sft_encoding(any_tokenizer, nam
     calls = sum(m["role"] == "tool" for m in messages)
     assert sample.info["tool_calls"] == calls and metrics["tools/calls_mean"] == calls
     assert sample.info["turns"] == sum(m["role"] == "assistant" for m in messages) == metrics["tools/turns_mean"]
+    assert set(sample.info) <= set(rollout.INFO_KEYS) and sample.session is None  # info keys: the documented ones
 
 
 def test_image_tool_output_is_placeholders_outside_the_mask(tokenizer):

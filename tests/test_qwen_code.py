@@ -68,7 +68,7 @@ def test_scripted_gold_fix_through_qwen_code_is_rewarded_and_only_sampled_ids_ar
     assert "run_shell_command" in {t["function"]["name"] for t in sample.info["tools"]}  # qwen-code's, via the template
     assert "KILN-APPLIED" in sample.info["messages"][-2]["content"]  # the command ran in the container
     assert rewards.score(row, sample.text).score == 1.0  # its diff, graded in a fresh container
-    assert left_behind(docker_client, [sample.info["session"]]) == []
+    assert left_behind(docker_client, [sample.session]) == []
 
 
 def test_tiny_model_run_through_qwen_code_completes_and_every_segment_passes_check_tito(docker_client, swe_rows,
@@ -86,4 +86,4 @@ def test_tiny_model_run_through_qwen_code_completes_and_every_segment_passes_che
     for s in samples:
         assert chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"], None, s.info["open_turns"]) == {}
         assert sum(s.loss_mask) >= 1
-    assert left_behind(docker_client, {s.info["session"] for s in samples}) == []
+    assert left_behind(docker_client, {s.session for s in samples}) == []

@@ -128,6 +128,7 @@ def test_scripted_agent_fixes_the_django_instance_through_bash_and_the_editor(do
     assert tool_texts[2] == "<returncode>0</returncode>\n<output>\n2\n</output>"
     assert sample.finish_reason == "submit" and sample.text.count("+    regex = r'^[\\w.@+-]+\\Z'") == 2
     assert chat.check_tito(tokenizer, sample, sample.info["messages"], sample.info["tools"]) == {}
+    assert set(sample.info) <= set(rollout.INFO_KEYS) and "container_seconds" in sample.info  # the swe toolbox's too
     graded = rewards.score(sample.row, sample.text)
     assert graded.score == 1.0 and graded.info["f2p"] == [2, 2] and graded.info["p2p"] == [20, 20]
     assert own_containers(docker_client) == []
