@@ -32,13 +32,15 @@ $(NPM_TOOLS):
 # The offline SWE-bench instances `make system` builds; the SWE tests build any that are missing there.
 export KILN_SWE_DIR ?= $(CURDIR)/runs/swe-instances
 
-# Two workers, a test file each at a time: most tests wait on subprocesses, containers or one core's Python, so the
-# second core is otherwise idle (the two timings are in bench/RESULTS.md).
+# Three workers on two cores, a test file each at a time: many tests wait on subprocesses, containers or the Docker
+# daemon, and with two workers a third of the CPU time went idle (10:13 with two, 8:11 with three, 8:08 with four on
+# a 2-core AMD EPYC: bench/RESULTS.md).
+WORKERS ?= 3
 test: venv $(NPM_TOOLS)
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 test-fast: venv $(NPM_TOOLS)
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" tests
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" tests
 
 demo: venv
 	$(PY) demo.py

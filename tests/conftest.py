@@ -3,14 +3,14 @@ import os
 
 import system_parts
 
-# `make test` runs two workers on two cores. PyTorch sizes its intra-op pool to the machine's cores, so two workers
-# training in-process would run four spinning OpenMP threads on two cores; one thread each keeps both cores busy
-# without that contention (subprocesses such as torchrun ranks inherit it).
+# `make test` runs three workers on two cores. PyTorch sizes its intra-op pool to the machine's cores, so the workers
+# training in-process would run two spinning OpenMP threads each; one thread each keeps the cores busy without that
+# contention (subprocesses such as torchrun ranks inherit it).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The workers take a file at a time (pytest-xdist --dist loadfile --no-loadscope-reorder), handed out in collection
-# order: the longest files go first, so that no long file starts last and runs alone while the other worker idles.
+# order: the longest files go first, so that no long file starts last and runs alone while the other workers idle.
 # Their order is by the durations of a `make test` run on 2 cores (bench/RESULTS.md); files not listed keep pytest's
 # order.
 LONGEST_FIRST = ["test_demo.py", "test_demo_agent.py", "test_swebench.py", "test_swe_agent.py", "test_swe_instances.py",
