@@ -11,9 +11,12 @@ venv: $(STAMP)
 
 # torch first (the local CPU build), then everything else under a constraint that keeps it.
 $(STAMP): requirements-cpu.txt constraints.txt
+	@echo "venv: creating $(VENV) (once; about 2 minutes from an empty pip cache)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	@echo "venv: torch 2.13.0, the CPU build"
 	$(PY) -m pip install -q torch==2.13.0
+	@echo "venv: requirements-cpu.txt under constraints.txt"
 	$(PY) -m pip install -q -c constraints.txt -r requirements-cpu.txt
 	touch $(STAMP)
 

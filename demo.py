@@ -104,7 +104,8 @@ def main(args: Args) -> dict:
                  "--total-steps", str(args.grpo_steps), "--lr", str(args.grpo_lr), "--eval-every", str(args.eval_every),
                  "--prompts-per-step", "16", "--group-size", "8", "--max-new-tokens", "128",
                  "--warmup-steps", "5",  # Adam's first, sign-like steps knock a tiny model off its warm start
-                 "--save-every", str(args.grpo_steps), "--sample-every", "5", "--seed", str(args.seed), "--overwrite"),
+                 "--save-every", str(args.grpo_steps), "--sample-every", "5", "--rich-samples",  # for board.py
+                 "--seed", str(args.seed), "--overwrite"),
         "GRPO")
 
     evals = [m for m in map(json.loads, open(out / "grpo" / "metrics.jsonl")) if HELD_OUT in m]

@@ -146,7 +146,7 @@ def collect(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampli
             ((s, d) for s, d in drifts if d), None)
         if first is not None:
             task, findings = task_rows.row_id(first[0].row), "; ".join(first[1].values())
-            tqdm.write(f"rank {collectives.rank()}, task {task}: {findings}")
+            tqdm.write(f"rank {collectives.rank()}, task {task}: check_tito: {findings} ({tito_meaning(first[1])})")
     return samples, metrics
 
 
@@ -227,6 +227,14 @@ class Trajectory:
     def length(self) -> int:
         """Tokens as the model sees them: image placeholders expanded."""
         return len(self.prompt_ids) + len(self.completion_ids) + self.image_tokens
+
+
+def tito_meaning(findings: dict) -> str:
+    """What check_tito's findings mean for training, said beside them: a sampled split of the template's text is
+    trained as sampled (harmless); a mask or text drift would train the wrong tokens."""
+    if chat.mask_drifted(findings):
+        return "a mask or text drift: tokens other than the policy's would be trained"
+    return "another split of the same text: harmless, the ids are trained as sampled"
 
 
 def tito_metrics(drifts: list[dict]) -> dict:

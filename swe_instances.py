@@ -188,6 +188,7 @@ def build_base(client, cache: Path) -> None:
     if not tarball.exists():
         with tempfile.TemporaryDirectory(dir=cache) as root:
             start = time.perf_counter()
+            log.info("debootstrap %s into a rootfs (about a minute; once, then cached in %s)", SUITE, cache)
             run(["debootstrap", "--variant=minbase", "--include=python3,python3-distutils,git,patch,ca-certificates",
                  SUITE, root, "http://deb.debian.org/debian"], stdout=subprocess.DEVNULL)
             run(["rm", "-rf", f"{root}/var/cache/apt/archives", f"{root}/var/lib/apt/lists"])
@@ -266,6 +267,7 @@ def build_instance(client, row: dict, cache: Path, rebuild: bool) -> dict:
             present = False
         if rebuild or not present:
             start = time.perf_counter()
+            log.info("building %s (seconds to a minute)", tag)
             wheels = TOOL_WHEELS + list(recipe.needs)
             run(["cp", "-r", str(download(cache, wheels, sdist=False)), str(context / "wheels")])
             packages = " ".join(w.split("==")[0] for w in wheels)

@@ -41,4 +41,5 @@ def test_demo_lifts_the_held_out_pass_rate(tmp_path, monkeypatch):
     samples = [json.loads(line) for line in open(tmp_path / "grpo" / "samples.jsonl")]
     assert {s["step"] for s in samples} == set(range(5, args.grpo_steps + 1, 5))
     assert all("completion" in s for s in samples)
+    assert all(s["token_ids"] and len(s["loss_mask"]) == len(s["token_ids"]) for s in samples)  # rich: for board.py
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -209,6 +209,7 @@ def test_check_tito_reports_non_canonical_tokens(tokenizer):
     sample, _, _ = run_fixture(tokenizer, FIXTURES["think"], split_tokens=True)
     findings = chat.check_tito(tokenizer, sample, FIXTURES["think"])
     assert list(findings) == ["ids"] and findings["ids"].startswith("ids drift at token")
+    assert "harmless, the ids are trained as sampled" in rollout.tito_meaning(findings)  # said where it is printed
 
 
 def test_check_tito_findings_are_escaped(tokenizer):
@@ -230,7 +231,7 @@ def test_check_tito_reports_mask_drift(tokenizer):
     sample.loss_mask[-3] = 0
     findings = chat.check_tito(tokenizer, sample, FIXTURES["consecutive_tools"])
     assert list(findings) == ["mask"] and findings["mask"].startswith("loss mask drift at 1 tokens")
-    assert chat.mask_drifted(findings)
+    assert chat.mask_drifted(findings) and "would be trained" in rollout.tito_meaning(findings)
 
 
 def test_check_tito_checks_the_mask_of_a_sampled_split_too(tokenizer):
