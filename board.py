@@ -11,6 +11,7 @@ opened. A live run is followed by polling the files' sizes.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import re
@@ -299,8 +300,15 @@ PAGE = (Path(__file__).resolve().parent / "board.html").read_text()
 
 
 def main(args: Args) -> None:
+    """Serve the board until interrupted; a busy port is one error line, not a traceback."""
     board = Board.open(args.runs)
-    server = serve(board, args.host, args.port)
+    try:
+        server = serve(board, args.host, args.port)
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        raise SystemExit(f"error: port {args.port} of {args.host} is in use (another board?): pick another with "
+                         f"--port N, or --port 0 for any free one") from None
     print(f"board of {', '.join(args.runs)} on http://{args.host}:{server.server_address[1]}/", flush=True)
     try:
         server.serve_forever()

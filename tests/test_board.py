@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -192,6 +193,21 @@ SWE_RECORD = {"step": 3, "task_id": "swebench/astropy__astropy-12907", "reward":
               "messages": [{"role": "user", "content": "Fix it."}, {"role": "assistant", "content": "done"}]}
 
 
+@contextmanager
+def serving(*runs: Path):
+    """board.py on a free port of 127.0.0.1 serving the runs: its URL while the block runs."""
+    process = subprocess.Popen([sys.executable, str(ROOT / "board.py"), *map(str, runs), "--port", "0"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        url = re.search(r"http://\S+", line)
+        assert url, f"board.py did not start: {line!r}"
+        yield url.group(0)
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
 @pytest.fixture(scope="module")
 def board_url(run_dir):
     """board.py on a free port of 127.0.0.1, serving the run and (for the comparison) a copy of its metrics."""
@@ -204,16 +220,8 @@ def board_url(run_dir):
                 f.write(json.dumps(m | {"critic/score/mean": m["critic/score/mean"] + 0.25}) + "\n")
     with open(other / "samples.jsonl", "w") as f:  # a swebench record as a rich one holds swe_grading's verdict
         f.write(json.dumps(SWE_RECORD) + "\n")
-    process = subprocess.Popen([sys.executable, str(ROOT / "board.py"), str(run_dir), str(other), "--port", "0"],
-                               stdout=subprocess.PIPE, text=True)
-    try:
-        line = process.stdout.readline()
-        url = re.search(r"http://\S+", line)
-        assert url, f"board.py did not start: {line!r}"
-        yield url.group(0)
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
+    with serving(run_dir, other) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -298,40 +306,96 @@ def test_a_multi_turn_sample_with_a_tool_image_and_its_mismatch_colouring(browse
     assert advantages == [pytest.approx(record["advantage"], abs=1e-9)] * sum(record["loss_mask"])
 
 
-def test_evaluation_snapshot_and_live_growth(browser, board_url, run_dir):
-    """The evaluations view shows the run's evaluations (before and after training) by data source and difficulty; an
-    evaluation appended to metrics.jsonl shows up without reloading the page (the board follows a live run)."""
+def test_evaluation_before_and_after_and_live_growth(browser, board_url, run_dir):
+    """The evaluations view shows the run's first and last evaluation (before and after training) side by side, pass@1
+    first, by data source and difficulty; an evaluation appended to metrics.jsonl becomes the last one without
+    reloading the page (the board follows a live run)."""
     evals = [m for m in map(json.loads, open(run_dir / "metrics.jsonl")) if "val-core/all/pass@1" in m]
     assert [m["step"] for m in evals] == [0, 2]
     browser.get(board_url)
     wait_for(browser, "document.body.dataset.ready")
     browser.find_element("id", "tab-evals").click()
-    assert wait_for(browser, "document.querySelector('#eval') && [...$('eval-step').options].map(o => o.value)") == [
-        "0", "2"]
-    table = eval_table(browser)
+    wait_for(browser, "document.querySelector('#eval')")
+    names, steps, table = eval_table(browser)
+    assert names[0] == "pass@1" and "test_pass_rate" in names and steps == ["step 0", "step 2"]
     assert list(table) == ["all", "toy", "toy/1", "toy/2"]
     for group in table:
         for name in ("pass@1", "test_pass_rate"):
-            assert float(table[group][name]) == pytest.approx(evals[1][f"val-core/{group}/{name}"], abs=1e-3)
-    assert float(table["all"]["tasks"]) == 2 and float(table["toy/2"]["tasks"]) == 1
+            for evaluation in evals:
+                cell = table[group][name, f"step {evaluation['step']}"]
+                assert float(cell) == pytest.approx(evaluation[f"val-core/{group}/{name}"], abs=1e-3)
+    assert float(table["all"]["tasks", "step 2"]) == 2 and float(table["toy/2"]["tasks", "step 0"]) == 1
+    browser.save_screenshot(str(ARTIFACTS / "evaluations.png"))
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"val-core/all/pass@1": 0.5, "val-core/toy/pass@1": 0.5, "val-core/toy/1/pass@1": 0.75,
                             "val-aux/all/band/all_pass": 0.25, "step": 3}) + "\n")
-    wait_for(browser, "[...$('eval-step').options].some(o => o.value === '3')")
-    Select(browser.find_element("id", "eval-step")).select_by_value("3")
     wait_for(browser, "[...document.querySelectorAll('#eval th')].some(h => h.textContent === 'band/all_pass')")
-    table = eval_table(browser)
-    assert table["toy/1"]["pass@1"] == "0.75" and table["all"]["band/all_pass"] == "0.25"
-    Select(browser.find_element("id", "eval-step")).select_by_value("2")
-    browser.save_screenshot(str(ARTIFACTS / "evaluations.png"))
+    names, steps, table = eval_table(browser)
+    assert names[0] == "pass@1" and steps == ["step 0", "step 3"]
+    assert table["toy/1"]["pass@1", "step 3"] == "0.75" and table["all"]["band/all_pass", "step 3"] == "0.25"
+    assert float(table["toy/1"]["pass@1", "step 0"]) == pytest.approx(evals[0]["val-core/toy/1/pass@1"], abs=1e-3)
+    assert table["all"]["band/all_pass", "step 0"] == "-"  # not measured then
 
 
-def eval_table(browser) -> dict:
-    """{group: {column: cell text}} of the evaluations view's table."""
+def eval_table(browser) -> tuple[list[str], list[str], dict]:
+    """The evaluations view's table: its metric names, its evaluation steps, and {group: {(metric, step): text}}."""
     rows = browser.execute_script("return [...document.querySelectorAll('#eval tr')].map(r => "
                                   "[...r.children].map(c => c.textContent))")
     assert rows[0][0] == "data source / difficulty"
-    return {r[0]: dict(zip(rows[0][1:], r[1:])) for r in rows[1:]}
+    names, steps = rows[0][1:], rows[1][: len(rows[1]) // len(rows[0][1:])]
+    assert rows[1] == steps * len(names)
+    columns = [(name, step) for name in names for step in steps]
+    return names, steps, {r[0]: dict(zip(columns, r[1:])) for r in rows[2:]}
+
+
+def test_evaluations_drawn_as_measured_axes_ticked_and_a_busy_port(browser, tmp_path):
+    """On a run whose pass@1 jumps (0.40 -> 0.91 at its third evaluation), the default smoothing smooths the training
+    reward but draws the evaluation through its measured points; the axes carry round, compact tick labels inside the
+    chart; a sample of a group of 12 fits a 1400 px window; a second board on the same port says so in one line."""
+    rewards = [0.1 + 0.02 * step for step in range(1, 21)]
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step, pass_at_1 in [(0, 0.40), (10, 0.42), (20, 0.91)]:
+            f.write(json.dumps({"val-core/all/pass@1": pass_at_1, "step": step}) + "\n")
+        for step, reward in enumerate(rewards, 1):
+            f.write(json.dumps({"critic/score/mean": reward, "timing_s/step": 1200 + 4842 * (step - 1) / 19,
+                                "step": step}) + "\n")
+    with open(tmp_path / "samples.jsonl", "w") as f:
+        for k in range(12):
+            f.write(json.dumps({"step": 20, "task_id": f"toy/{k}", "group": 0, "reward": k % 2, "finish_reason": "stop",
+                                "completion": "answer_" * 200}) + "\n")
+    with serving(tmp_path) as url:
+        browser.get(url)
+        wait_for(browser, "document.body.dataset.ready")
+        assert browser.execute_script("return $('smoothing').value") == "0.6"
+        drawn = browser.execute_script("return Object.fromEntries([...document.querySelectorAll('path.series')].map("
+                                       "p => [p.dataset.key, JSON.parse(p.dataset.values)]))")
+        assert drawn["val-core/all/pass@1"] == [0.40, 0.42, 0.91]
+        average, smoothed = 0.0, []  # TensorBoard's debiased moving average at weight 0.6
+        for n, reward in enumerate(rewards, 1):
+            average = 0.6 * average + 0.4 * reward
+            smoothed.append(average / (1 - 0.6 ** n))
+        assert drawn["critic/score/mean"] == pytest.approx(smoothed) and smoothed[-1] < rewards[-1] - 0.02
+        labels = browser.execute_script(
+            "return Object.fromEntries([...document.querySelectorAll('.chart')].map(c => [c.querySelector('h3')"
+            ".textContent, ['y-tick', 'x-tick'].map(k => [...c.querySelectorAll('.' + k)].map(t => t.textContent))]))")
+        assert labels["seconds per phase"] == [["2k", "4k", "6k"], ["5", "10", "15", "20"]]
+        assert labels["pass@1 (evaluations)"] == [["0.4", "0.6", "0.8"], ["0", "5", "10", "15", "20"]]
+        inside = browser.execute_script("return [...document.querySelectorAll('.y-tick')].map(t => t.getBBox().x)")
+        assert inside and min(inside) >= 0  # no label runs off the chart's left edge
+        browser.save_screenshot(str(ARTIFACTS / "jump.png"))
+        browser.find_element("id", "tab-samples").click()
+        wait_for(browser, "document.querySelector('.sample-item')")
+        browser.find_element("css selector", ".sample-item").click()
+        wait_for(browser, "document.querySelectorAll('#group .member').length === 12")
+        width, visible = browser.execute_script("return [document.documentElement.scrollWidth, "
+                                                "document.documentElement.clientWidth]")
+        assert width <= visible and visible > 1300  # the open sample scrolls inside its pane, not the page
+        port = url.rstrip("/").rsplit(":", 1)[1]
+        second = subprocess.run([sys.executable, str(ROOT / "board.py"), str(tmp_path), "--port", port],
+                                capture_output=True, text=True, timeout=60)
+    assert second.returncode == 1 and second.stdout == ""
+    lines = second.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and f"port {port} " in lines[0] and "--port" in lines[0]
 
 
 def test_a_swe_sample_shows_its_diff_and_tests(browser, board_url):

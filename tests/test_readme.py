@@ -1,5 +1,6 @@
 """The README's commands (and its CPU recipes, docs/recipes.md) as a new user types them: flags that exist and do
 what the text says; the README within its size, its code map linked near the top."""
+import importlib
 import inspect
 import json
 import os
@@ -29,7 +30,7 @@ RECIPES = (ROOT / "docs" / "recipes.md").read_text()
 def readme_commands(script: str) -> list[list[str]]:
     """Every inline `...` span and code-block line of the README that runs `script`, split as a shell would."""
     spans = re.findall(r"`([^`\n]*(?:\n[^`\n]*)*?)`", README.replace("```", ""))
-    return [shlex.split(" ".join(span.split())) for span in spans if f" {script}" in span]
+    return [shlex.split(" ".join(span.split())) for span in spans if f" {script}" in " ".join(span.split())]
 
 
 def test_readme_sft_command_redoes_the_demos_warm_start():
@@ -73,14 +74,24 @@ def trainer_flags(command: str) -> list[str]:
     return words[words.index("train_grpo.py") + 1:]
 
 
-@pytest.mark.parametrize("title", ["Vision", "SWE-bench", "External agents"])
-def test_readme_cpu_recipes_give_flags_the_trainer_takes(title):
-    """Every train_grpo command of the CPU recipes resolves to Args as written (a renamed or mistyped flag fails)."""
+@pytest.mark.parametrize("title", ["Vision", "SWE-bench", "External agents", "qwen-code"])
+def test_readme_cpu_recipes_give_flags_the_trainer_takes(title, monkeypatch):
+    """Every command of the CPU recipes is complete (no <placeholder>), and every train_grpo command resolves to Args
+    as written (a renamed or mistyped flag fails), its --agent-cmd's script taking the flags it is given."""
+    assert not re.search(r"<[a-z][^>]*>", "\n".join(recipe(title))), recipe(title)
     commands = [c for c in recipe(title) if "train_grpo.py" in c]
     assert commands
     for command in commands:
         args = tyro.cli(train_grpo.Args, args=trainer_flags(command))
         assert args.prompts_per_step % 2 == 0 and args.total_steps <= 2  # 2 ranks, minutes on a CPU
+        if args.agent_cmd:
+            agent = shlex.split(args.agent_cmd.format(base_url="http://x/v1", api_key="k", row_file="r.json",
+                                                      result="out.txt"))
+            script = next(word for word in agent if word.endswith(".py"))
+            monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # as the recipe runs it: no network at import
+            module = importlib.import_module(script.removesuffix(".py"))
+            parsed = tyro.cli(module.Args, args=agent[agent.index(script) + 1:])  # a flag it lacks fails here
+            assert (str(parsed.row), str(parsed.result)) == ("r.json", "out.txt")
 
 
 @pytest.mark.slow
