@@ -112,6 +112,8 @@ def test_readme_vision_recipe_runs_as_written(tmp_path):
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {1, 2} and all(s["messages"][-1]["role"] == "assistant" for s in samples)
     assert json.loads((run / "run_config.json").read_text())["args"]["tools"] == "codev"
+    assert all(s["token_ids"] and s["images"] for s in samples)  # rich records: the board shows tokens and images
+    assert all((run / path).is_file() for s in samples for path in s["images"])
     assert "\ufffd" not in result.stdout + result.stderr  # check_tito's lines are escaped: no raw replacement char
 
 
