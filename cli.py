@@ -24,13 +24,14 @@ import task_rows
 def parse_args(args_class):
     """`tyro.cli(args_class)`, with --help and argument errors printed by rank 0 alone under torchrun. Args with a
     `dry_run` field that is set are printed resolved, as JSON, and the process exits: nothing loads."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    first_rank = int(os.environ.get("RANK", "0")) == 0
+    if first_rank:
         args = tyro.cli(args_class)
     else:
         with open(os.devnull, "w") as devnull, redirect_stdout(devnull), redirect_stderr(devnull):
             args = tyro.cli(args_class)
     if getattr(args, "dry_run", False):
-        if int(os.environ.get("RANK", "0")) == 0:
+        if first_rank:
             print(json.dumps(dataclasses.asdict(args), indent=2))
         sys.exit(0)
     return args

@@ -151,4 +151,4 @@ def plot(metrics_path: Path, png: Path, seed: int) -> Path:
 
 if __name__ == "__main__":
     with cli.one_line_errors():
-        main(tyro.cli(Args))
+        print("RESULT " + json.dumps(main(tyro.cli(Args))))

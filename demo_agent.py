@@ -257,4 +257,4 @@ def plot(train: list[dict], before: dict, after: dict, png: Path, seed: int) -> 
 
 if __name__ == "__main__":
     with cli.one_line_errors():
-        main(tyro.cli(Args))
+        print("RESULT " + json.dumps(main(tyro.cli(Args))))

@@ -84,6 +84,7 @@ def image_tokens(processor, image) -> int:
     return processor.get_number_of_image_patches(height, width, {}) // processor.merge_size ** 2
 
 
+@functools.lru_cache(maxsize=8)  # asked at every rollout phase: the config and image processor load once
 def image_counter(path: str):
     """image_tokens by the image processor of the model folder at `path` (its own min/max pixels), for a
     vision-language model; None for a text model."""

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import json
 import math
 import os
 import random
@@ -289,7 +290,7 @@ def tiny_engine(args: Args, rows: int) -> tuple[object, engines.HFEngine, float]
     return tokenizer, engine, args.step_ms / 1000 if args.step_ms else step_seconds(engine, min(16, rows))
 
 
-def run(args: Args) -> None:
+def run(args: Args) -> dict:
     tokenizer, engine, step = tiny_engine(args, args.trajectories)
     workload = plan(args.trajectories, args.seed)
     lengths = [[max(8, round(t.reply_tokens / args.scale)) for t in turns] for turns in workload]
@@ -320,6 +321,8 @@ def run(args: Args) -> None:
               f"most tool calls at once {metrics['tools/running_max']:.0f}")
     print(f"lockstep / independent per call: {seconds['lockstep'] / seconds['per call']:.2f}x; lockstep / "
           f"independent with continuous batching: {seconds['lockstep'] / seconds['continuous']:.2f}x (goal >= 2.5x)")
+    return {"mode": "real", "seconds": seconds, "speedup_per_call": seconds["lockstep"] / seconds["per call"],
+            "speedup_continuous": seconds["lockstep"] / seconds["continuous"]}
 
 
 @dataclass
@@ -335,7 +338,7 @@ class Variant:
     trained: list[int] = field(default_factory=list)  # group ids
 
 
-def run_long_tail(args: Args) -> None:
+def run_long_tail(args: Args) -> dict:
     groups, size = args.groups, args.group_size
     tokenizer, engine, step = tiny_engine(args, 2 * groups * size)
     fixed_step = args.fixed_step_ms / 1000 if args.fixed_step_ms else None
@@ -387,6 +390,8 @@ def run_long_tail(args: Args) -> None:
         variants["partial"].in_flight.close()
     ratio = statistics.mean(variants["without"].seconds) / statistics.mean(variants["partial"].seconds)
     print(f"without / partial: {ratio:.2f}x (goal >= 1.5x)")
+    return {"mode": "long_tail", "seconds_per_step": {name: statistics.mean(v.seconds) for name, v in variants.items()},
+            "speedup": ratio}
 
 
 # The event simulation.
@@ -426,8 +431,9 @@ def simulate_continuous(workload: list[list[Turn]], step: float) -> float:
                    for k, t in enumerate(turns)) for turns in workload)
 
 
-def simulate(args: Args) -> None:
+def simulate(args: Args) -> dict:
     print(f"{args.trajectories} trajectories, unscaled workload; seconds (lockstep / independent)")
+    speedups = {"20ms": [], "40ms": []}  # lockstep / continuous, per seed, by decoding step
     for seed in range(args.seed, args.seed + 5):
         workload = plan(args.trajectories, seed)
         cells = []
@@ -436,9 +442,12 @@ def simulate(args: Args) -> None:
                                                                   simulate_continuous))
             cells.append(f"{step * 1000:.0f} ms: lockstep {lock:6.0f}, per call {per_call:6.0f} ({lock / per_call:.2f}x),"
                          f" continuous {cont:6.0f} ({lock / cont:.2f}x)")
+            speedups[f"{step * 1000:.0f}ms"].append(lock / cont)
         print(f"seed {seed}: " + "; ".join(cells))
+    return {"mode": "simulate", "speedup_continuous": speedups}
 
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    simulate(args) if args.simulate else run_long_tail(args) if args.long_tail else run(args)
+    result = simulate(args) if args.simulate else run_long_tail(args) if args.long_tail else run(args)
+    print("RESULT " + json.dumps(result))

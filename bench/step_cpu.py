@@ -156,7 +156,7 @@ def run_trl(bench: BenchArgs, model_dir: Path, rows: list[dict], out: Path) -> d
     return {"wall": timer.walls[bench.warmup:], "lengths": {h["completions/mean_length"] for h in logs}}
 
 
-def main(bench: BenchArgs) -> None:
+def main(bench: BenchArgs) -> dict:
     import transformers
     import trl
 
@@ -195,7 +195,8 @@ def main(bench: BenchArgs) -> None:
           f"(all: {', '.join(f'{w:.3f}' for w in trl_walls)})")
     print(f"ratio kiln/trl: median {kiln_median / trl_median:.2f}x, min {min(kiln_walls) / min(trl_walls):.2f}x "
           f"(goal <= 0.5x)")
+    return {"kiln_s_per_step": kiln_median, "trl_s_per_step": trl_median, "ratio": kiln_median / trl_median}
 
 
 if __name__ == "__main__":
-    main(tyro.cli(BenchArgs))
+    print("RESULT " + json.dumps(main(tyro.cli(BenchArgs))))

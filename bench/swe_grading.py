@@ -101,19 +101,21 @@ def timed_grade(grader: str, truth: dict, patch: bytes, client) -> tuple[float, 
         return grade(grader, truth, patch, client)
 
 
-def main(args: Args) -> None:
+def main(args: Args) -> dict:
     client = containers.connect()
     truths = [json.loads(row["reward_model"]["ground_truth"]) for row in task_rows.load_rows(args.rows)]
+    result = {}
     if "sequential" in args.parts:
-        sequential(args, truths, client)
+        result["median_s_per_grading"] = sequential(args, truths, client)
     if "throughput" in args.parts:
-        throughput(args, truths, client)
+        result["gradings_per_s"] = throughput(args, truths, client)
     if "sigterm" in args.parts:
-        sigterm(truths[0], client)
+        result["sigterm_s"] = sigterm(truths[0], client)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores)")
+    return result
 
 
-def sequential(args: Args, truths: list[dict], client) -> None:
+def sequential(args: Args, truths: list[dict], client) -> dict:
     graders = GRADERS
     seconds = {(g, t["instance_id"], p): [] for g in graders for t in truths for p in ("gold", "noop")}
     verdicts = {}
@@ -138,10 +140,11 @@ def sequential(args: Args, truths: list[dict], client) -> None:
               f"resolved {v['resolved']}, F2P {v['f2p'][0]}/{v['f2p'][1]}, P2P {v['p2p'][0]}/{v['p2p'][1]} |")
     overall = {g: statistics.median([s for (gg, _, _), ss in seconds.items() if gg == g for s in ss]) for g in graders}
     print("\nmedian over all: " + ", ".join(f"{g} {s:.2f} s" for g, s in overall.items()))
+    return overall
 
 
-def throughput(args: Args, truths: list[dict], client) -> None:
-    graders = GRADERS
+def throughput(args: Args, truths: list[dict], client) -> dict:
+    graders, rates = GRADERS, {}
 
     print(f"\nthroughput: {args.batch} gold gradings (instances in turn)\n")
     print("| grader | concurrency | wall s | gradings/s |")
@@ -156,22 +159,27 @@ def throughput(args: Args, truths: list[dict], client) -> None:
             wall = time.perf_counter() - start
             assert all(v["resolved"] for v in results), f"{grader}: a gold patch was not resolved"
             print(f"| {grader} | {concurrency} | {wall:.1f} | {args.batch / wall:.2f} |")
+            rates[f"{grader}@{concurrency}"] = args.batch / wall
+    return rates
 
 
-def sigterm(truth: dict, client) -> None:
+def sigterm(truth: dict, client) -> dict:
     """The gold patch of one instance on a retag of its image with STOPSIGNAL SIGTERM, as swebench's published images
     have it: their PID 1 (`tail -f`, no init) ignores SIGTERM, so the stock clean-up's `docker stop` waits its 15 s."""
     tag = "kiln-swe/bench-sigterm:latest"
     client.images.build(fileobj=io.BytesIO(f"FROM {truth['image']}\nSTOPSIGNAL SIGTERM\n".encode()), tag=tag,
                         network_mode="none", forcerm=True)
+    seconds = {}
     try:
         print(f"\n{truth['instance_id']}, gold, image with STOPSIGNAL SIGTERM (seconds, verdict)\n")
         for grader in GRADERS:
             took, verdict = timed_grade(grader, truth | {"image": tag}, truth["patch"].encode(), client)
             print(f"| {grader} | {took:.2f} | resolved {verdict['resolved']} |")
+            seconds[grader] = took
     finally:
         client.images.remove(tag)
+    return seconds
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    print("RESULT " + json.dumps(main(tyro.cli(Args))))

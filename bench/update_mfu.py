@@ -207,7 +207,7 @@ def main(args: Args) -> dict:
         "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
     }
     if rank == 0:
-        print(json.dumps(result))
+        print("RESULT " + json.dumps(result))
     return result
 
 

@@ -42,7 +42,7 @@ def test_cpu_run_reports_consistent_numbers():
          "--no-compile-layers"],
         capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = json.loads(run.stdout.strip().splitlines()[-1].split("RESULT ", 1)[1])
     assert result["tokens_per_update_per_rank"] == 6 * (16 + 8)
     # (reported to 4 significant digits)
     assert result["tokens_per_s_per_rank"] == pytest.approx(144 / result["seconds_per_update"], rel=2e-3)
@@ -61,5 +61,5 @@ def test_groups_share_their_prompt_in_the_forward():
          "--no-compile-layers"],
         capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = json.loads(run.stdout.strip().splitlines()[-1].split("RESULT ", 1)[1])
     assert (result["tokens_per_update_per_rank"], result["tokens_run_per_update_per_rank"]) == (144, 96)
