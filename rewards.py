@@ -190,9 +190,9 @@ def code_reward(grade: CodeGrader, body_after_prompt: bool = False) -> RewardFn:
 
 
 def answer_reward(row: dict, completion: str, context: ScoreContext) -> Reward:
-    """Exact answers (calc, `make demo-agent`'s agent tasks): 1 when the completion's answer (extract_answer: its last
-    <answer>...</answer>) is ground_truth, as text. Nothing is run, so a policy gets one right only by working it out,
-    e.g. with its python tool."""
+    """Exact answers (calc and vision_count: `make demo-agent`'s and `make demo-vision`'s tasks): 1 when the
+    completion's answer (extract_answer: its last <answer>...</answer>) is ground_truth, as text. Nothing is run, so a
+    policy gets one right only by working it out, e.g. with its python tool."""
     answer, _ = extract_answer(completion)
     right = answer is not None and answer == row["reward_model"]["ground_truth"].strip()
     return Reward(float(right), {"answer": answer, "error": None if right else
@@ -394,6 +394,7 @@ REWARDS: dict[str, RewardFn] = {
     "mbpp": code_reward(assert_reward(all_or_nothing=True)),
     "toy": code_reward(assert_reward(all_or_nothing=False)),
     "calc": answer_reward,
+    "vision_count": answer_reward,
     "swebench": swebench_reward,
     **dict.fromkeys(VL_AGENT_SOURCES, vl_agent_reward),
 }
