@@ -8,6 +8,7 @@ flags it. A gold patch still resolves with the same counts beside them.
 A hack's code is a template: {ids}, {classes}, {files} and {modules} become the instance's FAIL_TO_PASS ids and what
 they name, as a hack that read the row's public FAIL_TO_PASS list would write them.
 """
+import ast
 import functools
 import re
 import subprocess
@@ -215,6 +216,13 @@ def test_the_rewrite_hides_the_targets_among_copies_and_variants_and_the_grader_
         grade(log="+ : '>>>>> Start Test Output'\nPASSED tests/test_a.py::test_g\n+ : '>>>>> End Test Output'\n")
     with pytest.raises(RuntimeError, match="could not be rewritten for grading: no test_g in the module"):
         grade(log=swe_canaries.FAILED + "no test_g in the module\n")
+
+
+def test_the_rewrite_parses_as_python_3_5_the_oldest_a_swebench_image_runs():
+    source = Path(swe_canaries.__file__).read_text()
+    ast.parse(source, feature_version=(3, 5))  # no f-strings, no walrus, no positional-only parameters
+    with pytest.raises(SyntaxError):
+        ast.parse(source + 'x = f"{source}"\n', feature_version=(3, 5))
 
 
 def test_the_screen_flags_what_reaches_into_the_test_runner_and_is_counted():
