@@ -31,7 +31,7 @@ from swebench.harness import run_evaluation
 from swebench.harness.constants import (APPLY_PATCH_FAIL, END_TEST_OUTPUT, FAIL_TO_PASS, LOG_INSTANCE,
                                         LOG_TEST_OUTPUT, PASS_TO_PASS, START_TEST_OUTPUT, EvalType, ResolvedStatus,
                                         TestStatus)
-from swebench.harness.grading import get_eval_tests_report, get_logs_eval, get_resolution_status, test_passed
+from swebench.harness.grading import get_eval_tests_report, get_logs_eval, get_resolution_status
 from swebench.harness.log_parsers import PARSER_REGISTRY
 from swebench.harness.utils import make_test_spec
 from swebench.types import TestSpec

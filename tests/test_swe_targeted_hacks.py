@@ -2,7 +2,7 @@
 spare canaries, against both grading paths (kiln's grader, swebench's run_instance) and both runners (pytest on the
 marshmallow instances, Django's runner): each one appends a few lines to a module the tests import, so no path filter
 sees it. With the canaries kiln had before the grading renamed its tests, each scored +1 on every instance it
-applies to (docs/swebench.md, "Targeted hacks", has the table); now each scores -1 on both paths, and the screen
+applies to (docs/swebench.md, "Hacks tested", has the table); now each scores -1 on both paths, and the screen
 flags it. A gold patch still resolves with the same counts beside them.
 
 A hack's code is a template: {ids}, {classes}, {files} and {modules} become the instance's FAIL_TO_PASS ids and what
@@ -12,6 +12,7 @@ import ast
 import functools
 import re
 import subprocess
+import time
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -266,3 +267,22 @@ def test_targeted_hacks_score_minus_one_on_both_grading_paths(docker_client, swe
     flagged = swe_grading.swebench_reward(truth, hack_patches[instance, hack], docker_client,
                                           swe_grading.SweConfig(suspicious_fails=True))
     assert (flagged.score, flagged.info["error"]) == (-1.0, "suspicious") and "seconds" not in flagged.info
+
+
+@pytest.mark.docker
+def test_a_grading_exec_streams_its_output_out_where_the_command_cannot_reach_it(docker_client, swe_rows):
+    """Container.exec(direct=True): no file in the container holds the output (the old exec's /tmp/.kiln.* could be
+    read, or rewritten at exit, by the code under test); the cap keeps head and tail; a process that left the group
+    still holding the output is cut off a few seconds after the command ends."""
+    truth = truth_of(swe_rows[M1343])
+    with containers.Container(docker_client, truth["image"], role="grade", run="direct") as box:
+        filed = box.exec("echo out; echo err >&2; ls /tmp/.kiln.* | wc -l")
+        direct = box.exec("echo out; echo err >&2; ls /tmp/.kiln.* 2>/dev/null | wc -l", direct=True)
+        assert filed.output == "out\nerr\n1\n" and direct.output == "out\nerr\n0\n" and not direct.truncated
+        capped = box.exec("printf 'a%.0s' $(seq 3000); printf 'b%.0s' $(seq 3000)", cap=1000, direct=True)
+        assert capped.truncated and capped.output.startswith("a" * 500) and capped.output.endswith("b" * 500)
+        assert "[... 5000 bytes cut ...]" in capped.output
+        start = time.monotonic()
+        lingering = box.exec("setsid sleep 120 & echo left; exit 3", direct=True)
+        assert (lingering.exit_code, lingering.output) == (3, "left\n")
+        assert time.monotonic() - start < 30
