@@ -94,6 +94,17 @@ else
 fi
 rm -f "$out"
 exit $rc"""
+# GUARD for a command whose output the command itself must not read or rewrite (a grading's tests, which run the
+# code under test): no file, the output goes straight to the exec's stream and is capped by the reader, outside.
+GUARD_DIRECT = r"""timeout -s KILL "$1" bash -c "$2" </dev/null 2>&1 &
+group=$!
+wait $group
+rc=$?
+for ((i = 0; i < 100; i++)); do kill -9 -- -$group 2>/dev/null || break; done
+exit $rc"""
+# Seconds a direct exec's stream may stay open after its command ended (a process that left its process group still
+# holding the output): then it is cut off.
+DIRECT_GRACE = 5.0
 
 
 class DockerUnavailable(RuntimeError):
@@ -344,24 +355,64 @@ class Container:
         return self._container.name
 
     def exec(self, command: str, timeout: float | None = None, cap: int | None = None,
-             workdir: str | None = None) -> ExecResult:
+             workdir: str | None = None, direct: bool = False) -> ExecResult:
         """Run `command` with bash, SIGKILLed after `timeout` seconds, output capped; whatever it started in the
-        background is killed when it ends (only files persist between commands)."""
+        background is killed when it ends (only files persist between commands). `direct`: the output leaves the
+        container as it is written, never through a file in it that the command could read or rewrite (grading)."""
         timeout = self.limits.timeout if timeout is None else timeout
         cap = self.limits.output_cap if cap is None else cap
         if not 0 < timeout < API_TIMEOUT - 60:
             raise ValueError(f"command timeout {timeout}s must be in (0, {API_TIMEOUT - 60})")
         api = self._container.client.api
+        guard = [GUARD_DIRECT, "guard", str(timeout)] if direct else [GUARD, "guard", str(timeout), str(cap)]
         exec_id = retry_transient(lambda: api.exec_create(
-            self._container.id, ["bash", "-c", GUARD, "guard", str(timeout), str(cap), command],
+            self._container.id, ["bash", "-c", *guard, command],
             workdir=workdir or self.workdir)["Id"], f"exec in {self.name}", on_retry=self._count_retry)
         start = time.monotonic()
-        out, err = api.exec_start(exec_id, demux=True)  # never retried: the command may have run
+        if direct:
+            out, truncated = self._read_capped(exec_id, cap)
+        else:
+            out, err = api.exec_start(exec_id, demux=True)  # never retried: the command may have run
+            truncated = b"truncated" in (err or b"")
         exit_code = api.exec_inspect(exec_id)["ExitCode"]
         # 137 is SIGKILL: the timeout's when the full time has passed, otherwise the kernel's (out of memory)
         timed_out = exit_code == 137 and time.monotonic() - start >= timeout
-        return ExecResult(exit_code, (out or b"").decode(errors="replace"), timed_out=timed_out,
-                          truncated=b"truncated" in (err or b""))
+        return ExecResult(exit_code, (out or b"").decode(errors="replace"), timed_out=timed_out, truncated=truncated)
+
+    def _read_capped(self, exec_id: str, cap: int) -> tuple[bytes, bool]:
+        """A direct exec's output as it streams (its first and last cap/2 bytes when longer, saying how much was cut),
+        read until the stream ends or DIRECT_GRACE seconds after the command did."""
+        api = self._container.client.api
+        stream = api.exec_start(exec_id, stream=True)  # never retried: the command may have run
+        head, tail, size, ended = bytearray(), bytearray(), 0, threading.Event()
+
+        def read() -> None:
+            nonlocal size
+            try:
+                for chunk in stream:
+                    size += len(chunk)
+                    room = max(0, cap // 2 - len(head))
+                    head.extend(chunk[:room])
+                    tail.extend(chunk[room:])
+                    if len(tail) > cap:
+                        del tail[:-(cap - cap // 2)]
+            except (OSError, ValueError, AttributeError):  # the stream closed under it (cut off below)
+                pass
+            finally:
+                ended.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        while not ended.wait(1.0):
+            if not api.exec_inspect(exec_id)["Running"]:
+                ended.wait(DIRECT_GRACE)
+                break
+        stream.close()
+        reader.join(DIRECT_GRACE)
+        if size <= cap:
+            return bytes(head + tail), False
+        kept = tail[-(cap - cap // 2):]
+        return bytes(head) + f"\n[... {size - len(head) - len(kept)} bytes cut ...]\n".encode() + bytes(kept), True
 
     def _count_retry(self) -> None:
         self.retries += 1

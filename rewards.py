@@ -420,16 +420,18 @@ def score(row: dict, completion: str, limits: sandbox.Limits = sandbox.Limits(),
 
 def score_batch(rows: list[dict], completions: list[str], max_workers: int | None = None,
                 limits: sandbox.Limits = sandbox.Limits(), judge: judge_lib.Judge | None = None,
-                sample_infos: list[dict] | None = None) -> list[Reward]:
+                sample_infos: list[dict] | None = None, swe: swe_grading.SweConfig = swe_grading.SweConfig()
+                ) -> list[Reward]:
     """`score` for many samples at once, in parallel (each test still runs in its own sandboxed process). With a
     judge, twice as many samples at once as it takes requests: a sample asks its questions one after the other, and a
-    cache hit on a question in flight waits without a request of its own."""
+    cache hit on a question in flight waits without a request of its own. `swe`: the settings of swebench rows."""
     if len(rows) != len(completions):
         raise ValueError(f"{len(rows)} rows but {len(completions)} completions")
     infos = sample_infos or [{}] * len(rows)
     workers = max_workers or max(sandbox.default_workers(), 2 * judge.max_concurrency if judge else 0)
     with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(lambda rci: score(rci[0], rci[1], limits, judge, rci[2]), zip(rows, completions, infos)))
+        return list(pool.map(lambda rci: score(rci[0], rci[1], limits, judge, rci[2], swe),
+                             zip(rows, completions, infos)))
 
 
 def make_judge(url: str | None, model: str | None, rows: list[dict], where: str, **options) -> judge_lib.Judge | None:

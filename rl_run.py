@@ -128,6 +128,9 @@ class SharedArgs:
     """longer tool outputs are cut and marked (tools on)"""
     max_agent_seconds: float = 1800.0
     """wall clock per trajectory; checked before each turn's tools run (tools on; docs/swebench.md's budget table)"""
+    swe_suspicious_fails: bool = False
+    """a swebench patch whose non-test code reaches into the test runner (swe_grading.screen_patch) scores -1 on that
+    flag alone; off, the flag is only reported (the sample's info, swe/suspicious): some real fixes touch test tools"""
     check_tito: bool = False
     """compare every trajectory with the chat template's rendering of its messages; log the drifting fraction
     (tools/tito_drift_frac) and the first drift of each step (tools on)"""
@@ -248,8 +251,9 @@ def prepare(args, score_fn: rewards.ScoreFn, check: Callable[[object, int], None
         rewards.check_sources(eval_rows, args.eval_data)
     judge = rewards.make_judge(args.judge_url, args.judge_model, rows + eval_rows, where=args.data,
                                max_concurrency=args.judge_max_concurrency, timeout_s=args.judge_timeout_s)
-    if judge is not None and score_fn is rewards.score_batch:  # a caller's own score function brings its own judge
-        score_fn = functools.partial(rewards.score_batch, judge=judge)
+    if score_fn is rewards.score_batch:  # a caller's own score function brings its own judge and SWE settings
+        score_fn = functools.partial(rewards.score_batch, judge=judge,
+                                     swe=swe_grading.SweConfig(suspicious_fails=args.swe_suspicious_fails))
     sampling = engines.Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 stop_token_ids=policy.stop_token_ids(tokenizer, args.model,
                                                                      chat.end_of_turn(tokenizer, args.end_of_turn)))

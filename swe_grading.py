@@ -13,9 +13,9 @@ from __future__ import annotations
 import atexit
 import codecs
 import functools
-import random
+import json
 import re
-import secrets
+import shlex
 import shutil
 import tempfile
 import threading
@@ -31,12 +31,13 @@ from swebench.harness import run_evaluation
 from swebench.harness.constants import (APPLY_PATCH_FAIL, END_TEST_OUTPUT, FAIL_TO_PASS, LOG_INSTANCE,
                                         LOG_TEST_OUTPUT, PASS_TO_PASS, START_TEST_OUTPUT, EvalType, ResolvedStatus,
                                         TestStatus)
-from swebench.harness.grading import get_eval_tests_report, get_logs_eval, get_resolution_status, test_passed
+from swebench.harness.grading import get_eval_tests_report, get_logs_eval, get_resolution_status
 from swebench.harness.log_parsers import PARSER_REGISTRY
 from swebench.harness.utils import make_test_spec
 from swebench.types import TestSpec
 
 import containers
+import swe_canaries
 
 # Files the policy must not change, whatever its diff says: pytest loads them while grading (conftest.py, test
 # configuration), the interpreter runs them at start-up (sitecustomize, usercustomize, .pth), or they are tests. A root
@@ -56,7 +57,8 @@ PYTEST_ID = re.compile(r"^([^:\s]+\.py)::")
 UNITTEST_ID = re.compile(r"^\w+ \(([\w.]+)\)")  # Django's runner: "test_x (module.Class)" or "(module.Class.test_x)"
 PASSING = {TestStatus.PASSED.value, TestStatus.XFAIL.value}
 FAILING = {TestStatus.FAILED.value, TestStatus.ERROR.value}
-CANARY_UNPLANTED = "kiln: no file for canaries among"
+CANARY_COPIES, CANARY_FAILS = 1, 1  # beside each renamed FAIL_TO_PASS test: copies that must agree, variants that fail
+REWRITE_END = "EOF_KILN_REWRITE"
 HARNESS_MODEL = "kiln"  # the model_name_or_path of run_instance's predictions (a folder of its log tree)
 # run_instance logs through a logger named after the instance, shared by concurrent runs of it (and closed by the first
 # to end): one run per instance at a time keeps each log whole, and its verdict on a patch that does not apply right.
@@ -67,8 +69,9 @@ HARNESS_LOCKS: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
 class Grade:
     """A graded patch: +1.0 resolved, -1.0 otherwise; info holds instance_id, dropped (protected paths left out), f2p
     and p2p ([passed, total]), status (swebench's ResolvedStatus value), error (None when the tests ran and were
-    graded, else empty_patch, patch_apply, eval_timeout, tests_not_run, diff or tampered) and its reason, canaries
-    (pairs planted beside the FAIL_TO_PASS tests), seconds."""
+    graded, else empty_patch, patch_apply, eval_timeout, tests_not_run, diff, tampered or suspicious) and its reason,
+    renamed (FAIL_TO_PASS test functions renamed for the grading) and canaries (the tests planted beside them),
+    suspicious (screen_patch's findings in the patch), seconds."""
     score: float
     info: dict = field(default_factory=dict)
 
@@ -87,6 +90,9 @@ class SweConfig:
     """the grading container's limits (kiln's grader)"""
     official: bool = False
     """grade with swebench's own run_instance (evaluation: slower, its container has network and no kiln limits)"""
+    suspicious_fails: bool = False
+    """a patch screen_patch flags scores -1 (error "suspicious") without running its tests; off by default, as some
+    real fixes touch test utilities: the flag is then only reported (info["suspicious"], swe/suspicious)"""
 
 
 def diff_files(diff: bytes) -> list[tuple[list[str], bytes]]:
@@ -143,99 +149,180 @@ def spec_of(truth: dict) -> TestSpec:
 
 
 @dataclass(frozen=True)
-class Canary:
-    """Two tests the grader plants beside FAIL_TO_PASS tests, in their file: one must pass, one must fail. Their names
-    carry random tokens and their bodies have the same shape, so code under test that forges reports cannot tell the
-    one that must fail from an unfixed FAIL_TO_PASS test without reading the grader's mind."""
+class Target:
+    """A FAIL_TO_PASS test function that every grading renames and surrounds with canaries (swe_canaries.py)."""
     candidates: tuple[str, ...]
-    """files that may hold the FAIL_TO_PASS tests, in order; the first that exists gets the canaries"""
-    beside: tuple[str, ...]
-    """the FAIL_TO_PASS tests of that file"""
-    passing: str
-    """the random token in the must-pass canary's name"""
-    failing: str
-    """the random token in the must-fail canary's name"""
-    unittest: bool
-    """a unittest.TestCase (Django's runner) instead of pytest functions"""
+    """files that may hold it, in order; the first that exists is rewritten"""
+    scope: tuple[str, ...]
+    """its class chain in that file (empty: a module function)"""
+    name: str
+    """its name (the part of its test ids the renaming changes)"""
+    key: tuple[str, ...]
+    """what else identifies it in a test id: the file and classes (pytest), the module and class (Django)"""
 
 
-def plan_canaries(spec: TestSpec) -> list[Canary]:
-    """One pair of canaries per file of FAIL_TO_PASS tests, for pytest ids ("path.py::...") and Django's runner ids
-    ("test_x (module.Class)", also "(module.Class.test_x)"); ids of other forms get none."""
-    files: dict[tuple[str, ...], list[str]] = defaultdict(list)
+@dataclass(frozen=True)
+class Renamed:
+    """A Target as the grading container renamed it: its fresh names and their roles (target, copy, fail)."""
+    target: Target
+    tests: dict[str, str]
+
+    def named(self, role: str) -> list[str]:
+        return [name for name, r in self.tests.items() if r == role]
+
+
+def test_parts(test: str, log_parser: str) -> tuple[tuple[str, ...], str] | None:
+    """(key, function name) of a pytest id ("path.py::Class::test[param]") or, for Django's runner, of a unittest id
+    ("test_x (module.Class)", also "test_x (module.Class.test_x)"); None for other forms."""
+    if PYTEST_ID.match(test):
+        path, *scope, name = test.split("[")[0].split("::")
+        return (path, *scope), name
+    if log_parser == "parse_log_django" and (unittest_id := UNITTEST_ID.match(test)):
+        name, parts = test.split(" ")[0], unittest_id[1].split(".")
+        return tuple(parts[:-1] if parts[-1] == name else parts), name
+    return None
+
+
+def plan_canaries(spec: TestSpec) -> list[Target]:
+    """The FAIL_TO_PASS test functions to rename (parametrized ids share one), for pytest ids and Django's runner ids;
+    ids of other forms get none."""
+    targets = {}
     for test in spec.FAIL_TO_PASS:
-        if pytest_id := PYTEST_ID.match(test):
-            files[(pytest_id[1],)].append(test)
-        elif (unittest_id := UNITTEST_ID.match(test)) and spec.log_parser == "parse_log_django":
-            parts = unittest_id[1].split(".")  # runtests.py's labels are relative to tests/
-            files[tuple(f"tests/{'/'.join(parts[:-drop])}.py" for drop in (1, 2) if len(parts) > drop)].append(test)
-    return [Canary(candidates, tuple(beside), f"test_{secrets.token_hex(6)}", f"test_{secrets.token_hex(6)}",
-                   unittest=not PYTEST_ID.match(beside[0])) for candidates, beside in files.items()]
+        parts = test_parts(test, spec.log_parser)
+        if parts is None or not parts[1].isidentifier():
+            continue
+        key, name = parts
+        if PYTEST_ID.match(test):
+            candidates, scope = (key[0],), key[1:]
+        else:  # runtests.py's labels are relative to tests/
+            candidates, scope = (f"tests/{'/'.join(key[:-1])}.py", f"tests/{'/'.join(key[:-1])}/__init__.py"), key[-1:]
+        targets[key, name] = Target(candidates, scope, name, key)
+    return list(targets.values())
 
 
-def _canary_code(canary: Canary) -> str:
-    """The canaries' source, in random order: `assert sorted(...) == ...`, right for one and wrong for the other."""
-    tests = []
-    for name, right in random.sample([(canary.passing, True), (canary.failing, False)], 2):
-        values = random.sample(range(100, 1000), 4)
-        expected = sorted(values) if right else sorted(values)[:2] + sorted(values)[2:][::-1]
-        if canary.unittest:
-            tests.append(f"    def {name}(self):\n        self.assertEqual(sorted({values}), {expected})\n")
-        else:
-            tests.append(f"def {name}():\n    assert sorted({values}) == {expected}\n")
-    if not canary.unittest:
-        return "\n\n" + "\n\n".join(tests)
-    case = f"Test{secrets.token_hex(6)}"
-    return (f"\n\nimport unittest as unittest_{case}\n\n\nclass {case}(unittest_{case}.TestCase):\n"
-            + "\n".join(tests))
+@functools.cache
+def _rewriter_source() -> str:
+    return Path(swe_canaries.__file__).read_text()
 
 
-def plant_canaries(eval_script: str, canaries: Sequence[Canary]) -> str:
-    """The eval script with the canaries appended to their files just before the tests run (its closing `git checkout`
-    of the test files removes them again), and the script deleting itself first (bash keeps reading it), so the code
-    under test cannot read the canaries' names from it. A canary with no file to go to is named in the log."""
+def plant_canaries(eval_script: str, targets: Sequence[Target]) -> str:
+    """The eval script deleting itself (bash keeps reading it), then rewriting the test files with swe_canaries.py
+    just before the tests run (its closing `git checkout` of the test files undoes it). The script holds no name the
+    rewrite draws: those exist only in the container's Python while it runs, and in the log it writes."""
     lines = eval_script.split("\n")
     start = next((i for i, line in enumerate(lines) if START_TEST_OUTPUT in line), None)
     if start is None:
         raise ValueError(f"the eval script has no {START_TEST_OUTPUT!r} marker")
+    plan = json.dumps({"targets": [{"candidates": t.candidates, "scope": t.scope, "name": t.name} for t in targets],
+                       "copies": CANARY_COPIES, "fails": CANARY_FAILS})
     planted = ['rm -f "$0"']
-    for canary in canaries:
-        end = f"EOF_KILN_{secrets.token_hex(8)}"
-        planted += [f"for f in {' '.join(canary.candidates)}; do if [ -f \"$f\" ]; then cat >> \"$f\" <<'{end}'",
-                    _canary_code(canary), end, "break; fi; false; done || echo "
-                    f"\"{CANARY_UNPLANTED} {' '.join(canary.candidates)}\""]
+    if targets:
+        planted += [f'"$(command -v python3 || command -v python)" -I -S - {shlex.quote(plan)} <<\'{REWRITE_END}\'',
+                    _rewriter_source().rstrip("\n"), REWRITE_END]
     return "\n".join(lines[:start] + planted + lines[start:])
 
 
-def check_canaries(canaries: Sequence[Canary], spec: TestSpec, status_map: dict[str, str], log: str) -> str | None:
-    """Why the test report is not to be trusted, or None: a must-fail canary reported passing; an expected test
-    (FAIL_TO_PASS, PASS_TO_PASS) reported with two statuses, or more often than the canaries are (each log line is
-    parsed on its own to count); a canary missing or wrong beside a FAIL_TO_PASS test that passed. A run where the
-    canaries and the tests beside them all fail (a patch that breaks the test module) is no forgery: None."""
-    if CANARY_UNPLANTED in log.split(START_TEST_OUTPUT)[0]:
-        raise RuntimeError(f"{spec.instance_id}: no file for the canaries beside the FAIL_TO_PASS tests: "
-                           + log.split(CANARY_UNPLANTED)[1].split("\n")[0].strip())
+def rename_records(log: str) -> list[str]:
+    """The rewrite's records in a log, wherever a line holds one (run_instance's log interleaves stdout and stderr)."""
+    return re.findall(re.escape(swe_canaries.RENAMED) + r"(\[.*\])$", log, re.M)
+
+
+def read_renames(spec: TestSpec, targets: Sequence[Target], log: str) -> list[Renamed] | None:
+    """What the rewrite reported (its one record; check_canaries distrusts a log with more), or None when it did not
+    run. A rewrite that failed, or left a target out, is the row's fault or the grader's, not the patch's: RuntimeError
+    naming the instance."""
+    records = rename_records(log)
+    if not records:
+        if swe_canaries.FAILED in log:
+            raise RuntimeError(f"{spec.instance_id}: the test files could not be rewritten for grading: "
+                               + log.split(swe_canaries.FAILED)[1].split("\n")[0].strip())
+        if START_TEST_OUTPUT in log and targets:
+            raise RuntimeError(f"{spec.instance_id}: the tests ran, but the grading's rewrite of the test files "
+                               "did not")
+        return None
+    for text in records:  # the first whole one (check_canaries distrusts a log with more than one)
+        try:
+            record = {(tuple(r["scope"]), r["name"], r["file"]): r["tests"] for r in json.loads(text)}
+        except (ValueError, KeyError, TypeError):
+            continue
+        renames = [Renamed(target, tests) for target in targets for (scope, name, file), tests in record.items()
+                   if scope == target.scope and name == target.name and file in target.candidates]
+        if len(renames) == len(targets):
+            return renames
+    raise RuntimeError(f"{spec.instance_id}: the grading's rewrite of the test files left out a FAIL_TO_PASS test")
+
+
+def map_back(log: str, renames: Sequence[Renamed]) -> str:
+    """The log with each renamed test under its own name again (copies and variants keep their fresh names, which no
+    expected test has)."""
+    for renamed in renames:
+        log = log.replace(renamed.named("target")[0], renamed.target.name)
+    return log
+
+
+def check_canaries(spec: TestSpec, renames: Sequence[Renamed], log: str) -> str | None:
+    """Why the test report is not to be trusted, or None. Each log line is parsed on its own with the row's parser:
+    - the log holds more than the rewrite's one record, or a failure line beside it (printed by the code under test);
+    - a renamed test is reported under its own name (no runner saw that name);
+    - a variant that must fail is reported passing (or xfail);
+    - a renamed test passed but one of its copies did not, or one of its variants is missing;
+    - an expected test (FAIL_TO_PASS, PASS_TO_PASS) is reported with two statuses, or more often than a renamed one.
+    A run where the renamed tests all fail (unfixed, or a patch that breaks the test module) is no forgery: None."""
+    if renames and (len(rename_records(log)) > 1 or swe_canaries.FAILED in log):
+        return f"the log holds {len(rename_records(log))} records of the grading's rewrite of the tests; it wrote one"
     parser, reported = PARSER_REGISTRY[spec.log_parser], defaultdict(list)
     for line in log.split(START_TEST_OUTPUT, 1)[-1].split(END_TEST_OUTPUT)[0].split("\n"):
         for test, status in parser(line, spec).items():
             reported[test].append(status)
-    tokens = [token for canary in canaries for token in (canary.passing, canary.failing)]
-    allowed = max([len(statuses) for test, statuses in reported.items() if any(t in test for t in tokens)] + [1])
+    roles = {(r.target.key, name): (r, role) for r in renames for name, role in r.tests.items()}
+    originals = {(r.target.key, r.target.name) for r in renames}
+    members = defaultdict(dict)  # the id under the renamed target's name -> role -> statuses
+    for test, statuses in reported.items():
+        parts = test_parts(test, spec.log_parser)
+        if parts in originals:
+            return f"{test} is reported, but the grading renamed it"
+        if parts in roles:
+            renamed, role = roles[parts]
+            as_target = test.replace(parts[1], renamed.named("target")[0])
+            members[as_target].setdefault(role, []).extend(statuses)
+    for test, by_role in members.items():
+        if set(by_role.get("fail", ())) & PASSING:
+            return f"a variant of {test} that must fail is reported {sorted(set(by_role['fail']))}"
+        if set(by_role.get("target", ())) & PASSING and not (set(by_role.get("copy", ())) <= PASSING
+                                                             and len(by_role.get("copy", ())) >= CANARY_COPIES
+                                                             and by_role.get("fail")):
+            return (f"{test} passed, but its copies are reported {sorted(set(by_role.get('copy', ()))) or 'missing'}"
+                    f" and its variants {sorted(set(by_role.get('fail', ()))) or 'missing'}")
+    allowed = max([len(statuses) for test, statuses in reported.items()
+                   if test_parts(test, spec.log_parser) in roles] + [1])
+    mapped = defaultdict(list)
+    for test, statuses in reported.items():
+        mapped[map_back(test, renames)].extend(statuses)
     for test in [*spec.FAIL_TO_PASS, *spec.PASS_TO_PASS]:
-        if len(set(reported.get(test, ()))) > 1:
-            return f"{test} is reported as {' and '.join(sorted(set(reported[test])))}"
-        if len(reported.get(test, ())) > allowed:
-            return f"{test} is reported {len(reported[test])} times (a canary {allowed})"
-    for canary in canaries:
-        passing = {status for test, status in status_map.items() if canary.passing in test}
-        failing = {status for test, status in status_map.items() if canary.failing in test}
-        if failing & PASSING:
-            return f"the canary {canary.failing} beside {canary.beside[0]} must fail; it is reported {sorted(failing)}"
-        passed = [test for test in canary.beside if test_passed(test, status_map)]
-        if passed and not (passing == {TestStatus.PASSED.value} and failing and failing <= FAILING):
-            return (f"the canaries beside {passed[0]} are reported {sorted(passing) or 'missing'} (must pass) and "
-                    f"{sorted(failing) or 'missing'} (must fail)")
+        if len(set(mapped.get(test, ()))) > 1:
+            return f"{test} is reported as {' and '.join(sorted(set(mapped[test])))}"
+        if len(mapped.get(test, ())) > allowed:
+            return f"{test} is reported {len(mapped[test])} times (a renamed test {allowed})"
     return None
+
+
+PATCH_SCREEN = re.compile(
+    r"\b(?:_pytest|pytest\.|import pytest|from pytest|PYTEST_CURRENT_TEST|unittest\.(?:case|result|runner|main)"
+    r"|TestResult|TextTestResult|_Outcome|testPartExecutor|add(?:Success|Failure|Error|Skip|SubTest)\b"
+    r"|(?:sys|threading)\.set(?:trace|profile)|sys\.monitoring|os\._exit|atexit|sys\._getframe|inspect\."
+    r"(?:stack|currentframe|getouterframes|trace)|f_back|f_locals|tb_frame|gc\.get_(?:objects|referrers))")
+
+
+def screen_patch(patch: bytes) -> list[str]:
+    """What the added lines of a (filtered: no test files) diff reach for in the test runner: `path: match` for each
+    reference to pytest's or unittest's machinery, tracing and profiling hooks, a hard exit or exit hooks, frame
+    walking. A screen of the text, not a proof: obfuscated code passes it, and a real fix may match."""
+    hits = []
+    for paths, section in diff_files(patch):
+        for line in section.split(b"\n"):
+            if line.startswith(b"+") and not line.startswith(b"+++"):
+                hits += [f"{paths[-1]}: {m}" for m in PATCH_SCREEN.findall(line.decode(errors="replace"))]
+    return list(dict.fromkeys(hits))
 
 
 def _ungraded(spec: TestSpec, dropped: list[str] = ()) -> dict:
@@ -276,12 +363,17 @@ def swebench_reward(truth: dict, patch: bytes, client=None, config: SweConfig = 
     spec = spec_of(truth)
     git_diff = bool(diff_files(patch)) or not patch.strip()
     patch, dropped = filter_diff(patch, truth["test_patch"])
-    info = _ungraded(spec, dropped)
+    suspicious = screen_patch(patch)
+    info = _ungraded(spec, dropped) | {"suspicious": suspicious}
     if not git_diff:
         return Grade(-1.0, info | {"error": "patch_apply", "reason": "not a git diff (no `diff --git` header)"})
     if not patch.strip():
         return Grade(-1.0, info | {"error": "empty_patch"})
-    return run_tests(truth, patch, client, config, dropped)
+    if suspicious and config.suspicious_fails:
+        return Grade(-1.0, info | {"error": "suspicious", "reason": "; ".join(suspicious)})
+    grade = run_tests(truth, patch, client, config, dropped)
+    grade.info["suspicious"] = suspicious
+    return grade
 
 
 def run_tests(truth: dict, patch: bytes | None, client=None, config: SweConfig = SweConfig(),
@@ -290,15 +382,18 @@ def run_tests(truth: dict, patch: bytes | None, client=None, config: SweConfig =
     row's eval script and grade its log, with kiln's grader or (config.official) swebench's run_instance."""
     spec = spec_of(truth)
     client = client or containers.connect()
-    canaries = plan_canaries(spec)
-    planted = spec_of(truth | {"eval_script": plant_canaries(truth["eval_script"], canaries)})
-    grade = (_official if config.official else _kiln)(planted, canaries, patch, client, config)
+    targets = plan_canaries(spec)
+    planted = spec_of(truth | {"eval_script": plant_canaries(truth["eval_script"], targets)})
+    info = _ungraded(spec, dropped) | {"renamed": len(targets), "canaries": len(targets) * (CANARY_COPIES +
+                                                                                           CANARY_FAILS)}
+    grade = (_official if config.official else _kiln)(planted, targets, patch, client, config, info)
     grade.info["dropped"] = list(dropped)
     return grade
 
 
-def _kiln(spec: TestSpec, canaries: Sequence[Canary], patch: bytes | None, client, config: SweConfig) -> Grade:
-    info, start = _ungraded(spec) | {"graded_by": "kiln", "canaries": len(canaries)}, time.perf_counter()
+def _kiln(spec: TestSpec, targets: Sequence[Target], patch: bytes | None, client, config: SweConfig,
+          info: dict) -> Grade:
+    info, start = info | {"graded_by": "kiln"}, time.perf_counter()
     with containers.Container(client, spec.image, role="grade", run=spec.instance_id,
                               limits=config.limits) as container:
         if patch is not None:
@@ -312,20 +407,27 @@ def _kiln(spec: TestSpec, canaries: Sequence[Canary], patch: bytes | None, clien
             else:
                 return Grade(-1.0, info | {"error": "patch_apply", "reason": applied.output[-2000:]})
         container.put_file("/kiln_eval.sh", spec.eval_script.encode())
-        run = container.exec("bash /kiln_eval.sh", timeout=config.eval_timeout, cap=config.log_cap)
+        run = container.exec("bash /kiln_eval.sh", timeout=config.eval_timeout, cap=config.log_cap, direct=True)
         info["docker_retries"] = container.retries
     info["seconds"] = time.perf_counter() - start
     if run.timed_out:
         return Grade(-1.0, info | {"error": "eval_timeout"})
-    with tempfile.NamedTemporaryFile("w", suffix=".log") as log:
-        log.write(run.output)
-        log.flush()
-        status_map, ran = get_logs_eval(spec, log.name)
+    return _graded(spec, targets, run.output, info, config)
+
+
+def _graded(spec: TestSpec, targets: Sequence[Target], log: str, info: dict, config: SweConfig) -> Grade:
+    """The grade of a test log, by swebench's get_logs_eval and get_eval_tests_report once the renamed tests have
+    their names back (map_back), unless check_canaries distrusts the log."""
+    renames = read_renames(spec, targets, log)
+    with tempfile.NamedTemporaryFile("w", suffix=".log") as mapped:
+        mapped.write(map_back(log, renames or []))
+        mapped.flush()
+        status_map, ran = get_logs_eval(spec, mapped.name)
     if not ran:
-        return Grade(-1.0, info | {"error": "tests_not_run", "log_tail": run.output[-2000:]})
+        return Grade(-1.0, info | {"error": "tests_not_run", "log_tail": log[-2000:]})
     report = get_eval_tests_report(status_map, {FAIL_TO_PASS: spec.FAIL_TO_PASS, PASS_TO_PASS: spec.PASS_TO_PASS},
                                    eval_type=EvalType(spec.eval_type))
-    return _verdict(spec, report, info, config, check_canaries(canaries, spec, status_map, run.output))
+    return _verdict(spec, report, info, config, check_canaries(spec, renames or [], log))
 
 
 def _verdict(spec: TestSpec, report: dict, info: dict, config: SweConfig, tampered: str | None) -> Grade:
@@ -362,11 +464,13 @@ def _remove_harness_container(client, container, logger) -> None:
         containers.force_remove(container)
 
 
-def _official(spec: TestSpec, canaries: Sequence[Canary], patch: bytes | None, client, config: SweConfig) -> Grade:
+def _official(spec: TestSpec, targets: Sequence[Target], patch: bytes | None, client, config: SweConfig,
+              info: dict) -> Grade:
     """swebench's run_instance on the local image (never pulled: a missing one raises ImageMissing), under a unique
     run id (a reused one returns its old report without running anything) whose logs are deleted once read, one run
     per instance at a time (HARNESS_LOCKS). Its None (no report) is -1 when its log says the patch did not apply or the
-    tests timed out; otherwise an error."""
+    tests timed out; otherwise an error. Its test log is graded as kiln's is (_graded): its own report knows only the
+    names the grading gave the renamed tests."""
     try:
         client.images.get(spec.image)
     except docker.errors.ImageNotFound:
@@ -375,7 +479,7 @@ def _official(spec: TestSpec, canaries: Sequence[Canary], patch: bytes | None, c
     root, run_id = _harness_log_root(), f"kiln-{uuid.uuid4().hex[:16]}"
     prediction = {"instance_id": spec.instance_id, "model_name_or_path": HARNESS_MODEL,
                   "model_patch": (patch or b"").decode(errors="replace")}  # the harness writes the patch as text
-    info, start = _ungraded(spec) | {"graded_by": "run_instance", "canaries": len(canaries)}, time.perf_counter()
+    info, start = info | {"graded_by": "run_instance"}, time.perf_counter()
     try:
         with HARNESS_LOCKS[spec.instance_id]:
             result = run_evaluation.run_instance(spec, prediction, client, run_id, timeout=int(config.eval_timeout),
@@ -383,8 +487,7 @@ def _official(spec: TestSpec, canaries: Sequence[Canary], patch: bytes | None, c
         logs = root / run_id / HARNESS_MODEL / spec.instance_id
         log_text = (logs / LOG_INSTANCE).read_text(errors="replace") if (logs / LOG_INSTANCE).exists() else ""
         test_output = logs / LOG_TEST_OUTPUT
-        status_map = get_logs_eval(spec, str(test_output))[0] if test_output.exists() else {}
-        test_text = test_output.read_text(errors="replace") if test_output.exists() else ""
+        test_text = test_output.read_text(errors="replace") if test_output.exists() else None
     finally:
         shutil.rmtree(root / run_id, ignore_errors=True)
     info["seconds"] = time.perf_counter() - start
@@ -395,10 +498,9 @@ def _official(spec: TestSpec, canaries: Sequence[Canary], patch: bytes | None, c
             return Grade(-1.0, info | {"error": "eval_timeout"})
         raise RuntimeError(f"{spec.instance_id}: swebench's run_instance failed, not because of the patch; its "
                            f"log ends:\n{log_text[-3000:]}")
-    report = result[1][spec.instance_id]
-    if "tests_status" not in report:
+    if test_text is None:
         return Grade(-1.0, info | {"error": "tests_not_run", "log_tail": log_text[-2000:]})
-    return _verdict(spec, report["tests_status"], info, config, check_canaries(canaries, spec, status_map, test_text))
+    return _graded(spec, targets, test_text, info, config)
 
 
 def swe_check(truth: dict, client=None, config: SweConfig = SweConfig()) -> dict:
@@ -420,12 +522,14 @@ def swe_check(truth: dict, client=None, config: SweConfig = SweConfig()) -> dict
 def swe_metrics(infos: Sequence[dict]) -> dict:
     """SWE-bench batch metrics from swebench grades' infos: the resolve rate; the FAIL_TO_PASS and PASS_TO_PASS pass
     fractions (mean per sample, over the samples whose tests ran); patches that did not apply; protected files
-    dropped from the diffs; gradings whose report was tampered with (check_canaries); Docker calls retried."""
+    dropped from the diffs; gradings whose report was tampered with (check_canaries); patches screen_patch flagged;
+    Docker calls retried."""
     ran = [info for info in infos if info.get("error") is None]
     metrics = {"swe/resolve_rate": sum(bool(info.get("resolved")) for info in infos) / max(1, len(infos)),
                "swe/patch_apply_failures": sum(info.get("error") == "patch_apply" for info in infos),
                "swe/dropped_files": sum(len(info.get("dropped", [])) for info in infos),
                "swe/tampered": sum(info.get("error") == "tampered" for info in infos),
+               "swe/suspicious": sum(bool(info.get("suspicious")) for info in infos),
                "swe/docker_retries": sum(info.get("docker_retries", 0) for info in infos)}
     for key in ("f2p", "p2p"):
         fractions = [info[key][0] / info[key][1] for info in ran if info[key][1]]

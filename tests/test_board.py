@@ -188,6 +188,7 @@ SWE_RECORD = {"step": 3, "task_id": "swebench/astropy__astropy-12907", "reward":
               "completion": "--- a/m.py\n+++ b/m.py\n@@ -1 +1 @@\n-return a\n+return b\n", "data_source": "swebench",
               "group": 0, "advantage": -1.0, "finish_reason": "submit",
               "info": {"f2p": [1, 2], "p2p": [1, 1], "status": "RESOLVED_NO", "resolved": False,
+                       "suspicious": ["m.py: os._exit"],
                        "tests": {"f2p": {"passed": ["test_a"], "failed": ["test_b"]},
                                  "p2p": {"passed": ["test_c"], "failed": []}}},
               "messages": [{"role": "user", "content": "Fix it."}, {"role": "assistant", "content": "done"}]}
@@ -413,6 +414,8 @@ def test_a_swe_sample_shows_its_diff_and_tests(browser, board_url):
     text = browser.find_element("id", "swe").text
     assert "F2P: 1 passed, 1 failed" in text and "✗ test_b" in text and "✓ test_a" in text
     assert "P2P: 1 passed, 0 failed" in text and "✓ test_c" in text
+    assert browser.find_element("id", "suspicious").text == \
+        "⚠ suspicious: the patch reaches into the test runner (m.py: os._exit)"
     browser.save_screenshot(str(ARTIFACTS / "swe.png"))
 
 

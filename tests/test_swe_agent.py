@@ -103,7 +103,7 @@ def test_scripted_agent_fix_resolves_noop_does_not_and_nothing_is_left(docker_cl
     assert swe_grading.swe_metrics([g.info for g in graded]) == {
         "swe/resolve_rate": pytest.approx(2 / 3), "swe/f2p_pass_frac": pytest.approx(2 / 3),
         "swe/p2p_pass_frac": 1.0, "swe/patch_apply_failures": 0, "swe/dropped_files": 0, "swe/tampered": 0,
-        "swe/docker_retries": 0}
+        "swe/suspicious": 0, "swe/docker_retries": 0}
 
 
 def test_scripted_agent_fixes_the_django_instance_through_bash_and_the_editor(docker_client, swe_rows, tokenizer):

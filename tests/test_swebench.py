@@ -177,44 +177,6 @@ def test_filter_reads_every_name_a_patch_tool_would(smuggled):
     assert kept == b"" and dropped and any(p.endswith("conftest.py") or p == "?" for p in dropped)
 
 
-def test_canaries_are_planted_beside_the_fail_to_pass_tests_and_judge_the_report():
-    truth = {"instance_id": "x__y-1", "image": "i", "repo": "x/y", "version": "1", "log_parser": "parse_log_pytest",
-             "eval_type": "pass_and_fail", "FAIL_TO_PASS": ["tests/test_a.py::T::test_f", "tests/test_a.py::test_g"],
-             "PASS_TO_PASS": ["tests/test_b.py::test_p"],
-             "eval_script": "#!/bin/bash\nset -uxo pipefail\n: '>>>>> Start Test Output'\npytest -rA\n"
-                            ": '>>>>> End Test Output'\n"}
-    spec = swe_grading.spec_of(truth)
-    (canary,) = swe_grading.plan_canaries(spec)
-    assert canary.candidates == ("tests/test_a.py",) and canary.beside == tuple(truth["FAIL_TO_PASS"])
-    assert canary.passing != canary.failing and not canary.unittest
-    script = swe_grading.plant_canaries(truth["eval_script"], [canary])
-    assert script.index('rm -f "$0"') < script.index("cat >> \"$f\"") < script.index(">>>>> Start Test Output")
-    assert f"def {canary.passing}():" in script and f"def {canary.failing}():" in script
-    django = swe_grading.spec_of(truth | {"log_parser": "parse_log_django", "FAIL_TO_PASS": [
-        "test_v (auth_tests.test_validators.UsernameValidatorsTests)"]})
-    (unittest_canary,) = swe_grading.plan_canaries(django)
-    assert unittest_canary.unittest and unittest_canary.candidates == ("tests/auth_tests/test_validators.py",
-                                                                       "tests/auth_tests.py")
-
-    def log(*lines: str) -> str:
-        return "+ : '>>>>> Start Test Output'\n" + "\n".join(lines) + "\n+ : '>>>>> End Test Output'\n"
-    pass_, fail = f"tests/test_a.py::{canary.passing}", f"tests/test_a.py::{canary.failing}"
-    tests = [*truth["FAIL_TO_PASS"], *truth["PASS_TO_PASS"]]
-
-    def judged(text: str) -> str | None:
-        return swe_grading.check_canaries([canary], spec, swe_grading.PARSER_REGISTRY["parse_log_pytest"](text, spec),
-                                          text)
-    assert judged(log(*[f"PASSED {t}" for t in tests], f"PASSED {pass_}", f"FAILED {fail} - assert")) is None
-    assert "must fail" in judged(log(*[f"PASSED {t}" for t in tests], f"PASSED {pass_}", f"PASSED {fail}"))
-    forged = judged(log(*[f"PASSED {t}" for t in tests[1:]], f"PASSED {pass_}", f"FAILED {fail}",
-                        f"FAILED {tests[0]}", f"PASSED {tests[0]}"))
-    assert forged == f"{tests[0]} is reported as FAILED and PASSED"
-    assert "reported 2 times" in judged(log(*[f"PASSED {t}" for t in tests], f"PASSED {tests[2]}",
-                                            f"PASSED {pass_}", f"FAILED {fail}"))
-    assert "missing" in judged(log(*[f"PASSED {t}" for t in tests]))  # canaries gone, the tests beside them pass
-    assert judged(log(*[f"FAILED {t}" for t in tests[:2]], f"PASSED {tests[2]}")) is None  # a broken module
-
-
 def test_unreachable_daemon_is_an_error_not_a_reward(monkeypatch, tmp_path):
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no.sock")
     truth = {"instance_id": "x__y-1", "image": "kiln-swe/x:offline", "eval_script": "true", "log_parser":
@@ -349,11 +311,11 @@ def test_source_level_hacks_are_caught_by_the_canaries_on_both_grading_paths(doc
     for official in (False, True):
         caught = swe_grading.swebench_reward(truth, patch, docker_client, swe_grading.SweConfig(official=official))
         assert (caught.score, caught.info["error"], caught.info["dropped"]) == (-1.0, "tampered", [])
-        assert caught.info["canaries"] == 1 and caught.info["reason"]
-    if hack != "fake_lines":  # the canaries themselves are reported passing
+        assert caught.info["canaries"] == 2 * caught.info["renamed"] >= 2 and caught.info["suspicious"]
+    if hack != "fake_lines":  # the variants that must fail are reported passing
         assert "must fail" in caught.info["reason"]
-    else:  # the forged line contradicts pytest's own
-        assert "is reported as FAILED and PASSED" in caught.info["reason"]
+    else:  # the forged line names a test that, renamed, never ran under that name
+        assert "is reported, but the grading renamed it" in caught.info["reason"]
     monkeypatch.setattr(swe_grading, "plan_canaries", lambda spec: [])
     monkeypatch.setattr(swe_grading, "check_canaries", lambda *args: None)
     forged = swe_grading.swebench_reward(truth, patch, docker_client)  # what the canaries prevent
