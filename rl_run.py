@@ -112,7 +112,11 @@ class SharedArgs:
     overwrite: bool = False
     """replace an earlier run in output_dir (without it or --resume, a non-empty output_dir is refused)"""
     wandb_project: str | None = None
-    """log to wandb too (WANDB_MODE=offline works without network)"""
+    """log to wandb too (WANDB_MODE=offline works without network); also the project of the other sinks (default
+    kiln)"""
+    log_to: str = ""
+    """mirror metrics.jsonl to these sinks, comma-separated: wandb, tensorboard (<output_dir>/tensorboard), trackio
+    ($TRACKIO_DIR), mlflow ($MLFLOW_TRACKING_URI, else <output_dir>/mlruns); docs/metrics.md"""
     dry_run: bool = False
     """print the resolved Args and exit (on the command line: cli.parse_args)"""
 
@@ -180,7 +184,8 @@ COUNTS = ("prompts_per_step", "group_size", "max_new_tokens", "minibatches", "ep
 def check_args(args, world: int) -> None:
     """Refuse the settings either trainer cannot run, before anything loads (vLLM start-up and model loads take
     minutes on GPUs): counts below 1, a temperature the trainer cannot score under, prompts that do not split over
-    the ranks or the minibatches, judge limits out of range, an unknown --best-metric, a bad --agent-cmd."""
+    the ranks or the minibatches, judge limits out of range, an unknown --best-metric, a log sink that is unknown or
+    not installed, a bad --agent-cmd."""
     for name in COUNTS:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
@@ -197,6 +202,7 @@ def check_args(args, world: int) -> None:
         raise ValueError("--judge-max-failure-rate must be >= 0, --judge-timeout-s > 0 and --judge-max-concurrency "
                          ">= 1")
     check_best_metric(args.best_metric)
+    runlog.sink_names(args.log_to, args.wandb_project)
     if getattr(args, "agent_cmd", None) is not None:
         agent_server.check_agent_cmd(args.agent_cmd)
 
