@@ -208,12 +208,29 @@ def check_args(args, world: int) -> None:
 
 
 def check_paths(args) -> None:
-    """Refuse, before anything loads, an output dir in use, a model path or attention that does not exist, an engine
-    that is not installed."""
+    """Refuse, before anything loads, an output dir in use, a model that is neither a folder nor a hub name (nor cached,
+    offline), an engine that is not installed."""
     runlog.check_output_dir(args.output_dir, args.resume, args.overwrite, dataclasses.asdict(args))
     policy.check_model_path(args.model)
-    policy.check_attention(args.model, args.attn_implementation)
     engines.check_engine(args.engine)
+
+
+# The settings that name a model: a local folder or a hub name, which fetch_models downloads.
+MODEL_FIELDS = ("model", "critic_model", "teacher")
+
+
+def fetch_models(args) -> dict[str, str]:
+    """Replace each hub name among args' models by its local folder, downloaded once per node (policy.fetch_model);
+    returns the names replaced ({field: hub name}), which run_config.json records instead of the folders."""
+    names = {}
+    for name in MODEL_FIELDS:
+        value = getattr(args, name, None)
+        if value:
+            local = policy.fetch_model(value, "--" + name.replace("_", "-"))
+            if local != value:
+                names[name] = value
+                setattr(args, name, local)
+    return names
 
 
 @dataclass
@@ -231,12 +248,14 @@ class Prepared:
     score_fn: rewards.ScoreFn
     sampling: engines.Sampling
     limits: rollout.AgentLimits
+    model_names: dict[str, str]  # the hub names fetch_models replaced by folders in args: what run_config.json records
 
 
 def prepare(args, score_fn: rewards.ScoreFn, check: Callable[[object, int], None]) -> Prepared:
     """Everything a run can check or build before its models load, in the order that fails fastest: the process
     group, the settings (the shared checks, then the trainer's own `check(args, world)`, then the paths), the sandbox
-    level every sample is graded at, the seeds, the tokenizer, the training and held-out rows (too-long prompts
+    level every sample is graded at, the models named by hub name (downloaded once per node; args then names their
+    folders), the seeds, the tokenizer, the training and held-out rows (too-long prompts
     skipped, sources checked), and the judge the rows need, asked to answer now."""
     rank, world, device = policy.init_distributed()
     check_args(args, world)
@@ -245,6 +264,8 @@ def prepare(args, score_fn: rewards.ScoreFn, check: Callable[[object, int], None
     isolation = sandbox.require(args.sandbox_isolation, sessions=args.tools in ("python", "codev"))
     if rank == 0:
         print(sandbox.describe(isolation))
+    model_names = fetch_models(args)
+    policy.check_attention(args.model, args.attn_implementation)
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     tokenizer = policy.load_tokenizer(args.model)
@@ -261,7 +282,7 @@ def prepare(args, score_fn: rewards.ScoreFn, check: Callable[[object, int], None
                                                                      chat.end_of_turn(tokenizer, args.end_of_turn)))
     limits = rollout.AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens,
                                  args.max_agent_seconds)
-    return Prepared(rank, world, device, tokenizer, rows, eval_rows, judge, score_fn, sampling, limits)
+    return Prepared(rank, world, device, tokenizer, rows, eval_rows, judge, score_fn, sampling, limits, model_names)
 
 
 def prompt_limit(args) -> int:
