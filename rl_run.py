@@ -273,7 +273,8 @@ def prepare(args, score_fn: rewards.ScoreFn, check: Callable[[object, int], None
     if score_fn is rewards.score_batch:  # a caller's own score function decides which sources it knows
         rewards.check_sources(rows, args.data)
         rewards.check_sources(eval_rows, args.eval_data)
-    judge = rewards.make_judge(args.judge_url, args.judge_model, rows + eval_rows, where=args.data,
+    judge = rewards.make_judge(args.judge_url, args.judge_model,
+                               task_rows.summaries(rows) + task_rows.summaries(eval_rows), where=args.data,
                                max_concurrency=args.judge_max_concurrency, timeout_s=args.judge_timeout_s)
     if judge is not None and score_fn is rewards.score_batch:  # a caller's own score function brings its own judge
         score_fn = functools.partial(rewards.score_batch, judge=judge)
@@ -319,7 +320,7 @@ def start_vllm(args, prepared: Prepared) -> engines.Engine | None:
         args.model, seed=args.seed, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         max_model_len=args.vllm_max_model_len, tensor_parallel_size=args.vllm_tensor_parallel_size,
         max_images_per_prompt=vision.images_per_prompt(
-            args.model, prepared.rows + prepared.eval_rows,
+            args.model, [prepared.rows, prepared.eval_rows],
             args.max_turns * tools.ImageLimits.max_images if args.tools != "none" else 0))
     engine.sleep()
     return engine
