@@ -168,7 +168,7 @@ def mixed_rows(humaneval, mbpp, apps, toy) -> list[dict]:
 
 
 def assert_identical(a, b):
-    a = list(a)  # a parquet file's rows come as a lazy task_rows.Rows
+    a, b = list(a), list(b)  # a parquet file's rows come as a lazy task_rows.Rows
     assert a == b
     assert task_rows._same(a, b)  # also types: no int turned float, no str turned int
 
