@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 import tempfile
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
@@ -108,9 +109,10 @@ def load_rows_within(source: str, tokenizer, max_prompt_tokens: int, verbose: bo
     rows = task_rows.load_rows(source)
     check_swe_rows(rows, tools, source)
     schemas = TOOL_SCHEMAS[tools] if tools != "none" else None
-    texts = [chat.render(tokenizer, prompt, schemas, add_generation_prompt=True)
-             for prompt in task_rows.values(rows, "prompt")]
-    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    lengths, prompts = [], task_rows.values(rows, "prompt")
+    while chunk := list(itertools.islice(prompts, 1024)):  # a chunk at a time: a rank never holds every prompt's ids
+        texts = [chat.render(tokenizer, prompt, schemas, add_generation_prompt=True) for prompt in chunk]
+        lengths += map(len, tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"])
     if count_image is not placeholder_only:  # images are read only to be counted: a text model counts none
         lengths = [n + sum(count_image(task_rows.image_bytes(image)) - 1 for image in images or [])
                    for n, images in zip(lengths, task_rows.values(rows, "images"))]
