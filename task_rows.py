@@ -58,7 +58,8 @@ JSON_COLUMNS_KEY = b"kiln.json_columns"
 # The Arrow copy of a parquet file's validated rows: beside it, stamped with the file's size and mtime it was made of.
 ARROW_CACHE = ".{name}.kiln-rows-1.arrow"
 SOURCE_STAMP_KEY = b"kiln.source_stamp"
-BATCH_ROWS = 256  # rows decoded at once while validating or reading a column
+BATCH_ROWS = 256  # rows of a column read at once
+VALIDATE_ROWS = 32  # whole rows (tests, images) decoded at once while validating
 
 
 class RowError(ValueError):
@@ -316,7 +317,7 @@ def _write_arrow_cache(path: Path, cache: Path, stamp: bytes, where: str) -> Non
     count = 0
     try:
         with ipc.new_file(str(tmp), schema) as writer:
-            for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=names):
+            for batch in parquet.iter_batches(batch_size=VALIDATE_ROWS, columns=names):
                 for row in _decoded(batch.to_pylist(), json_columns):
                     task = row_id(validate_row(row, f"{where} row {count}"))
                     first = seen.setdefault(task, count)
