@@ -232,7 +232,7 @@ def needs_judge(row: dict) -> bool:
 
 def check_judge_configured(rows: list[dict], judge_url: str | None, where: str) -> None:
     """Stop before any work when `rows` need an LLM judge and none is configured."""
-    judged = Counter(r["data_source"] for r in rows if needs_judge(r))
+    judged = Counter(r["data_source"] for r in task_rows.summaries(rows) if needs_judge(r))
     if judged and not judge_url:
         raise ValueError(f"{where}: {sum(judged.values())} rows ({dict(judged)}) are scored with an LLM judge: pass "
                          "--judge-url (an OpenAI-compatible server, e.g. `vllm serve`)")
@@ -482,7 +482,7 @@ def refuse_nonfinite(offenders: list[tuple[str, float]], step: int) -> None:
 
 def check_sources(rows: list[dict], where: str) -> None:
     """Refuse rows whose data_source has no reward function, naming the source and `where`, before any work."""
-    unknown = sorted({row["data_source"] for row in rows if reward_fn(row) is None})
+    unknown = sorted({row["data_source"] for row in task_rows.summaries(rows) if reward_fn(row) is None})
     if unknown:
         raise ValueError(f"{where}: no reward function for data_source {', '.join(map(repr, unknown))}; known: "
                          f"{', '.join(sorted(REWARDS))} (rewards.REWARDS)")

@@ -112,7 +112,11 @@ class SharedArgs:
     overwrite: bool = False
     """replace an earlier run in output_dir (without it or --resume, a non-empty output_dir is refused)"""
     wandb_project: str | None = None
-    """log to wandb too (WANDB_MODE=offline works without network)"""
+    """log to wandb too (WANDB_MODE=offline works without network); also the project of the other sinks (default
+    kiln)"""
+    log_to: str = ""
+    """mirror metrics.jsonl to these sinks, comma-separated: wandb, tensorboard (<output_dir>/tensorboard), trackio
+    ($TRACKIO_DIR), mlflow ($MLFLOW_TRACKING_URI, else <output_dir>/mlruns); docs/metrics.md"""
     dry_run: bool = False
     """print the resolved Args and exit (on the command line: cli.parse_args)"""
 
@@ -183,7 +187,8 @@ COUNTS = ("prompts_per_step", "group_size", "max_new_tokens", "minibatches", "ep
 def check_args(args, world: int) -> None:
     """Refuse the settings either trainer cannot run, before anything loads (vLLM start-up and model loads take
     minutes on GPUs): counts below 1, a temperature the trainer cannot score under, prompts that do not split over
-    the ranks or the minibatches, judge limits out of range, an unknown --best-metric, a bad --agent-cmd."""
+    the ranks or the minibatches, judge limits out of range, an unknown --best-metric, a log sink that is unknown or
+    not installed, a bad --agent-cmd."""
     for name in COUNTS:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
@@ -200,17 +205,35 @@ def check_args(args, world: int) -> None:
         raise ValueError("--judge-max-failure-rate must be >= 0, --judge-timeout-s > 0 and --judge-max-concurrency "
                          ">= 1")
     check_best_metric(args.best_metric)
+    runlog.sink_names(args.log_to, args.wandb_project)
     if getattr(args, "agent_cmd", None) is not None:
         agent_server.check_agent_cmd(args.agent_cmd)
 
 
 def check_paths(args) -> None:
-    """Refuse, before anything loads, an output dir in use, a model path or attention that does not exist, an engine
-    that is not installed."""
+    """Refuse, before anything loads, an output dir in use, a model that is neither a folder nor a hub name (nor cached,
+    offline), an engine that is not installed."""
     runlog.check_output_dir(args.output_dir, args.resume, args.overwrite, dataclasses.asdict(args))
     policy.check_model_path(args.model)
-    policy.check_attention(args.model, args.attn_implementation)
     engines.check_engine(args.engine)
+
+
+# The settings that name a model: a local folder or a hub name, which fetch_models downloads.
+MODEL_FIELDS = ("model", "critic_model", "teacher")
+
+
+def fetch_models(args) -> dict[str, str]:
+    """Replace each hub name among args' models by its local folder, downloaded once per node (policy.fetch_model);
+    returns the names replaced ({field: hub name}), which run_config.json records instead of the folders."""
+    names = {}
+    for name in MODEL_FIELDS:
+        value = getattr(args, name, None)
+        if value:
+            local = policy.fetch_model(value, "--" + name.replace("_", "-"))
+            if local != value:
+                names[name] = value
+                setattr(args, name, local)
+    return names
 
 
 @dataclass
@@ -228,12 +251,14 @@ class Prepared:
     score_fn: rewards.ScoreFn
     sampling: engines.Sampling
     limits: rollout.AgentLimits
+    model_names: dict[str, str]  # the hub names fetch_models replaced by folders in args: what run_config.json records
 
 
 def prepare(args, score_fn: rewards.ScoreFn, check: Callable[[object, int], None]) -> Prepared:
     """Everything a run can check or build before its models load, in the order that fails fastest: the process
     group, the settings (the shared checks, then the trainer's own `check(args, world)`, then the paths), the sandbox
-    level every sample is graded at, the seeds, the tokenizer, the training and held-out rows (too-long prompts
+    level every sample is graded at, the models named by hub name (downloaded once per node; args then names their
+    folders), the seeds, the tokenizer, the training and held-out rows (too-long prompts
     skipped, sources checked), and the judge the rows need, asked to answer now."""
     rank, world, device = policy.init_distributed()
     check_args(args, world)
@@ -242,6 +267,8 @@ def prepare(args, score_fn: rewards.ScoreFn, check: Callable[[object, int], None
     isolation = sandbox.require(args.sandbox_isolation, sessions=args.tools in ("python", "codev"))
     if rank == 0:
         print(sandbox.describe(isolation))
+    model_names = fetch_models(args)
+    policy.check_attention(args.model, args.attn_implementation)
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     tokenizer = policy.load_tokenizer(args.model)
@@ -249,7 +276,8 @@ def prepare(args, score_fn: rewards.ScoreFn, check: Callable[[object, int], None
     if score_fn is rewards.score_batch:  # a caller's own score function decides which sources it knows
         rewards.check_sources(rows, args.data)
         rewards.check_sources(eval_rows, args.eval_data)
-    judge = rewards.make_judge(args.judge_url, args.judge_model, rows + eval_rows, where=args.data,
+    judge = rewards.make_judge(args.judge_url, args.judge_model,
+                               task_rows.summaries(rows) + task_rows.summaries(eval_rows), where=args.data,
                                max_concurrency=args.judge_max_concurrency, timeout_s=args.judge_timeout_s)
     if score_fn is rewards.score_batch:  # a caller's own score function brings its own judge and SWE settings
         score_fn = functools.partial(rewards.score_batch, judge=judge,
@@ -259,7 +287,7 @@ def prepare(args, score_fn: rewards.ScoreFn, check: Callable[[object, int], None
                                                                      chat.end_of_turn(tokenizer, args.end_of_turn)))
     limits = rollout.AgentLimits(args.max_turns, args.max_total_tokens, args.max_tool_response_tokens,
                                  args.max_agent_seconds)
-    return Prepared(rank, world, device, tokenizer, rows, eval_rows, judge, score_fn, sampling, limits)
+    return Prepared(rank, world, device, tokenizer, rows, eval_rows, judge, score_fn, sampling, limits, model_names)
 
 
 def prompt_limit(args) -> int:
@@ -296,7 +324,7 @@ def start_vllm(args, prepared: Prepared) -> engines.Engine | None:
         args.model, seed=args.seed, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         max_model_len=args.vllm_max_model_len, tensor_parallel_size=args.vllm_tensor_parallel_size,
         max_images_per_prompt=vision.images_per_prompt(
-            args.model, prepared.rows + prepared.eval_rows,
+            args.model, [prepared.rows, prepared.eval_rows],
             args.max_turns * tools.ImageLimits.max_images if args.tools != "none" else 0))
     engine.sleep()
     return engine

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 import tempfile
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
@@ -101,20 +102,21 @@ def check_images(sample: Sample, pad_id: int | None) -> None:
 
 
 def load_rows_within(source: str, tokenizer, max_prompt_tokens: int, verbose: bool = True,
-                     tools: str = "none", count_image: Callable[[bytes], int] = placeholder_only) -> list[dict]:
+                     tools: str = "none", count_image: Callable[[bytes], int] = placeholder_only) -> Sequence[dict]:
     """`task_rows.load_rows(source)` less the rows whose prompt, as the rollout renders it (with the signatures of the
     toolbox `tools`, each image placeholder counted as `count_image` tokens), is longer than `max_prompt_tokens`
     (counted, and printed when verbose); a source with none left is refused."""
     rows = task_rows.load_rows(source)
     check_swe_rows(rows, tools, source)
     schemas = TOOL_SCHEMAS[tools] if tools != "none" else None
-
-    def length(row: dict) -> int:
-        text = chat.render(tokenizer, row["prompt"], schemas, add_generation_prompt=True)
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"]) + sum(
-            count_image(image) - 1 for image in task_rows.row_images(row))
-
-    kept = [r for r in rows if length(r) <= max_prompt_tokens]
+    lengths, prompts = [], task_rows.values(rows, "prompt")
+    while chunk := list(itertools.islice(prompts, 1024)):  # a chunk at a time: a rank never holds every prompt's ids
+        texts = [chat.render(tokenizer, prompt, schemas, add_generation_prompt=True) for prompt in chunk]
+        lengths += map(len, tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"])
+    if count_image is not placeholder_only:  # images are read only to be counted: a text model counts none
+        lengths = [n + sum(count_image(task_rows.image_bytes(image)) - 1 for image in images or [])
+                   for n, images in zip(lengths, task_rows.values(rows, "images"))]
+    kept = task_rows.subset(rows, [i for i, n in enumerate(lengths) if n <= max_prompt_tokens])
     if not kept:
         raise ValueError(f"{source}: no row has a prompt within --max-prompt-tokens {max_prompt_tokens}")
     if len(kept) < len(rows) and verbose:

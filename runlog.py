@@ -1,20 +1,24 @@
 """What a training run leaves beside its checkpoints: run_config.json (its resolved Args, kiln commit and library
-versions), metrics.jsonl (mirrored to wandb when asked), samples.jsonl, and the wall time of each phase of a step; the
-output-dir policy the trainers share (a fresh run never mixes with an old one, a resumed run continues its files and
-its wandb run). Rank 0 writes; every other rank's calls do nothing. (Errors as one line: cli.py.)
+versions), metrics.jsonl (mirrored to the log sinks asked for: wandb, TensorBoard, trackio, MLflow), samples.jsonl, and
+the wall time of each phase of a step; the output-dir policy the trainers share (a fresh run never mixes with an old
+one, a resumed run continues its files and its sinks' runs). Rank 0 writes; every other rank's calls do nothing.
+(Errors as one line: cli.py.)
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import math
 import os
 import platform
+import re
 import secrets
 import shutil
 import subprocess
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Callable
@@ -27,34 +31,48 @@ import task_rows
 
 # What a trainer writes into its output dir: --overwrite removes these (and nothing else) before a fresh run.
 RUN_FILES = ("metrics.jsonl", *sample_files.SAMPLE_FILES, sample_files.IMAGES_DIR, "checkpoints", "critic", "best",
-             ".best_tmp", "hf", "eval_report.json", "eval_report.md", "wandb", "wandb_id", "run_config.json")
+             ".best_tmp", "hf", "eval_report.json", "eval_report.md", "wandb", "wandb_id", "tensorboard", "mlruns",
+             "sink_runs.json", "run_config.json")
 # The Args fields a --resume may change: how long the run goes, what it writes on the way and where (a run folder may
 # be moved). Any other difference from run_config.json (the lr, the group size, the data, ...) would make the resumed
 # run another run.
 MAY_CHANGE_ON_RESUME = ("total_steps", "steps", "resume", "overwrite", "output_dir", "save_every", "keep_checkpoints",
-                        "sample_every", "rich_samples", "samples_max_mb", "eval_every", "wandb_project")
+                        "sample_every", "rich_samples", "samples_max_mb", "eval_every", "wandb_project", "log_to")
 # The libraries whose versions run_config.json records (those installed).
 CHECKOUT = Path(__file__).resolve().parent  # the kiln checkout whose commit run_config.json records
-LIBRARIES = ("torch", "transformers", "tokenizers", "vllm", "tyro", "numpy", "swebench", "wandb")
+LIBRARIES = ("torch", "transformers", "tokenizers", "vllm", "tyro", "numpy", "swebench", "wandb", "tensorboard",
+             "trackio", "mlflow-skinny", "mlflow")
+# The log sinks metrics.jsonl can be mirrored to: the module each needs, and what to install when it is missing.
+SINKS = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboard", "tensorboard"), "trackio": ("trackio", "trackio"),
+         "mlflow": ("mlflow", "mlflow-skinny")}
+
+
+@dataclass
+class Sink:
+    """One open log sink: `log(record, step)` mirrors a metrics line, `finish()` closes the sink's run."""
+
+    name: str
+    log: Callable[[dict, int], None]
+    finish: Callable[[], None]
 
 
 @dataclass
 class RunLog:
     output_dir: Path
     rank: int
-    wandb: bool = False  # mirror every metrics line to the wandb run `start` opened
+    sinks: list[Sink] = field(default_factory=list)  # mirror every metrics line to these (`start` opens them)
     samples_max_bytes: int = 0  # samples.jsonl rotates past half of this (sample_files.rotate); 0 = never
 
     def metrics(self, metrics: dict) -> None:
-        """One line of metrics.jsonl, stamped with the wall-clock time (and a wandb log entry at metrics["step"]).
-        A non-finite number is written as null, so every line stays valid JSON."""
+        """One line of metrics.jsonl, stamped with the wall-clock time, and the same record in every sink at
+        metrics["step"]. A non-finite number is written as null, so every line stays valid JSON."""
         if self.rank != 0:
             return
         record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
         with open(self.output_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record | {"timestamp": time.time()}, allow_nan=False) + "\n")
-        if self.wandb:  # wandb stamps its own time
-            wandb.log(record, step=metrics["step"])
+        for sink in self.sinks:  # each stamps its own time
+            sink.log(record, metrics["step"])
 
     def samples(self, records: list[dict]) -> None:
         """Lines of samples.jsonl: every rank's `sample_record`s, gathered by the caller. The images a rich record
@@ -77,9 +95,10 @@ class RunLog:
             sample_files.rotate(self.output_dir)
 
     def finish(self) -> None:
-        """Close the wandb run here, not at interpreter exit: the trainers leave through policy.exit_distributed."""
-        if self.rank == 0 and self.wandb:
-            wandb.finish()
+        """Close the sinks' runs here, not at interpreter exit: the trainers leave through policy.exit_distributed."""
+        for sink in self.sinks:
+            sink.finish()
+        self.sinks = []
 
 
 def check_output_dir(output_dir: str, resume: bool, overwrite: bool, config: dict | None = None) -> None:
@@ -139,13 +158,12 @@ def run_config(config: dict) -> dict:
 
 
 def start(output_dir: str, rank: int, config: dict, wandb_project: str | None, resume_step: int | None,
-          samples_max_mb: float = 0) -> RunLog:
+          samples_max_mb: float = 0, log_to: str = "") -> RunLog:
     """The RunLog of a run, on rank 0 with the output dir made. A fresh run (`resume_step` None) removes an earlier
     run's files (check_output_dir let it only with --overwrite). A resumed run cuts metrics.jsonl and samples.jsonl
-    back to its checkpoint's step, so the steps after it are not recorded twice, and reopens its wandb run by the id
-    kept in <output_dir>/wandb_id (WANDB_MODE=offline works without network)."""
-    log = RunLog(Path(output_dir), rank, wandb=wandb_project is not None,
-                 samples_max_bytes=int(samples_max_mb * 2**20))
+    back to its checkpoint's step, so the steps after it are not recorded twice, and reopens its sinks' runs
+    (`open_sinks`: the ids are kept in the output dir)."""
+    log = RunLog(Path(output_dir), rank, samples_max_bytes=int(samples_max_mb * 2**20))
     if rank != 0:
         return log
     log.output_dir.mkdir(parents=True, exist_ok=True)
@@ -165,13 +183,94 @@ def start(output_dir: str, rank: int, config: dict, wandb_project: str | None, r
         recorded.setdefault("resumes", []).append({"step": resume_step, "changed": changed} | {
             k: now[k] for k in ("kiln_commit", "versions", "world_size", "started")})
         config_file.write_text(json.dumps(recorded, indent=1) + "\n")
-    if wandb_project:
-        id_file = log.output_dir / "wandb_id"
-        if not id_file.is_file():
-            id_file.write_text(secrets.token_hex(4))  # wandb ids: lower-case letters and digits
-        wandb.init(project=wandb_project, config=config, dir=output_dir, id=id_file.read_text().strip(),
-                   resume="allow")
+    log.sinks = open_sinks(sink_names(log_to, wandb_project), log.output_dir, wandb_project or "kiln", config,
+                           resume_step)
     return log
+
+
+def sink_names(log_to: str, wandb_project: str | None = None) -> list[str]:
+    """The sinks of `--log-to wandb,tensorboard,...` (any subset, comma-separated), wandb also when --wandb-project is
+    given; an unknown name or a sink whose package is missing raises ValueError naming it (checked before anything
+    loads: rl_run.check_args)."""
+    names = [name.strip() for name in log_to.split(",") if name.strip()] + (["wandb"] if wandb_project else [])
+    for name in names:
+        if name not in SINKS:
+            raise ValueError(f"--log-to {name}: unknown log sink; use any of {', '.join(SINKS)} (comma-separated)")
+        module, package = SINKS[name]
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f"--log-to {name}: the {module} package is not installed (pip install {package})")
+    return list(dict.fromkeys(names))
+
+
+def open_sinks(names: list[str], out: Path, project: str, config: dict, resume_step: int | None) -> list[Sink]:
+    """The sinks' runs, each named after the output dir: a fresh run starts new ones, a resumed run goes on in the same
+    ones where the sink can (wandb by the id in <out>/wandb_id, trackio by its run name and MLflow by its run id, both
+    in <out>/sink_runs.json; TensorBoard in <out>/tensorboard, whose readers drop the events a resumed run logs
+    again). Their packages load here, not at import: each costs seconds that runs without it need not pay."""
+    ids_file = out / "sink_runs.json"
+    ids = json.loads(ids_file.read_text()) if ids_file.is_file() else {}
+    sinks = []
+    for name in names:
+        if name == "wandb":
+            id_file = out / "wandb_id"
+            if not id_file.is_file():
+                id_file.write_text(secrets.token_hex(4))  # wandb ids: lower-case letters and digits
+            wandb.init(project=project, config=config, dir=str(out), id=id_file.read_text().strip(), resume="allow")
+            sinks.append(Sink(name, lambda record, step: wandb.log(record, step=step), wandb.finish))
+        elif name == "tensorboard":
+            # purge_step: TensorBoard's readers drop the earlier events from this step on (a killed run's last steps)
+            writer = importlib.import_module("torch.utils.tensorboard").SummaryWriter(
+                str(out / "tensorboard"), purge_step=None if resume_step is None else resume_step + 1)
+
+            def tensorboard_log(record: dict, step: int, writer=writer) -> None:
+                for key, value in numbers(record):
+                    writer.add_scalar(key, value, step)
+                writer.flush()
+            sinks.append(Sink(name, tensorboard_log, writer.close))
+        elif name == "trackio":
+            ids.setdefault("trackio", f"{out.name}-{secrets.token_hex(4)}")
+            run = importlib.import_module("trackio").init(project=project, name=ids["trackio"], config=config,
+                                                          resume="allow", embed=False, auto_log_cpu=False,
+                                                          auto_log_gpu=False)
+            sinks.append(Sink(name, lambda record, step, run=run: run.log(without_step(record), step=step), run.finish))
+        elif name == "mlflow":
+            sinks.append(open_mlflow(out, project, config, ids))
+    ids_file.write_text(json.dumps(ids) + "\n")
+    return sinks
+
+
+def open_mlflow(out: Path, project: str, config: dict, ids: dict) -> Sink:
+    """The run in MLflow's experiment `project`, at $MLFLOW_TRACKING_URI, else in a file store in <out>/mlruns. Metric
+    names keep metrics.jsonl's but for the characters MLflow refuses: pass@k is written pass_at_k."""
+    mlflow = importlib.import_module("mlflow")
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 wants a database; a folder needs none
+        mlflow.set_tracking_uri((out / "mlruns").resolve().as_uri())
+    mlflow.set_experiment(project)
+    run = mlflow.start_run(run_id=ids.get("mlflow"), run_name=None if "mlflow" in ids else out.name)
+    if "mlflow" not in ids:
+        ids["mlflow"] = run.info.run_id
+        mlflow.log_dict(as_json(config), "args.json")
+
+    def mlflow_log(record: dict, step: int) -> None:
+        mlflow.log_metrics({mlflow_name(key): value for key, value in numbers(record)}, step=step)
+    return Sink("mlflow", mlflow_log, mlflow.end_run)
+
+
+def mlflow_name(key: str) -> str:
+    """A metrics.jsonl key as MLflow accepts it (letters, digits, _ - . / : and spaces)."""
+    return re.sub(r"[^/\w.\- :]", "_", key.replace("@", "_at_"))
+
+
+def without_step(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k != "step"}
+
+
+def numbers(record: dict):
+    """(key, value) of a metrics record's numbers, the step aside: what the scalar sinks hold (a null, a non-finite
+    number in metrics.jsonl, is left out)."""
+    return [(k, float(v)) for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)]
 
 
 def truncate_to_step(path: Path, step: int) -> None:

@@ -56,6 +56,7 @@ def serve(args: ServeArgs) -> None:
         raise ValueError("--vllm-tensor-parallel-size > 1 needs --temperature: the ranks of an engine sample together")
     rank, world, device = policy.init_distributed()
     torch.manual_seed(args.seed + rank)
+    named, args.model = args.model, policy.fetch_model(args.model)  # a hub name: downloaded once per node
     hf_dir = hf_folder(args.model)
     tokenizer = policy.load_tokenizer(hf_dir)
     engine = load_generator(GenerateArgs(
@@ -68,8 +69,8 @@ def serve(args: ServeArgs) -> None:
     port = args.port + rank if args.port else 0
     with agent_server.AgentServer(engine, tokenizer, sampling, args.end_of_turn, args.max_total_tokens,
                                   fixed_sampling=args.temperature is not None, host=args.host, port=port,
-                                  model_name=args.model) as server:
-        print(f"rank {rank}: serving {args.model} at {server.base_url} (sessions: Authorization: Bearer <key>; "
+                                  model_name=named) as server:
+        print(f"rank {rank}: serving {named} at {server.base_url} (sessions: Authorization: Bearer <key>; "
               f"recorded tokens: GET /kiln/sessions/<key>)", flush=True)
         try:
             while True:

@@ -20,8 +20,10 @@ ground_truth JSON per family (what rewards.py reads):
                extra_info.target_box [x0, y0, x1, y1], the region of images[0] that holds the answer
 
 `load_rows` reads .parquet, .jsonl or a Hugging Face dataset name and validates every row (a bad one raises
-RowError naming file, row and field); `write_rows` writes them back exactly; `in_epoch_order` is the seeded order the
-trainers visit them in. data_prep.py converts public datasets into this schema.
+RowError naming file, row and field); a parquet file's rows stay on disk (`Rows`: a validated Arrow copy beside it,
+memory-mapped and shared by the ranks, a row decoded when used); `write_rows` writes them back exactly;
+`in_epoch_order` is the seeded order the trainers visit them in. data_prep.py converts public datasets into this
+schema.
 """
 from __future__ import annotations
 
@@ -31,12 +33,17 @@ import json
 import math
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import torch
+from filelock import FileLock
 
 IMAGE_MARKER = "<image>"  # CodeV's inline image placeholder, which kiln rows replace by image parts
 IO_SOURCES = ("apps", "codecontests", "taco", "livecodebench")  # stdin/stdout or call-based tests, APPS format
@@ -48,6 +55,11 @@ GROUND_TRUTH_KEYS = {"io": {"inputs": list, "outputs": list}, "mbpp": {"test_lis
 ROLES = ("system", "user", "assistant", "tool")
 # Parquet has no "mixed type" column: columns arrow cannot hold exactly are stored as JSON text and listed here.
 JSON_COLUMNS_KEY = b"kiln.json_columns"
+# The Arrow copy of a parquet file's validated rows: beside it, stamped with the file's size and mtime it was made of.
+ARROW_CACHE = ".{name}.kiln-rows-1.arrow"
+SOURCE_STAMP_KEY = b"kiln.source_stamp"
+BATCH_ROWS = 256  # rows of a column read at once
+VALIDATE_ROWS = 32  # whole rows (tests, images) decoded at once while validating
 
 
 class RowError(ValueError):
@@ -185,14 +197,15 @@ def row_images(row: dict) -> list[bytes]:
     return [image_bytes(image) for image in row.get("images") or []]
 
 
-def load_rows(source: str | os.PathLike, split: str = "train") -> list[dict]:
-    """Validated rows from a .parquet or .jsonl file (read whole) or a Hugging Face dataset name (`split` of it)."""
+def load_rows(source: str | os.PathLike, split: str = "train") -> Sequence[dict]:
+    """Validated rows from a .parquet file (a lazy `Rows`), a .jsonl file (read whole) or a Hugging Face dataset name
+    (`split` of it)."""
     path = Path(source)
     if path.suffix in (".parquet", ".jsonl") or path.exists():
         if not path.is_file():
             raise FileNotFoundError(f"{source}: no such file" if not path.exists() else f"{source}: not a file")
         if path.suffix == ".parquet":
-            rows = [validate_row(r, f"{source} row {i}") for i, r in enumerate(_read_parquet(path))]
+            return Rows.of_parquet(path, str(source))
         elif path.suffix == ".jsonl":
             rows = [validate_row(r, f"{source} line {n}") for n, r in read_jsonl(path)]
         else:
@@ -205,6 +218,118 @@ def load_rows(source: str | os.PathLike, split: str = "train") -> list[dict]:
         raise ValueError(f"{source}: no rows")
     _check_unique_ids(rows, source)
     return rows
+
+
+class Rows(Sequence):
+    """A parquet file's rows without holding them: an Arrow file of them, validated once and kept beside the parquet
+    (ARROW_CACHE, made again when the parquet changes), memory-mapped, so the ranks of a node share its pages and none
+    holds the rows in its heap. `rows[i]` decodes row i (validate_row's copy, as load_rows gave before); `values`
+    reads one field of every row, a batch at a time; a slice or `subset` is a view. Equal to a list of the same
+    rows."""
+
+    def __init__(self, table: pa.Table, json_columns: list[str], where: str, index: np.ndarray | None = None):
+        self.table, self.json_columns, self.where = table, json_columns, where
+        self.index = np.arange(table.num_rows) if index is None else index
+
+    @classmethod
+    def of_parquet(cls, path: Path, where: str) -> "Rows":
+        cache = path.with_name(ARROW_CACHE.format(name=path.name))
+        stamp = f"{path.stat().st_size}:{path.stat().st_mtime_ns}".encode()
+        with FileLock(str(cache) + ".lock"):  # one rank of a node validates and writes it; the others wait, then read
+            if not cache.is_file() or _arrow_metadata(cache).get(SOURCE_STAMP_KEY) != stamp:
+                _write_arrow_cache(path, cache, stamp, where)
+        table = ipc.open_file(pa.memory_map(str(cache))).read_all()  # zero-copy: the file's pages, not the heap
+        return cls(table, json.loads((table.schema.metadata or {}).get(JSON_COLUMNS_KEY, b"[]")), where)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.subset(self.index[i])
+        j = int(self.index[i])
+        return validate_row(_decoded(self.table.slice(j, 1).to_pylist(), self.json_columns)[0], f"{self.where} row {j}")
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, (list, Rows)) and len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    def subset(self, positions) -> "Rows":
+        """The rows at `positions` (of this view), in that order."""
+        return Rows(self.table, self.json_columns, self.where, self.index[np.asarray(positions, dtype=np.int64)])
+
+    def values(self, field: str) -> Iterator:
+        """Each row's `field` ("data_source", "prompt", "reward_model.style", ...; None where absent), as the row holds
+        it, without reading the other columns."""
+        top, _, key = field.partition(".")
+        if top not in self.table.column_names:
+            yield from (None for _ in range(len(self)))
+            return
+        column = self.table.column(top)
+        if key and top not in self.json_columns:
+            column = pc.struct_field(column, key) if key in {f.name for f in column.type} else None
+        if column is None:
+            yield from (None for _ in range(len(self)))
+            return
+        for start in range(0, len(self), BATCH_ROWS):
+            batch = column.take(pa.array(self.index[start:start + BATCH_ROWS])).to_pylist()
+            for value in batch:
+                if top in self.json_columns and value is not None:
+                    value = json.loads(value)
+                    value = value.get(key) if key and isinstance(value, dict) else value
+                yield value
+
+
+def values(rows: Sequence[dict], field: str) -> Iterator:
+    """Each row's `field` ("a" or "a.b"; None where absent): from a `Rows` without decoding the rest of each row."""
+    if isinstance(rows, Rows):
+        return rows.values(field)
+    top, _, key = field.partition(".")
+    return ((row.get(top) or {}).get(key) if key else row.get(top) for row in rows)
+
+
+def subset(rows: Sequence[dict], positions: list[int]) -> Sequence[dict]:
+    """The rows at `positions`, in that order (a `Rows` stays a view)."""
+    return rows.subset(positions) if isinstance(rows, Rows) else [rows[i] for i in positions]
+
+
+def summaries(rows: Sequence[dict]) -> list[dict]:
+    """What the checks before a run read of each row (data_source, ability, reward_model.style), without its prompt,
+    tests or images."""
+    return [{"data_source": source, "ability": ability, "reward_model": {"style": style}}
+            for source, ability, style in zip(values(rows, "data_source"), values(rows, "ability"),
+                                              values(rows, "reward_model.style"))]
+
+
+def _arrow_metadata(path: Path) -> dict:
+    return ipc.open_file(pa.memory_map(str(path))).schema.metadata or {}
+
+
+def _write_arrow_cache(path: Path, cache: Path, stamp: bytes, where: str) -> None:
+    """Validate `path`'s rows a batch at a time (a bad or repeated one raises RowError naming it) while writing them,
+    as read, to an Arrow file renamed to `cache` once whole."""
+    parquet = pq.ParquetFile(path)
+    names = [n for n in parquet.schema_arrow.names if n != "__index_level_0__"]  # pandas' saved index, not data
+    metadata = parquet.schema_arrow.metadata or {}
+    json_columns = json.loads(metadata.get(JSON_COLUMNS_KEY, b"[]"))
+    schema = pa.schema([parquet.schema_arrow.field(n) for n in names], metadata=metadata | {SOURCE_STAMP_KEY: stamp})
+    tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+    seen: dict[str, int] = {}
+    count = 0
+    try:
+        with ipc.new_file(str(tmp), schema) as writer:
+            for batch in parquet.iter_batches(batch_size=VALIDATE_ROWS, columns=names):
+                for row in _decoded(batch.to_pylist(), json_columns):
+                    task = row_id(validate_row(row, f"{where} row {count}"))
+                    first = seen.setdefault(task, count)
+                    if first != count:
+                        raise RowError(f"{where} row {count}: extra_info.index: task id {task!r} repeats row {first}")
+                    count += 1
+                writer.write_batch(pa.RecordBatch.from_arrays(batch.columns, schema=schema))
+        if not count:
+            raise ValueError(f"{where}: no rows")
+        os.replace(tmp, cache)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def in_epoch_order(items: list, start: int, count: int, seed: int) -> list:
@@ -310,16 +435,12 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _read_parquet(path: Path) -> list[dict]:
-    table = pq.read_table(path)
-    if "__index_level_0__" in table.column_names:  # pandas' saved index, not data
-        table = table.drop(["__index_level_0__"])
-    json_columns = json.loads((table.schema.metadata or {}).get(JSON_COLUMNS_KEY, b"[]"))
-    rows = table.to_pylist()
+def _decoded(rows: list[dict], json_columns: list[str]) -> list[dict]:
+    """Rows as pyarrow read them with their JSON-text columns (JSON_COLUMNS_KEY) parsed back, in place."""
     for name in json_columns:
         top, _, key = name.partition(".")
         for row in rows:
-            holder, field = (row[top], key) if key else (row, top)
+            holder, field = (row.get(top), key) if key else (row, top)
             if holder is not None and holder.get(field) is not None:
                 holder[field] = json.loads(holder[field])
     return rows

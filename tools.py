@@ -281,12 +281,12 @@ def swe_editor(container: containers.Container, arguments: dict) -> ToolResult:
 def check_swe_rows(rows: list[dict], tools: str, source: str) -> None:
     """swebench rows need the swe toolbox and it needs them; each row's image must be on the Docker host. Checked at
     load, before any model is."""
-    swe = [r for r in rows if r["data_source"] == "swebench"]
+    swe = [i for i, data_source in enumerate(task_rows.values(rows, "data_source")) if data_source == "swebench"]
     if swe and tools != "swe" or tools == "swe" and len(swe) < len(rows):
         raise ValueError(f"{source}: swebench rows run with --tools swe and --tools swe runs only swebench rows "
                          f"({len(swe)} of {len(rows)} rows are swebench, --tools {tools})")
     if tools == "swe":
-        swe_grading.check_images([json.loads(r["reward_model"]["ground_truth"]) for r in swe], source)
+        swe_grading.check_images([json.loads(rows[i]["reward_model"]["ground_truth"]) for i in swe], source)
 
 
 TOOLBOXES: dict[str, Callable[[dict], ToolBox]] = {"python": python_toolbox, "codev": codev_toolbox,

@@ -201,8 +201,9 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
         scheduler.load_state_dict(state["scheduler"])
         if ready.rank == 0:
             print(f"resumed from {checkpoint} at step {state['step']}")
-    log = runlog.start(args.output_dir, ready.rank, dataclasses.asdict(args), args.wandb_project,
-                       resume_step=state["step"] if args.resume else None, samples_max_mb=args.samples_max_mb)
+    log = runlog.start(args.output_dir, ready.rank, dataclasses.asdict(args) | ready.model_names,
+                       args.wandb_project, resume_step=state["step"] if args.resume else None,
+                       samples_max_mb=args.samples_max_mb, log_to=args.log_to)
     return Run(args=args, rank=ready.rank, world=ready.world, model=model, ref_model=ref_model, optimizer=optimizer,
                scheduler=scheduler, engine=rl_run.rollout_engine(vllm_engine, model, ready.tokenizer),
                tokenizer=ready.tokenizer, sampling=ready.sampling, limits=ready.limits, rows=ready.rows,

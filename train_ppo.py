@@ -174,8 +174,9 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
         state = {"step": 0, "data_pos": 0, "kl_coef": args.kl_coef, "best": {}, "evals": []}
     elif ready.rank == 0:
         print(f"resumed from {checkpoint} at step {state['step']}")
-    log = runlog.start(args.output_dir, ready.rank, dataclasses.asdict(args), args.wandb_project,
-                       resume_step=state["step"] if args.resume else None, samples_max_mb=args.samples_max_mb)
+    log = runlog.start(args.output_dir, ready.rank, dataclasses.asdict(args) | ready.model_names,
+                       args.wandb_project, resume_step=state["step"] if args.resume else None,
+                       samples_max_mb=args.samples_max_mb, log_to=args.log_to)
     return Run(args=args, rank=ready.rank, world=ready.world, total_steps=total_steps, model=model,
                value_model=value_model, ref_model=ref_model, optimizer=optimizer, critic_optimizer=critic_optimizer,
                engine=rl_run.rollout_engine(vllm_engine, model, ready.tokenizer), tokenizer=ready.tokenizer,

@@ -148,6 +148,7 @@ def main(args: Args) -> dict:
         raise ValueError(f"--steps must be >= 0, got {args.steps}")
     runlog.check_output_dir(args.output_dir, args.resume, args.overwrite, dataclasses.asdict(args))
     policy.check_model_path(args.model)
+    named, args.model = args.model, policy.fetch_model(args.model)  # a hub name: downloaded once per node
     torch.manual_seed(args.seed)
     tokenizer = policy.load_tokenizer(args.model)
     eot = chat.end_of_turn(tokenizer, args.end_of_turn)
@@ -170,7 +171,7 @@ def main(args: Args) -> dict:
         scheduler.load_state_dict(state["scheduler"])
         step = state["step"]
     out = Path(args.output_dir)
-    log = runlog.start(args.output_dir, rank, dataclasses.asdict(args), None,
+    log = runlog.start(args.output_dir, rank, dataclasses.asdict(args) | {"model": named}, None,
                        resume_step=step if args.resume else None)
     per_rank = args.batch_size // world
     metrics = {}

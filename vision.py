@@ -93,12 +93,13 @@ def image_counter(path: str):
     return functools.partial(image_tokens, image_processor(str(path)))
 
 
-def images_per_prompt(model: str, rows: list[dict], tool_images: int) -> int | None:
-    """The image budget vLLM reserves per prompt for a vision-language model: the most images a row has, plus
-    `tool_images`, what a trajectory's tool calls may add; None for a text model."""
+def images_per_prompt(model: str, row_sets: list, tool_images: int) -> int | None:
+    """The image budget vLLM reserves per prompt for a vision-language model: the most images a row of `row_sets`
+    (lists or task_rows.Rows) has, plus `tool_images`, what a trajectory's tool calls may add; None for a text
+    model."""
     if not is_vision_model(AutoConfig.from_pretrained(model, local_files_only=True)):
         return None
-    return max(len(task_rows.row_images(row)) for row in rows) + tool_images
+    return max(len(images or []) for rows in row_sets for images in task_rows.values(rows, "images")) + tool_images
 
 
 def added_tokens(config, prompt_ids: list[int], images: list) -> tuple[int, int]:

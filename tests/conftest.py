@@ -3,6 +3,10 @@ import os
 
 import system_parts
 
+# Nothing a test runs reaches the Hugging Face hub (tests/fake_hub.py stands in for it where a test needs one): the
+# hub libraries refuse the network at once instead of timing out.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 # `make test` runs three workers on two cores. PyTorch sizes its intra-op pool to the machine's cores, so the workers
 # training in-process would run two spinning OpenMP threads each; one thread each keeps the cores busy without that
 # contention (subprocesses such as torchrun ranks inherit it).

@@ -168,6 +168,7 @@ def mixed_rows(humaneval, mbpp, apps, toy) -> list[dict]:
 
 
 def assert_identical(a, b):
+    a, b = list(a), list(b)  # a parquet file's rows come as a lazy task_rows.Rows
     assert a == b
     assert task_rows._same(a, b)  # also types: no int turned float, no str turned int
 
@@ -568,7 +569,7 @@ def test_vision_toy_rows_round_trip_and_image_parts_are_counted(tmp_path):
     with pytest.raises(RowError, match=r"^row: images: 0 images but the prompt has 1 image parts$"):
         validate_row({k: v for k, v in rows[0].items() if k != "images"})
     data_prep.extract_images(tmp_path / "train.parquet", tmp_path / "images", tmp_path / "paths.parquet")
-    with_paths = load_rows(tmp_path / "paths.parquet")  # still kiln rows, plus where their images went
+    with_paths = list(load_rows(tmp_path / "paths.parquet"))  # still kiln rows, plus where their images went
     assert [r["extra_info"].pop("image_file_path") for r in with_paths] == [
         str(tmp_path / "images" / f"{i}_0.png") for i in range(3)]
     assert [r["extra_info"].pop("image_file_paths") for r in with_paths] == [

@@ -6,21 +6,21 @@ import time
 from pathlib import Path
 
 
-def offline_run(output_dir: Path, settle_s: float = 1.0, timeout_s: float = 60.0) -> bytes:
-    """The log of the one offline run under <output_dir>/wandb, once its size has held for settle_s: wandb's service
-    process can still be writing the last history items when wandb.finish() returns (seen on a loaded 2-core machine:
-    a run's last metrics record missing, present a moment later)."""
-    runs = list((output_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(runs) == 1, runs
+def offline_run(output_dir: Path, settle_s: float = 1.0, timeout_s: float = 60.0, runs: int = 1) -> bytes:
+    """The log of the offline run under <output_dir>/wandb (of its `runs` files, one per start, joined), once its size
+    has held for settle_s: wandb's service process can still be writing the last history items when wandb.finish()
+    returns (seen on a loaded 2-core machine: a run's last metrics record missing, present a moment later)."""
+    files = sorted((output_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == runs, files
     size, since, deadline = -1, time.monotonic(), time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        now = runs[0].stat().st_size
+        now = sum(f.stat().st_size for f in files)
         if now != size:
             size, since = now, time.monotonic()
         elif time.monotonic() - since >= settle_s:
             break
         time.sleep(0.1)
-    return runs[0].read_bytes()
+    return b"".join(f.read_bytes() for f in files)
 
 
 def logged(run: bytes, key: str, value) -> bool:

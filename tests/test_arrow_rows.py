@@ -1,0 +1,76 @@
+"""A parquet file's rows read lazily (task_rows.Rows): the same rows as a whole-file read, in the same seeded epoch
+order; the validated Arrow copy beside the parquet made once and again when the file changes, never when a row is
+bad (which is named); single columns read without the rest of each row; images decoded per use."""
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import data_prep  # noqa: E402
+import task_rows  # noqa: E402
+from task_rows import RowError, Rows, load_rows, validate_row  # noqa: E402
+
+
+def cache_of(path: Path) -> Path:
+    return path.with_name(task_rows.ARROW_CACHE.format(name=path.name))
+
+
+def test_rows_equal_the_whole_file_and_keep_the_seeded_epoch_order(tmp_path):
+    train, _ = data_prep.toy_rows(37, 0, seed=0, max_ops=2)
+    path = tmp_path / "train.parquet"
+    task_rows.write_rows(train, path)
+    rows = load_rows(path)
+    assert isinstance(rows, Rows) and len(rows) == 37
+    expected = [validate_row(r) for r in train]
+    assert list(rows) == expected and rows == expected and rows[-1] == expected[-1]
+    assert list(rows[3:30:4]) == expected[3:30:4]
+    # The order the trainers visit rows in, across epochs and from any resume position, is the list's.
+    for start, count in ((0, 8), (33, 10), (70, 5), (111, 40)):
+        assert task_rows.in_epoch_order(rows, start, count, seed=3) == \
+            task_rows.in_epoch_order(expected, start, count, seed=3)
+    kept = task_rows.subset(rows, [5, 1, 36])
+    assert list(kept) == [expected[5], expected[1], expected[36]]
+    assert task_rows.in_epoch_order(kept, 2, 4, seed=0) == \
+        task_rows.in_epoch_order([expected[5], expected[1], expected[36]], 2, 4, seed=0)
+    assert list(task_rows.values(kept, "data_source")) == ["toy"] * 3
+    assert list(task_rows.values(rows, "reward_model.style")) == ["rule"] * 37
+    assert list(task_rows.values(rows, "prompt")) == [r["prompt"] for r in expected]
+    assert task_rows.summaries(kept)[0] == {"data_source": "toy", "ability": "code", "reward_model": {"style": "rule"}}
+    assert list(task_rows.values(rows, "images")) == [None] * 37
+
+    # The Arrow copy is made once; a changed parquet gets a new one.
+    cache = cache_of(path)
+    made = cache.stat().st_mtime_ns
+    assert load_rows(path) == expected and cache.stat().st_mtime_ns == made
+    task_rows.write_rows(train[:5], path)
+    os.utime(path, ns=(made + 10**9, made + 10**9))  # a rewrite within the clock's tick still differs in size
+    assert list(load_rows(path)) == expected[:5]
+
+
+def test_a_bad_or_repeated_row_is_named_and_no_copy_is_kept(tmp_path):
+    good = [validate_row(data_prep.toy_rows(30, 0, seed=1, max_ops=1)[0][i]) for i in range(30)]
+    bad = [dict(r) for r in good]
+    bad[23] = bad[23] | {"reward_model": {"style": "rule", "ground_truth": "{'test_list': 1}"}}
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(bad), path, row_group_size=8)  # the bad row sits in a later batch
+    with pytest.raises(RowError, match=rf"^{path} row 23: reward_model.ground_truth: not valid JSON"):
+        load_rows(path)
+    assert not cache_of(path).exists() and not list(tmp_path.glob("*.tmp"))
+    repeated = good[:12] + [good[3]]
+    pq.write_table(pa.Table.from_pylist(repeated), path)
+    with pytest.raises(RowError, match=rf"row 12: extra_info.index: task id 'toy/3' repeats row 3"):
+        load_rows(path)
+
+
+def test_images_come_back_per_row(tmp_path):
+    data_prep.vision_toy(tmp_path / "train.parquet", split="train", n_train=3, n_test=1, size=128)
+    rows = load_rows(tmp_path / "train.parquet")
+    expected = data_prep.vision_toy_rows(3, 1, size=128)[0]
+    assert [task_rows.row_images(r) for r in rows] == [task_rows.row_images(r) for r in expected]
+    assert [len(images) for images in task_rows.values(rows, "images")] == [1, 1, 1]
