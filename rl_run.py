@@ -25,6 +25,7 @@ import containers
 import engines
 import eval_report
 import judge as judge_lib
+import losses
 import policy
 import rewards
 import rollout
@@ -143,6 +144,22 @@ class SharedArgs:
     """wall seconds per judge question, retries included"""
     judge_max_failure_rate: float = 0.2
     """stop the run when more than this fraction of a step's judge questions fail (errors and unparsable replies)"""
+    rollout_is: Literal["token", "sequence", None] = None
+    """rollout correction (losses.rollout_correction, verl's): importance weights exp(old - engine logprob) per token,
+    or per sequence from the sum of its tokens' log-ratios; None = off. Needs the policy's logprobs before the update:
+    one more forward without grad where the step had none"""
+    rollout_is_threshold: str = "2.0"
+    """rollout correction's weights: "C" truncates them at C (TIS), "lo_hi" zeroes those outside [lo, hi] (IcePop,
+    e.g. 0.5_5.0)"""
+    rollout_is_batch_normalize: bool = False
+    """divide the rollout-correction weights by their mean over the global batch (tokens, or sequences)"""
+    rollout_rs: str | None = None
+    """rollout correction's rejection, verl's options, comma-separated (all must keep a token): token_k1/k2/k3,
+    seq_sum_k1/k2/k3, seq_mean_k1/k2/k3 (seq_mean_k1: geometric mean), seq_max_k2/k3; rejected tokens leave the loss
+    (they still count in its normaliser); None = off"""
+    rollout_rs_threshold: str | None = None
+    """thresholds of --rollout-rs, one for all or one per option: k1 "lo_hi" bounds of log(engine / trainer) as ratios
+    (a single u = [1/u, u]), k2 and k3 an upper bound (e.g. seq_max_k2 with 0.5)"""
     nonfinite_rewards: Literal["stop", "drop"] = "stop"
     """a NaN or infinite reward from the reward function (a bug: one would make every parameter NaN): stop the run
     naming the task, or drop the sample from the batch and count it (critic/score/nonfinite_dropped)"""
@@ -197,6 +214,11 @@ def check_args(args, world: int) -> None:
         raise ValueError("--judge-max-failure-rate must be >= 0, --judge-timeout-s > 0 and --judge-max-concurrency "
                          ">= 1")
     check_best_metric(args.best_metric)
+    losses.is_threshold_bounds(args.rollout_is_threshold)
+    if args.rollout_rs is not None:
+        if args.rollout_rs_threshold is None:
+            raise ValueError(f"--rollout-rs {args.rollout_rs} needs --rollout-rs-threshold")
+        losses.rs_bounds(args.rollout_rs, args.rollout_rs_threshold)
     if getattr(args, "agent_cmd", None) is not None:
         agent_server.check_agent_cmd(args.agent_cmd)
 
@@ -374,6 +396,39 @@ def run_rollouts(run, rows: list[dict], group_size: int, sampling: engines.Sampl
                                **common, **image_counting(args.model), in_flight=in_flight, version=run.step)
     return rollout.external_agents(agent_cmd, run.engine, run.tokenizer, rows, group_size, sampling, args.tools,
                                    run.limits, keep_failed=args.agent_keep_failed or evaluation, **common)
+
+
+def corrects_rollouts(args) -> bool:
+    """Whether the run corrects for the engine's sampling distribution (--rollout-is, --rollout-rs)."""
+    return args.rollout_is is not None or args.rollout_rs is not None
+
+
+@dataclass
+class Correction:
+    """Rollout correction over one rank's batch: [B, T] weights (None without --rollout-is), the loss mask less the
+    rejected tokens, and the rollout_corr/* metrics of the global batch."""
+
+    weights: torch.Tensor | None
+    mask: torch.Tensor
+    metrics: dict
+
+
+def rollout_correction(run, old_logprobs: torch.Tensor | None, samples: list[rollout.Sample]) -> Correction:
+    """losses.rollout_correction of the samples' engine logprobs against `old_logprobs` (the policy's before the
+    update) under the run's flags; the mask as it is without them. Metrics: the mean over ranks, the max of maxima and
+    the min of minima. Collective."""
+    args, mask = run.args, policy.padded([s.loss_mask for s in samples])
+    if not corrects_rollouts(args):
+        return Correction(None, mask, {})
+    engine = policy.padded([s.engine_logprobs for s in samples])
+    weights, kept, stats = losses.rollout_correction(
+        old_logprobs, engine, mask, args.rollout_is, args.rollout_is_threshold, args.rollout_is_batch_normalize,
+        args.rollout_rs, args.rollout_rs_threshold, sum_over_ranks=collectives.sum_tensor_over_ranks)
+    every = collectives.gather_objects([stats])
+    pick = {"_max": max, "_min": min}
+    metrics = {f"rollout_corr/{k}": pick.get(k[-4:], lambda xs: sum(xs) / len(xs))([s[k] for s in every])
+               for k in stats}
+    return Correction(weights, kept, metrics)
 
 
 def score(run, samples: list[rollout.Sample]) -> None:

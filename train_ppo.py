@@ -121,6 +121,7 @@ class Experience:
 
     samples: list[rollout.Sample]
     mask: torch.Tensor  # the samples' loss masks (1 = policy token)
+    correction: rl_run.Correction  # the actor's rollout-correction weights and mask (the loss mask less rejections)
     old_logprobs: torch.Tensor
     values: torch.Tensor  # V(state before each token), 0 off-mask
     advantages: torch.Tensor  # GAE (whitened with whiten_advantages); 0 off-mask
@@ -253,7 +254,8 @@ def make_experience(run: Run, samples: list[rollout.Sample]) -> tuple[Experience
     returns_mean, returns_var = collectives.global_mean_var(returns, mask)
     _, error_var = collectives.global_mean_var(returns - values, mask)
     engine_logprobs = policy.padded([s.engine_logprobs for s in samples])
-    metrics = {
+    correction = rl_run.rollout_correction(run, old, samples)
+    metrics = correction.metrics | {
         "critic/values/mean": collectives.global_mean_var(values, mask)[0],
         "critic/returns/mean": returns_mean,
         "critic/vf_explained_var": 1 - error_var / returns_var if returns_var > 0 else 0.0,
@@ -261,7 +263,8 @@ def make_experience(run: Run, samples: list[rollout.Sample]) -> tuple[Experience
         "actor/reward_kl_penalty": collectives.global_mean_var(kl, mask)[0],
         "mismatch/engine_abs": collectives.global_mean_var((old - engine_logprobs).abs(), mask)[0],
     }
-    return Experience(samples, mask, old, values, advantages, returns, metrics["actor/reward_kl_penalty"]), metrics
+    return Experience(samples, mask, correction, old, values, advantages, returns,
+                      metrics["actor/reward_kl_penalty"]), metrics
 
 
 def update_epochs(run: Run, exp: Experience) -> dict:
@@ -285,7 +288,8 @@ def update_epochs(run: Run, exp: Experience) -> dict:
 
 def update_actor(run: Run, exp: Experience, minibatch: int) -> dict:
     """One actor optimizer step on this rank's share of one minibatch: per micro-batch, packed forward -> clipped
-    surrogate on the whitened advantages (- entropy bonus) -> backward; then clip and step."""
+    surrogate on the whitened advantages (times rollout correction's weights, on the tokens it kept; - entropy bonus)
+    -> backward; then clip and step."""
     args = run.args
     micro_batches, global_tokens = minibatch_plan(run, exp, minibatch)
     stats = defaultdict(float)
@@ -293,9 +297,12 @@ def update_actor(run: Run, exp: Experience, minibatch: int) -> dict:
     for micro in micro_batches:
         logprobs, entropy = policy.completion_logprobs(run.model, [exp.samples[i] for i in micro], args.temperature,
                                                        args.logprob_chunk_size, with_entropy=True)
-        mask, old, adv = (policy.rows_of(x, micro, logprobs) for x in (exp.mask, exp.old_logprobs, exp.advantages))
+        mask, old, adv = (policy.rows_of(x, micro, logprobs)
+                          for x in (exp.correction.mask, exp.old_logprobs, exp.advantages))
         token_loss, loss_stats = losses.clipped_policy_loss(logprobs, old, adv, mask, clip_low=args.clip_low,
                                                             clip_high=args.clip_high)
+        if exp.correction.weights is not None:
+            token_loss = token_loss * policy.rows_of(exp.correction.weights, micro, logprobs)
         token_loss = token_loss - args.entropy_coef * entropy
         loss = losses.masked_sum(token_loss, mask) / global_tokens * run.world  # token mean; FSDP averages ranks
         loss.backward()

@@ -186,9 +186,10 @@ def test_minibatches_take_whole_groups_and_an_empty_one_takes_no_step(tmp_path):
 
         before = weights()
         assert policy.minibatch([5, 5], 2, 0) == []
-        assert train_grpo.update_policy(run, batch, 0, None, None) == {}
+        correction = rl_run.rollout_correction(run, None, batch)  # none asked for: the loss masks as they are
+        assert train_grpo.update_policy(run, batch, 0, None, None, correction) == {}
         assert all(torch.equal(a, b) for a, b in zip(weights(), before))
-        stats = train_grpo.update_policy(run, batch, 1, None, None)
+        stats = train_grpo.update_policy(run, batch, 1, None, None, correction)
         assert stats["actor/grad_norm"] > 0 and math.isfinite(stats["actor/pg_loss"])
         assert not any(torch.equal(a, b) for a, b in zip(weights(), before))
         with pytest.raises(ValueError, match="--minibatches 9 needs as many prompts per rank"):
