@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import math
 import random
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Literal
@@ -77,7 +78,15 @@ class SharedArgs:
     """rows of the output layer computed at once for logprobs (each holds rows x vocab fp32 values)"""
 
     mixed_precision: bool = False
-    """bf16 parameters with fp32 reductions (use on GPUs)"""
+    """bf16 parameters with fp32 reductions (use on GPUs; with --lora-rank the frozen base is stored in bf16 too)"""
+    lora_rank: int = 0
+    """train LoRA adapters of this rank (PEFT) instead of the full weights, the base frozen; the engine gets the
+    adapters alone at every sync; 0 = full fine-tuning (PPO: the actor's; its critic trains its full weights)"""
+    lora_alpha: float = 16.0
+    """LoRA scale alpha: an adapted layer adds (alpha / rank) B A x"""
+    lora_targets: str = "all-linear"
+    """the linear layers that get adapters: all-linear (all but the output layer) or module names, comma-separated
+    (e.g. q_proj,k_proj,v_proj,o_proj)"""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """recompute in backward to save memory: full (decoder layers from their inputs) or selective (keeps matmul and
     attention outputs, recomputes only elementwise work)"""
@@ -188,6 +197,7 @@ class Run:
     data_pos: int = 0  # rows consumed, over all ranks: where the seeded epoch order goes on
     best: dict = field(default_factory=dict)  # {"step", "metric", "value"} of the policy kept in best/
     evals: list[dict] = field(default_factory=list)  # every eval's eval_report.report summary and step, for the report
+    sync_metrics: dict = field(default_factory=dict)  # the latest weight sync's seconds and bytes
 
 
 # Settings that count something and must be at least 1, in either trainer.
@@ -311,7 +321,7 @@ def start_vllm(args, prepared: Prepared) -> engines.Engine | None:
     if args.engine != "vllm":
         return None
     engine = engines.VLLMEngine(
-        args.model, seed=args.seed, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        args.model, seed=args.seed, gpu_memory_utilization=args.vllm_gpu_memory_utilization, lora_rank=args.lora_rank,
         max_model_len=args.vllm_max_model_len, tensor_parallel_size=args.vllm_tensor_parallel_size,
         max_images_per_prompt=vision.images_per_prompt(
             args.model, prepared.rows + prepared.eval_rows,
@@ -321,9 +331,14 @@ def start_vllm(args, prepared: Prepared) -> engines.Engine | None:
 
 
 def load_policy(args, device: torch.device) -> torch.nn.Module:
-    """The policy to train, sharded with FSDP2 under the run's precision, checkpointing and compile settings."""
-    return policy.shard_model(policy.load_model(args.model, attn_implementation=args.attn_implementation).to(device),
-                              mixed_precision=args.mixed_precision,
+    """The policy to train (with --lora-rank: its LoRA adapters, the base frozen, in bf16 with --mixed-precision),
+    sharded with FSDP2 under the run's precision, checkpointing and compile settings."""
+    lora = args.lora_rank > 0
+    model = policy.load_model(args.model, dtype=torch.bfloat16 if lora and args.mixed_precision else torch.float32,
+                              attn_implementation=args.attn_implementation)
+    if lora:
+        policy.add_lora(model, args.lora_rank, args.lora_alpha, args.lora_targets, seed=args.seed)
+    return policy.shard_model(model.to(device), mixed_precision=args.mixed_precision,
                               activation_checkpointing=args.activation_checkpointing,
                               compile_layers=args.compile_layers)
 
@@ -378,9 +393,24 @@ def train(run, train_step: Callable, save: Callable, total_steps: int, desc: str
 
 # ------------------------------------------------------------------------------------- rollouts, rewards, metrics
 def wake_with_current_weights(run) -> None:
-    """A level-2 sleep drops the engine's weights: each wake loads the policy's current ones."""
+    """A level-2 sleep drops the engine's weights: each wake loads the policy's current ones. An engine that holds the
+    base of a LoRA policy (vLLM's level-1 sleep keeps it; HFEngine's replica after its first load) gets the adapters
+    alone. The sync's seconds and bytes (this rank's engine) go to run.sync_metrics: timing_s/weight_sync,
+    weight_sync/bytes."""
+    sent = [0]
+
+    def counted(weights):
+        for name, tensor in weights:
+            sent[0] += tensor.nbytes
+            yield name, tensor
+
     run.engine.wake_up()
-    run.engine.load_weights(policy.iter_full_weights(run.model))
+    start = time.perf_counter()
+    if policy.lora_config(run.model) is not None and getattr(run.engine, "holds_base", False):
+        run.engine.load_adapter(counted(policy.iter_adapter_weights(run.model)), policy.lora_config(run.model))
+    else:
+        run.engine.load_weights(counted(policy.iter_full_weights(run.model)))
+    run.sync_metrics = {"timing_s/weight_sync": time.perf_counter() - start, "weight_sync/bytes": float(sent[0])}
 
 
 def run_rollouts(run, rows: list[dict], group_size: int, sampling: engines.Sampling, first_group: int,
@@ -456,7 +486,8 @@ def reward_metrics(run, samples: list[rollout.Sample], rollout_metrics: dict) ->
     tool_metrics = {k: v for k, v in rollout_metrics.items() if k.startswith(("tools/", "swe/", "agents/"))}
     counts = {k: v for k, v in rollout_metrics.items() if k.startswith("partial/")}  # trajectories, over all ranks
     metrics = (rollout_metrics | collectives.mean_dicts_over_ranks(tool_metrics)
-               | collectives.sum_dicts_over_ranks(counts) | getattr(run.engine, "last_metrics", {}))
+               | collectives.sum_dicts_over_ranks(counts) | getattr(run.engine, "last_metrics", {})
+               | run.sync_metrics)
     sources, scores, errors, lengths, isolations = zip(*collectives.gather_objects(
         [(s.row["data_source"], s.reward, s.reward_info.get("error"), len(s.completion_ids),
           s.reward_info.get("sandbox_isolation")) for s in samples if math.isfinite(s.reward)]))
