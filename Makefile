@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: venv system test test-fast demo demo-agent bench test-vllm clean
+.PHONY: venv system test test-fast demo demo-agent demo-distill bench test-vllm clean
 
 venv: $(STAMP)
 
@@ -50,6 +50,9 @@ demo: venv
 
 demo-agent: venv
 	$(PY) demo_agent.py
+
+demo-distill: venv
+	$(PY) demo_distill.py
 
 clean:
 	rm -rf $(VENV) runs .npm-tools

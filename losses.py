@@ -217,7 +217,8 @@ def rs_bounds(options: str, spec: str | float | None) -> dict[str, tuple[float |
             high = float(high)
             low = (float(low) if low else 1 / high) if name.endswith("k1") else None
         except ValueError:
-            raise ValueError(f"rollout rejection {name}: threshold {text!r} is not a number (or lo_hi for k1)") from None
+            raise ValueError(f"rollout rejection {name}: threshold {text!r} is not a number (or lo_hi for k1)") \
+                from None
         if (low is None and "_" in text) or high <= 0 or (low is not None and not 0 < low <= high):
             raise ValueError(f"rollout rejection {name}: threshold {text!r}; k1 takes lo_hi with 0 < lo <= hi or one "
                              "ratio u > 0, k2 and k3 one upper bound > 0")
@@ -432,6 +433,20 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
         d = d.clamp(-20, 20)
         return (d.exp() - 1 - d).clamp(max=clamp)
     raise ValueError(f"unknown KL estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
+
+
+# ------------------------------------------------------------------------------------ on-policy distillation
+
+
+def distill_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor,
+                       coef: float = 1.0) -> torch.Tensor:
+    """On-policy distillation's per-token advantage (Agarwal et al. 2024, arXiv 2306.13649; as slime's
+    `apply_opd_kl_to_advantages`, verl's PG OPD and tinker-cookbook's `incorporate_kl_penalty`): on tokens the student
+    sampled, A_t = -coef (log p_student(y_t) - log p_teacher(y_t)), the sampled reverse-KL term with the teacher held
+    constant: tokens the teacher finds likelier than the student are pushed up. Added to the algorithm's own
+    advantages (mixed with the task reward) or alone (distillation alone). [B, T] -> [B, T], 0 off the mask;
+    detached."""
+    return torch.where(mask.bool(), -coef * (student_logprobs - teacher_logprobs), 0).detach()
 
 
 # ------------------------------------------------------------------------------------------------- aggregation

@@ -169,6 +169,15 @@ class SharedArgs:
     rollout_rs_threshold: str | None = None
     """thresholds of --rollout-rs, one for all or one per option: k1 "lo_hi" bounds of log(engine / trainer) as ratios
     (a single u = [1/u, u]), k2 and k3 an upper bound (e.g. seq_max_k2 with 0.5)"""
+    teacher: str | None = None
+    """on-policy distillation: a teacher model (Hugging Face folder, the policy's tokenizer) scores the policy's sampled
+    tokens, and each policy token's advantage gains --distill-coef times log p_teacher - log p_policy (the sampled
+    reverse KL, as verl's and slime's OPD); the teacher is forward-only, sharded like the reference model"""
+    distill_coef: float = 1.0
+    """weight of the distillation advantage (with --teacher)"""
+    distill_task_reward: bool = True
+    """with --teacher: train on the task reward's advantages too; --no-distill-task-reward distils alone (rewards are
+    still computed and logged, and move nothing)"""
     nonfinite_rewards: Literal["stop", "drop"] = "stop"
     """a NaN or infinite reward from the reward function (a bug: one would make every parameter NaN): stop the run
     naming the task, or drop the sample from the batch and count it (critic/score/nonfinite_dropped)"""
@@ -184,6 +193,7 @@ class Run:
     world: int
     model: torch.nn.Module  # the policy, FSDP2-sharded
     ref_model: torch.nn.Module | None  # the frozen reference of the KL term (--kl-coef > 0)
+    teacher: torch.nn.Module | None  # the forward-only teacher of on-policy distillation (--teacher)
     engine: engines.Engine
     tokenizer: object
     sampling: engines.Sampling
@@ -224,6 +234,10 @@ def check_args(args, world: int) -> None:
         raise ValueError("--judge-max-failure-rate must be >= 0, --judge-timeout-s > 0 and --judge-max-concurrency "
                          ">= 1")
     check_best_metric(args.best_metric)
+    if args.teacher is None and not args.distill_task_reward:
+        raise ValueError("--no-distill-task-reward drops the task reward for distillation alone: it needs --teacher")
+    if args.teacher is not None and args.distill_coef <= 0:
+        raise ValueError(f"--distill-coef must be > 0 with --teacher, got {args.distill_coef}")
     losses.is_threshold_bounds(args.rollout_is_threshold)
     if args.rollout_rs is not None:
         if args.rollout_rs_threshold is None:
@@ -238,6 +252,8 @@ def check_paths(args) -> None:
     that is not installed."""
     runlog.check_output_dir(args.output_dir, args.resume, args.overwrite, dataclasses.asdict(args))
     policy.check_model_path(args.model)
+    if args.teacher is not None:
+        policy.check_model_path(args.teacher, "--teacher")
     policy.check_attention(args.model, args.attn_implementation)
     engines.check_engine(args.engine)
 
@@ -274,6 +290,8 @@ def prepare(args, score_fn: rewards.ScoreFn, check: Callable[[object, int], None
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     tokenizer = policy.load_tokenizer(args.model)
+    if args.teacher is not None:
+        check_teacher(tokenizer, args.teacher)
     rows, eval_rows = load_rows(args, tokenizer, rank, world)
     if score_fn is rewards.score_batch:  # a caller's own score function decides which sources it knows
         rewards.check_sources(rows, args.data)
@@ -350,6 +368,26 @@ def load_reference(args, device: torch.device) -> torch.nn.Module | None:
     ref_model = policy.shard_model(policy.load_model(args.model, attn_implementation=args.attn_implementation)
                                    .to(device), mixed_precision=args.mixed_precision)
     return ref_model.requires_grad_(False)
+
+
+def check_teacher(tokenizer, teacher: str) -> None:
+    """Refuse a teacher whose tokenizer is not the policy's: it scores the policy's token ids, which must mean the same
+    text to both."""
+    theirs, ours = policy.load_tokenizer(teacher).get_vocab(), tokenizer.get_vocab()
+    if theirs != ours:
+        differ = sorted(set(theirs.items()) ^ set(ours.items()))
+        raise ValueError(f"--teacher {teacher}: its tokenizer is not the policy's ({len(theirs)} and {len(ours)} "
+                         f"tokens, {len(differ)} (token, id) pairs differ, e.g. {differ[:3]}); on-policy distillation "
+                         "scores the policy's own token ids with the teacher, so both need one tokenizer")
+
+
+def load_teacher(args, device: torch.device) -> torch.nn.Module | None:
+    """The forward-only teacher of on-policy distillation (--teacher), sharded as the reference; None without."""
+    if args.teacher is None:
+        return None
+    teacher = policy.shard_model(policy.load_model(args.teacher, attn_implementation=args.attn_implementation)
+                                 .to(device), mixed_precision=args.mixed_precision)
+    return teacher.requires_grad_(False)
 
 
 def rollout_engine(vllm_engine: engines.Engine | None, model: torch.nn.Module, tokenizer) -> engines.Engine:
@@ -459,6 +497,29 @@ def rollout_correction(run, old_logprobs: torch.Tensor | None, samples: list[rol
     metrics = {f"rollout_corr/{k}": pick.get(k[-4:], lambda xs: sum(xs) / len(xs))([s[k] for s in every])
                for k in stats}
     return Correction(weights, kept, metrics)
+
+
+def distill(run, old_logprobs: torch.Tensor | None, samples: list[rollout.Sample],
+            advantages: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """On-policy distillation (--teacher): the teacher's logprobs of the samples' completion tokens (the policy's own
+    tokens, under the same temperature) and the token advantages [B, T]: `advantages` (the algorithm's, from the task
+    reward; zeros with --no-distill-task-reward) plus losses.distill_advantages against `old_logprobs` (the policy's
+    before the update), on the loss mask only (no prompt, tool or observation token). Metrics distill/* over every
+    rank's policy tokens. Without --teacher, `advantages` as they are. Collective."""
+    args = run.args
+    if run.teacher is None:
+        return advantages, {}
+    mask = policy.padded([s.loss_mask for s in samples])
+    teacher = policy.completion_logprobs_no_grad(run.teacher, samples, args.micro_batch_tokens, args.temperature,
+                                                 args.logprob_chunk_size)
+    signal = losses.distill_advantages(old_logprobs, teacher, mask, args.distill_coef)
+    log_ratio = torch.where(mask.bool(), old_logprobs - teacher, 0)
+    metrics = {"distill/reverse_kl": collectives.global_mean_var(log_ratio, mask)[0],
+               "distill/reverse_kl_k3": collectives.global_mean_var((-log_ratio).exp() - 1 + log_ratio, mask)[0],
+               "distill/teacher_logprob": collectives.global_mean_var(teacher, mask)[0],
+               "distill/student_logprob": collectives.global_mean_var(old_logprobs, mask)[0],
+               "distill/advantage_mean": collectives.global_mean_var(signal, mask)[0]}
+    return (advantages if args.distill_task_reward else torch.zeros_like(advantages)) + signal, metrics
 
 
 def score(run, samples: list[rollout.Sample]) -> None:

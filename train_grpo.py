@@ -152,6 +152,9 @@ def check_args(args: Args, world: int) -> None:
                          f"{args.group_size} (or use --advantage reinforce++)")
     if args.policy_loss == "gspo" and args.dual_clip is not None:
         raise ValueError("--dual-clip bounds a token-level ratio; GSPO clips the sequence-level one (drop --dual-clip)")
+    if args.dynamic_sampling and not args.distill_task_reward:
+        raise ValueError("--dynamic-sampling keeps groups whose task rewards differ; --no-distill-task-reward "
+                         "trains on none of them (drop one of the two)")
     if args.dynamic_sampling and args.advantage == "reinforce++":
         raise ValueError("--dynamic-sampling drops groups whose rewards are equal, which carry no signal only for "
                          "group-relative advantages; REINFORCE++ whitens over the batch, where they do (use "
@@ -178,6 +181,7 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     vllm_engine = rl_run.start_vllm(args, ready)
     model = rl_run.load_policy(args, ready.device)
     ref_model = rl_run.load_reference(args, ready.device)
+    teacher = rl_run.load_teacher(args, ready.device)
     optimizer = policy.adamw(model, args.lr, args.weight_decay)
     scheduler = policy.lr_schedule(optimizer, args.warmup_steps, args.total_steps, args.lr_schedule)
     rl_run.start_tools(args)
@@ -190,7 +194,8 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
             print(f"resumed from {checkpoint} at step {state['step']}")
     log = runlog.start(args.output_dir, ready.rank, dataclasses.asdict(args), args.wandb_project,
                        resume_step=state["step"] if args.resume else None, samples_max_mb=args.samples_max_mb)
-    return Run(args=args, rank=ready.rank, world=ready.world, model=model, ref_model=ref_model, optimizer=optimizer,
+    return Run(args=args, rank=ready.rank, world=ready.world, model=model, ref_model=ref_model, teacher=teacher,
+               optimizer=optimizer,
                scheduler=scheduler, engine=rl_run.rollout_engine(vllm_engine, model, ready.tokenizer),
                tokenizer=ready.tokenizer, sampling=ready.sampling, limits=ready.limits, rows=ready.rows,
                eval_rows=ready.eval_rows, score_fn=ready.score_fn, log=log, step=state["step"],
@@ -205,16 +210,19 @@ def train_step(run: Run) -> dict:
     samples, batch, metrics = collect_batch(run, seconds)
     # 6. Advantages over the global batch (DAPO's truncation mask takes samples out of the loss after them).
     batch, advantage_metrics = assign_advantages(run, samples, batch)
-    # 7. Old and reference logprobs (no grad) where the loss needs them; rollout correction's weights and mask.
+    # 7. Old and reference logprobs (no grad) where the loss needs them; rollout correction's weights and mask; the
+    # token advantages, with --teacher its logprobs' distillation term.
     with runlog.timed(seconds, "old_ref_logprobs"):
         old_logprobs, ref_logprobs = old_and_ref_logprobs(run, batch)
         recorded_logprobs = logprobs_to_record(run, samples)
         correction = rl_run.rollout_correction(run, old_logprobs, batch)
+        advantages, distill_metrics = rl_run.distill(run, old_logprobs, batch, policy.padded(
+            [[s.advantage] * len(s.loss_mask) for s in batch]))
     # 8. Minibatch updates: per micro-batch packed forward -> policy loss (+ KL) -> backward; then clip -> step.
     with runlog.timed(seconds, "update"):
-        update_metrics = update_epochs(run, batch, old_logprobs, ref_logprobs, correction)
+        update_metrics = update_epochs(run, batch, old_logprobs, ref_logprobs, correction, advantages)
     # 9. Throughput, timings, the learning rate, staleness of the trained tokens and sample records.
-    return (metrics | advantage_metrics | update_metrics
+    return (metrics | advantage_metrics | distill_metrics | update_metrics
             | partial_rollouts.staleness_metrics(run.in_flight, run.step, batch)
             | {"actor/lr": run.scheduler.get_last_lr()[0]}
             | rl_run.step_metrics(run, samples, seconds, run.args.total_steps, trainer_logprobs=recorded_logprobs))
@@ -321,9 +329,10 @@ def assign_advantages(run: Run, samples: list[rollout.Sample],
 
 def old_and_ref_logprobs(run: Run, batch: list[rollout.Sample]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Phase 7: [B, T] logprobs of the batch's completions under the policy before this step's updates (needed once
-    a batch gets more than one update, and by rollout correction) and under the reference model (with --kl-coef)."""
+    a batch gets more than one update, by rollout correction and by distillation) and under the reference model (with
+    --kl-coef)."""
     args, old_logprobs, ref_logprobs = run.args, None, None
-    if args.minibatches * args.epochs_per_step > 1 or rl_run.corrects_rollouts(args):
+    if args.minibatches * args.epochs_per_step > 1 or rl_run.corrects_rollouts(args) or run.teacher is not None:
         old_logprobs = policy.completion_logprobs_no_grad(run.model, batch, args.micro_batch_tokens,
                                                           args.temperature, args.logprob_chunk_size)
     if run.ref_model is not None:
@@ -342,24 +351,25 @@ def logprobs_to_record(run: Run, samples: list[rollout.Sample]) -> torch.Tensor 
 
 
 def update_epochs(run: Run, batch: list[rollout.Sample], old_logprobs: torch.Tensor | None,
-                  ref_logprobs: torch.Tensor | None, correction: rl_run.Correction) -> dict:
+                  ref_logprobs: torch.Tensor | None, correction: rl_run.Correction, advantages: torch.Tensor) -> dict:
     """Phase 8: --epochs-per-step passes of --minibatches optimizer steps (`update_policy`, right below), then the
     learning-rate schedule's step; metrics averaged over the updates, and rollout correction's."""
     update_metrics = defaultdict(list)
     for _ in range(run.args.epochs_per_step):
         for minibatch in range(run.args.minibatches):
-            for k, v in update_policy(run, batch, minibatch, old_logprobs, ref_logprobs, correction).items():
+            for k, v in update_policy(run, batch, minibatch, old_logprobs, ref_logprobs, correction,
+                                      advantages).items():
                 update_metrics[k].append(v)
     run.scheduler.step()
     return {k: sum(v) / len(v) for k, v in update_metrics.items()} | correction.metrics
 
 
 def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_logprobs: torch.Tensor | None,
-                  ref_logprobs: torch.Tensor | None, correction: rl_run.Correction) -> dict:
+                  ref_logprobs: torch.Tensor | None, correction: rl_run.Correction, advantages: torch.Tensor) -> dict:
     """One optimizer step on this rank's share of one minibatch (whole groups): for each micro-batch of bounded
     tokens, packed forward -> policy loss (times rollout correction's weights, on the tokens it kept) (+ KL to the
-    reference) -> backward; then clip and step. Without `old_logprobs` the update is on-policy (the ratio's
-    denominator is the forward's own, detached)."""
+    reference) -> backward; then clip and step. `advantages`: [B, T] per token (the sample's, plus distillation's).
+    Without `old_logprobs` the update is on-policy (the ratio's denominator is the forward's own, detached)."""
     args = run.args
     index = policy.minibatch([s.group for s in batch], args.minibatches, minibatch)
     # Global normalisers make the sum of micro-batch losses on every rank equal the global-batch loss; FSDP
@@ -370,7 +380,6 @@ def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_log
         return {}
     mask = correction.mask
     engine_logprobs = policy.padded([s.engine_logprobs for s in batch])
-    advantages = policy.padded([[s.advantage] * len(s.loss_mask) for s in batch])
     stats = defaultdict(float)
     run.optimizer.zero_grad(set_to_none=True)
     for micro in policy.completion_micro_batches(run.model, batch, index, args.micro_batch_tokens):

@@ -159,6 +159,7 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
                                      activation_checkpointing=args.activation_checkpointing,
                                      compile_layers=args.compile_layers)
     ref_model = rl_run.load_reference(args, ready.device)
+    teacher = rl_run.load_teacher(args, ready.device)
     optimizer = policy.adamw(model, args.lr, args.weight_decay)
     critic_optimizer = policy.adamw(value_model, args.critic_lr, args.weight_decay)
     rl_run.start_tools(args)
@@ -178,7 +179,8 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     log = runlog.start(args.output_dir, ready.rank, dataclasses.asdict(args), args.wandb_project,
                        resume_step=state["step"] if args.resume else None, samples_max_mb=args.samples_max_mb)
     return Run(args=args, rank=ready.rank, world=ready.world, total_steps=total_steps, model=model,
-               value_model=value_model, ref_model=ref_model, optimizer=optimizer, critic_optimizer=critic_optimizer,
+               value_model=value_model, ref_model=ref_model, teacher=teacher, optimizer=optimizer,
+               critic_optimizer=critic_optimizer,
                engine=rl_run.rollout_engine(vllm_engine, model, ready.tokenizer), tokenizer=ready.tokenizer,
                sampling=ready.sampling, limits=ready.limits, rows=ready.rows, eval_rows=ready.eval_rows,
                score_fn=ready.score_fn, log=log, step=state["step"], data_pos=state["data_pos"],
@@ -248,6 +250,7 @@ def make_experience(run: Run, samples: list[rollout.Sample]) -> tuple[Experience
         kl = losses.kl_penalty(old, ref, args.kl_estimator) * mask
         token_rewards = token_rewards - run.kl_coef * kl
     advantages, returns = losses.gae(token_rewards, values, mask, args.gamma, args.lam)
+    advantages, distill_metrics = rl_run.distill(run, old, samples, advantages)  # --teacher: before whitening
     adv_mean, adv_var = collectives.global_mean_var(advantages, mask)
     if args.whiten_advantages:
         advantages = torch.where(mask.bool(), (advantages - adv_mean) / math.sqrt(adv_var + 1e-8), 0)
@@ -255,7 +258,7 @@ def make_experience(run: Run, samples: list[rollout.Sample]) -> tuple[Experience
     _, error_var = collectives.global_mean_var(returns - values, mask)
     engine_logprobs = policy.padded([s.engine_logprobs for s in samples])
     correction = rl_run.rollout_correction(run, old, samples)
-    metrics = correction.metrics | {
+    metrics = correction.metrics | distill_metrics | {
         "critic/values/mean": collectives.global_mean_var(values, mask)[0],
         "critic/returns/mean": returns_mean,
         "critic/vf_explained_var": 1 - error_var / returns_var if returns_var > 0 else 0.0,
