@@ -130,11 +130,13 @@ def test_distillation_alone_moves_the_student_toward_the_teacher(task, tmp_path,
 
 def test_ppo_distils_too(task, tmp_path):
     """PPO's actor takes the distillation term into its advantages (before whitening): two steps with a teacher log
-    distill/* and train."""
+    distill/* and train; the actor trains LoRA adapters (--lora-rank), its critic its full weights."""
     data, student_dir, teacher_dir = task
     args = train_ppo.Args(model=str(student_dir), data=str(data), output_dir=str(tmp_path / "ppo"), total_steps=2,
                           max_new_tokens=8, prompts_per_step=2, minibatches=1, save_every=1000, sample_every=0,
-                          teacher=str(teacher_dir), distill_task_reward=False, lr=1e-3)
-    train_ppo.main(args, score_fn=nothing)
+                          teacher=str(teacher_dir), distill_task_reward=False, lr=1e-3, lora_rank=4)
+    run = train_ppo.main(args, score_fn=nothing)
     steps = metrics_by_step(tmp_path / "ppo")
     assert steps[1]["distill/reverse_kl"] > 0.1 and steps[2]["actor/grad_norm"] > 0
+    assert policy.lora_config(run.model).r == 4 and policy.lora_config(run.value_model) is None
+    assert all(p.requires_grad for p in run.value_model.parameters())
