@@ -173,13 +173,15 @@ class HFEngine:
     def load_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], config) -> None:
         """A LoRA policy's adapters (policy.iter_adapter_weights) into the replica, whose base and adapter layers the
         first load_weights built; PEFT's layers apply them as the policy's do."""
+        if self.queued or self.running:
+            raise RuntimeError("HFEngine.load_adapter while submitted requests are unfinished: step() them to the end")
         weights = dict(weights)
         if not self.sharded:  # generating with the policy itself: its adapters are these very tensors
             return None
         wanted = {name for name, _ in self.model.named_parameters() if ".lora_" in name}
-        if set(weights) != wanted or self.queued or self.running:
-            raise ValueError(f"HFEngine.load_adapter: expected the replica's {len(wanted)} adapter weights, got "
-                             f"{sorted(set(weights) ^ wanted)[:5]} different (or requests are unfinished)")
+        if set(weights) != wanted:
+            raise ValueError(f"HFEngine.load_adapter: the replica's {len(wanted)} adapter weights and the "
+                             f"{len(weights)} given differ, e.g. {sorted(set(weights) ^ wanted)[:5]}")
         self.model.load_state_dict(weights, strict=False)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -829,6 +831,10 @@ class VLLMEngine:
             shutil.rmtree(previous.lora_path, ignore_errors=True)
         self._synced(start, nbytes, 1)
 
+    def _adapter(self) -> dict:
+        """The keyword that names a LoRA policy's current adapter in a request; none for a full-weight policy."""
+        return {"lora_request": self.lora_request} if self.lora_request is not None else {}
+
     def _synced(self, start: float, nbytes: int, buckets: int) -> None:
         """The end of a sync: the KV cache back, caches that the old weights computed dropped, the sync's metrics."""
         torch.cuda.empty_cache()
@@ -868,7 +874,7 @@ class VLLMEngine:
         params = SamplingParams(**vllm_sampling_kwargs(sampling, self.banned)) if seeds is None else \
             [SamplingParams(**vllm_sampling_kwargs(sampling, self.banned, seed)) for seed in seeds]
         outputs = self.llm.generate([vllm_prompt(p, i) for p, i in zip(prompts, images)], params, use_tqdm=False,
-                                    lora_request=self.lora_request)
+                                    **self._adapter())
         seconds = time.perf_counter() - start
         for p, i, output in zip(prompts, images, outputs):
             self._check_expansion(p, i, output)
@@ -889,8 +895,7 @@ class VLLMEngine:
         request_id = str(next(self.request_numbers))
         params = SamplingParams(**vllm_sampling_kwargs(sampling, self.banned, seed),
                                 output_kind=RequestOutputKind.FINAL_ONLY)  # nothing back until it is finished
-        self.llm.llm_engine.add_request(request_id, vllm_prompt(prompt, images), params,
-                                        lora_request=self.lora_request)
+        self.llm.llm_engine.add_request(request_id, vllm_prompt(prompt, images), params, **self._adapter())
         self.submitted[request_id] = (key, prompt, images)
 
     def step(self) -> list[tuple[object, Completion]]:

@@ -141,6 +141,21 @@ def restore_lora_model(checkpoint: Path, adapters: dict[str, torch.Tensor]):
     return model.eval(), lora
 
 
+def is_lora(checkpoint: Path) -> bool:
+    """Whether a checkpoint holds LoRA adapters (and PEFT's adapter_config.json naming their base)."""
+    return (Path(checkpoint) / "adapter_config.json").is_file()
+
+
+def checkpoint_model(checkpoint: Path):
+    """The plain model a checkpoint holds (fp32): its weights, or a LoRA checkpoint's base with its adapters merged by
+    PEFT."""
+    state = read_model_state(checkpoint)
+    if is_lora(checkpoint):
+        _, adapters = restore_lora_model(checkpoint, state)
+        return adapters.merge_and_unload().eval()
+    return restore_model(checkpoint, state)
+
+
 def verification_inputs(model, tokenizer) -> list[dict]:
     """Forward inputs of the prompts the logits are compared on: PROMPTS as text and, for a vision-language model, a
     chat turn with a seeded noise image, its placeholder expanded as the trainer expands it (vision.py)."""
@@ -182,9 +197,8 @@ def merge(args: Args) -> float:
     """Writes args.out and returns the max abs logit difference to the checkpoint (RuntimeError past tolerance)."""
     state = read_model_state(args.checkpoint)
     dtype = args.dtype or run_dtype(args.checkpoint)
-    lora = (args.checkpoint / "adapter_config.json").is_file()
-    model, adapters = restore_lora_model(args.checkpoint, state) if lora else (restore_model(args.checkpoint, state),
-                                                                              None)
+    model, adapters = (restore_lora_model(args.checkpoint, state) if is_lora(args.checkpoint)
+                       else (restore_model(args.checkpoint, state), None))
     del state
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint / "hf")
     reference = prompt_logits(model, tokenizer, args.device)

@@ -124,6 +124,10 @@ def test_sft_checkpoints_hold_the_adapters_resume_exactly_and_merge(model_dir, t
         torch.testing.assert_close(m, s, rtol=1e-5, atol=1e-6, msg=name)
         changed += not torch.equal(m, b)
     assert changed == 7 * merged.config.num_hidden_layers  # all-linear: q, k, v, o, gate, up, down
+    # generate.py samples a LoRA checkpoint as this merged model
+    for (name, m), c in zip(merged.state_dict().items(), merge.checkpoint_model(checkpoints / "step_00000004")
+                            .state_dict().values()):
+        torch.testing.assert_close(m, c, rtol=1e-5, atol=1e-6, msg=name)
     with pytest.raises(ValueError, match="not a model folder here"):
         broken = tmp_path / "broken"
         shutil.copytree(checkpoints / "step_00000004", broken)
