@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: venv system test test-fast demo demo-agent demo-vision bench test-vllm clean
+.PHONY: venv system test test-fast demo demo-agent demo-vision demo-distill bench test-vllm clean
 
 venv: $(STAMP)
 
@@ -53,6 +53,9 @@ demo-agent: venv
 
 demo-vision: venv
 	$(PY) demo_vision.py
+
+demo-distill: venv
+	$(PY) demo_distill.py
 
 clean:
 	rm -rf $(VENV) runs .npm-tools

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 import collectives
+import policy
 
 
 _CHECKPOINT = re.compile(r"step_(\d+)")
@@ -61,10 +62,20 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _model_state(model) -> dict:
+    """What a checkpoint holds of the model: its state dict, or a LoRA model's adapters alone (its frozen base is the
+    model it was loaded from)."""
+    state = get_model_state_dict(model)
+    if policy.lora_config(model) is None:
+        return state
+    return {name: tensor for name, tensor in state.items() if policy.is_adapter_weight(name)}
+
+
 def save_checkpoint(output_dir, step: int, model, optimizer, trainer_state: dict, hf_source_dir,
                     keep_last: int | None = None) -> Path:
     """<output_dir>/checkpoints/step_XXXXXXXX: a DCP checkpoint of {"model", "optimizer"} (sharded, any world size
-    can read it), trainer_state.json, rng/rank{r}.pt and hf/ (config + tokenizer files of `hf_source_dir`). Written
+    can read it; a LoRA model's adapters only, with PEFT's adapter_config.json naming the base), trainer_state.json,
+    rng/rank{r}.pt and hf/ (config + tokenizer files of `hf_source_dir`). Written
     into a temp dir that rank 0 renames once every rank is done, so a crash mid-save leaves the last good checkpoint
     as the newest. keep_last: how many checkpoints stay, the one just written always among them (older ones beyond
     that are deleted). Collective: call on every rank."""
@@ -76,11 +87,13 @@ def save_checkpoint(output_dir, step: int, model, optimizer, trainer_state: dict
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
         (tmp / "rng").mkdir(parents=True)
     _barrier()
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": _model_state(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     dcp.save(state, checkpoint_id=tmp)
     torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
     if rank == 0:
         _copy_hf_files(hf_source_dir, tmp / "hf")
+        if policy.lora_config(model) is not None:
+            policy.lora_config(model).save_pretrained(tmp)
         (tmp / "trainer_state.json").write_text(payload)
     _barrier()
     if rank == 0:
@@ -147,11 +160,11 @@ def load_checkpoint(path, model, optimizer=None) -> dict:
         raise ValueError(f"{path / 'trainer_state.json'}: {e}") from e
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path / '.metadata'}: missing")
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": _model_state(model)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=policy.lora_config(model) is None))
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
     rng_file = path / "rng" / f"rank{collectives.rank()}.pt"
@@ -165,10 +178,13 @@ def load_checkpoint(path, model, optimizer=None) -> dict:
 
 def save_hf(model, hf_source_dir, out_dir) -> Path:
     """The model's current weights as a Hugging Face folder (safetensors shards + the source's config and tokenizer
-    files), in the training dtype. Collective: call on every rank; rank 0 writes."""
+    files), in the training dtype; a LoRA model's adapters merged into its weights. Collective: call on every rank;
+    rank 0 writes."""
     out = Path(out_dir)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if collectives.rank() == 0:
+        if policy.lora_config(model) is not None:
+            state = policy.merge_adapters(state, policy.lora_config(model))
         if getattr(model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)  # tied to the embeddings; HF checkpoints omit it
         _copy_hf_files(hf_source_dir, out)

@@ -29,6 +29,14 @@ def sum_over_ranks(value: float) -> float:
     return x.item()
 
 
+def sum_tensor_over_ranks(x: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor summed over every rank (a new tensor)."""
+    x = x.clone()
+    if world_size() > 1:
+        dist.all_reduce(x)
+    return x
+
+
 def same_count_on_every_rank(micro_batches: list[list]) -> list[list]:
     """`micro_batches` padded with empty ones to the largest count over ranks: FSDP's forwards and backwards are
     collectives, so every rank runs as many as the busiest (an empty one runs a dummy forward, policy.py)."""

@@ -58,6 +58,9 @@ class Args:
     """GRPO learning rate (tiny models want large ones; 5e-4 is already unstable)"""
     eval_every: int = 20
     """held-out evaluation every N GRPO steps (and before and after)"""
+    lora_rank: int = 0
+    """GRPO through LoRA adapters of this rank (alpha twice the rank; give it a larger --grpo-lr, e.g. 3e-3);
+    0 = the full weights"""
 
 
 HELD_OUT = "val-core/all/pass@1"  # the held-out pass rate in metrics.jsonl
@@ -105,7 +108,9 @@ def main(args: Args) -> dict:
                  "--prompts-per-step", "16", "--group-size", "8", "--max-new-tokens", "128",
                  "--warmup-steps", "5",  # Adam's first, sign-like steps knock a tiny model off its warm start
                  "--save-every", str(args.grpo_steps), "--sample-every", "5", "--rich-samples",  # for board.py
-                 "--seed", str(args.seed), "--overwrite"),
+                 "--seed", str(args.seed), "--overwrite",
+                 *(["--lora-rank", str(args.lora_rank), "--lora-alpha", str(2 * args.lora_rank)] if args.lora_rank
+                   else [])),
         "GRPO")
 
     evals = [m for m in map(json.loads, open(out / "grpo" / "metrics.jsonl")) if HELD_OUT in m]

@@ -17,13 +17,18 @@ import hashlib
 import importlib.util
 import itertools
 import os
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
+from peft import inject_adapter_in_model
+from safetensors.torch import save_file
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoTokenizer, DynamicCache
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -54,6 +59,7 @@ class Engine(Protocol):
     def generate(self, prompts: list[list[int]], sampling: Sampling, seeds: list[int] | None = None
                  ) -> list[Completion]: ...
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    # An engine that `holds_base` of a LoRA policy takes its adapters alone: load_adapter(weights, peft LoraConfig).
     def sleep(self) -> None: ...
     def wake_up(self) -> None: ...
 
@@ -158,6 +164,26 @@ class HFEngine:
         return (self.model is not None and not vision.is_vision_model(self.model.config)
                 and lean_decoding_supported(self.model))
 
+    @property
+    def holds_base(self) -> bool:
+        """Whether a LoRA policy's base is here (the replica, once loaded; or the unsharded policy itself): from then
+        on `load_adapter` takes its adapters alone."""
+        return self.model is not None
+
+    def load_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], config) -> None:
+        """A LoRA policy's adapters (policy.iter_adapter_weights) into the replica, whose base and adapter layers the
+        first load_weights built; PEFT's layers apply them as the policy's do."""
+        if self.queued or self.running:
+            raise RuntimeError("HFEngine.load_adapter while submitted requests are unfinished: step() them to the end")
+        weights = dict(weights)
+        if not self.sharded:  # generating with the policy itself: its adapters are these very tensors
+            return None
+        wanted = {name for name, _ in self.model.named_parameters() if ".lora_" in name}
+        if set(weights) != wanted:
+            raise ValueError(f"HFEngine.load_adapter: the replica's {len(wanted)} adapter weights and the "
+                             f"{len(weights)} given differ, e.g. {sorted(set(weights) ^ wanted)[:5]}")
+        self.model.load_state_dict(weights, strict=False)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.queued or self.running:
             raise RuntimeError("HFEngine.load_weights while submitted requests are unfinished: step() them to the end")
@@ -177,6 +203,8 @@ class HFEngine:
             # The replica's init draws must not shift the sampling stream (resume, seeds).
             with torch.random.fork_rng(devices=[first.device] if first.is_cuda else []):
                 self.model = model_class._from_config(config, attn_implementation=attn)
+                if getattr(self.policy, "peft_config", None):  # a LoRA policy: the same adapter layers
+                    inject_adapter_in_model(self.policy.peft_config["default"], self.model)
             self.model.to(device=first.device, dtype=first.dtype).eval()
             self.model.generation_config = self.policy.generation_config
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
@@ -572,13 +600,23 @@ def linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 # real vllm signatures.
 
 
+# vLLM 0.32's allowed --max-lora-rank values (vllm/config/lora.py).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 def vllm_llm_kwargs(model: str, *, rank: int, seed: int, tensor_parallel_size: int, gpu_memory_utilization: float,
                     max_model_len: int, max_num_seqs: int, enforce_eager: bool, dtype: str,
-                    max_images_per_prompt: int | None = None, **extra) -> dict:
+                    max_images_per_prompt: int | None = None, lora_rank: int = 0, **extra) -> dict:
     """Keyword arguments of `vllm.LLM` for one in-process engine per rank (or per tensor-parallel group).
-    max_images_per_prompt: a vision-language model's image budget per prompt (no videos); None for a text model."""
+    max_images_per_prompt: a vision-language model's image budget per prompt (no videos); None for a text model.
+    lora_rank: a LoRA policy's rank (one adapter slot, the rank rounded up to one vLLM allows); 0 without."""
     if max_images_per_prompt is not None:  # vLLM's default of 999 per modality also inflates its profiling run
         extra["limit_mm_per_prompt"] = {"image": max_images_per_prompt, "video": 0}
+    if lora_rank > 0:
+        allowed = [r for r in VLLM_LORA_RANKS if r >= lora_rank]
+        if not allowed:
+            raise ValueError(f"--lora-rank {lora_rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
+        extra |= {"enable_lora": True, "max_lora_rank": allowed[0], "max_loras": 1}
     return dict(
         model=model,
         distributed_executor_backend="external_launcher",  # join torchrun's process group, no worker processes
@@ -649,6 +687,22 @@ def bucket_weights(weights: Iterable[tuple[str, torch.Tensor]], cap_bytes: int,
         yield bucket
 
 
+def write_adapter(directory: Path | str, weights: Iterable[tuple[str, torch.Tensor]], config,
+                  dtype: torch.dtype) -> int:
+    """A LoRA policy's adapters (policy.iter_adapter_weights) as a PEFT adapter folder, what vLLM loads a LoRARequest
+    from: adapter_model.safetensors (PEFT's names, base_model.model.<module>.lora_A.weight, in `dtype`) and
+    adapter_config.json (its target modules as the layer names vLLM matches, e.g. q_proj). Returns the bytes written."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {"base_model.model." + name.replace(".default.", "."): tensor.detach().to(dtype).contiguous()
+               for name, tensor in weights}
+    save_file(tensors, directory / "adapter_model.safetensors")
+    config = copy.copy(config)
+    config.target_modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors})
+    config.save_pretrained(directory)
+    return sum(t.nbytes for t in tensors.values())
+
+
 def completion_from_vllm(output) -> Completion:
     """A vLLM `RequestOutput` (n=1, logprobs=0) -> Completion holding each sampled token's logprob."""
     out = output.outputs[0]
@@ -684,7 +738,7 @@ class VLLMEngine:
     def __init__(self, model: str, *, seed: int = 0, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.5, max_model_len: int = 4096, max_num_seqs: int = 256,
                  enforce_eager: bool = False, dtype: str = "bfloat16", sync_bucket_bytes: int = 1 << 30,
-                 max_images_per_prompt: int | None = None, **llm_kwargs):
+                 max_images_per_prompt: int | None = None, lora_rank: int = 0, **llm_kwargs):
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
         if world % tensor_parallel_size:
@@ -704,9 +758,16 @@ class VLLMEngine:
         self.llm = LLM(**vllm_llm_kwargs(
             model, rank=rank, seed=seed, tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            enforce_eager=enforce_eager, dtype=dtype, max_images_per_prompt=max_images_per_prompt, **llm_kwargs))
+            enforce_eager=enforce_eager, dtype=dtype, max_images_per_prompt=max_images_per_prompt,
+            lora_rank=lora_rank, **llm_kwargs))
         self.dtype = getattr(torch, dtype)
         self.sync_bucket_bytes = sync_bucket_bytes
+        # A LoRA policy: the base stays loaded (level-1 sleeps), each sync writes the adapters to a new folder that
+        # one adapter slot reloads in place; requests name it.
+        self.holds_base = lora_rank > 0
+        self.adapter_root = Path(tempfile.mkdtemp(prefix="kiln-lora-")) if self.holds_base else None
+        self.adapter_versions = itertools.count(1)
+        self.lora_request = None
         # vLLM's loader rejects a tied lm_head arriving in a call without the embedding it aliases; it is the
         # same tensor anyway, so it is never sent. A vision-language config holds the flag at its top level.
         model_config = self.llm.llm_engine.model_config
@@ -751,6 +812,31 @@ class VLLMEngine:
         if missing:  # after a level-2 sleep an unloaded parameter is garbage
             raise RuntimeError(f"VLLMEngine.load_weights: {len(missing)} vLLM parameters got no weights, e.g. "
                                f"{sorted(missing)[:5]}; the policy's names must match the Hugging Face checkpoint")
+        self._synced(start, nbytes, buckets)
+
+    def load_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], config) -> None:
+        """A LoRA policy's adapters: written to a new folder (`write_adapter`), which the engine's one adapter slot
+        reloads in place (LoRARequest(load_inplace=True)); later requests name the new folder. A new path per version
+        also keeps vLLM's prefix cache, whose keys hold the adapter's name and path, from serving old KV."""
+        if self.state == "asleep":
+            raise RuntimeError("VLLMEngine.load_adapter before wake_up()")
+        from vllm.lora.request import LoRARequest
+
+        start, folder = time.perf_counter(), self.adapter_root / f"v{next(self.adapter_versions)}"
+        nbytes = write_adapter(folder, weights, config, self.dtype)
+        self.llm.llm_engine.add_lora(LoRARequest("kiln", 1, str(folder), load_inplace=True))
+        # Stored without load_inplace: with it, every request would reload the adapter from disk.
+        previous, self.lora_request = self.lora_request, LoRARequest("kiln", 1, str(folder))
+        if previous is not None:
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        self._synced(start, nbytes, 1)
+
+    def _adapter(self) -> dict:
+        """The keyword that names a LoRA policy's current adapter in a request; none for a full-weight policy."""
+        return {"lora_request": self.lora_request} if self.lora_request is not None else {}
+
+    def _synced(self, start: float, nbytes: int, buckets: int) -> None:
+        """The end of a sync: the KV cache back, caches that the old weights computed dropped, the sync's metrics."""
         torch.cuda.empty_cache()
         if self.state == "weights":
             self.llm.wake_up(["kv_cache"])
@@ -787,7 +873,8 @@ class VLLMEngine:
         start = time.perf_counter()
         params = SamplingParams(**vllm_sampling_kwargs(sampling, self.banned)) if seeds is None else \
             [SamplingParams(**vllm_sampling_kwargs(sampling, self.banned, seed)) for seed in seeds]
-        outputs = self.llm.generate([vllm_prompt(p, i) for p, i in zip(prompts, images)], params, use_tqdm=False)
+        outputs = self.llm.generate([vllm_prompt(p, i) for p, i in zip(prompts, images)], params, use_tqdm=False,
+                                    **self._adapter())
         seconds = time.perf_counter() - start
         for p, i, output in zip(prompts, images, outputs):
             self._check_expansion(p, i, output)
@@ -808,7 +895,7 @@ class VLLMEngine:
         request_id = str(next(self.request_numbers))
         params = SamplingParams(**vllm_sampling_kwargs(sampling, self.banned, seed),
                                 output_kind=RequestOutputKind.FINAL_ONLY)  # nothing back until it is finished
-        self.llm.llm_engine.add_request(request_id, vllm_prompt(prompt, images), params)
+        self.llm.llm_engine.add_request(request_id, vllm_prompt(prompt, images), params, **self._adapter())
         self.submitted[request_id] = (key, prompt, images)
 
     def step(self) -> list[tuple[object, Completion]]:
@@ -853,6 +940,6 @@ class VLLMEngine:
         start = time.perf_counter()
         if self.state == "weights":  # a load failed half way: wake fully first, vLLM sleeps only from awake
             self.llm.wake_up(["kv_cache"])
-        self.llm.sleep(level=2)
+        self.llm.sleep(level=1 if self.holds_base else 2)  # level 1 keeps a LoRA policy's base (in CPU memory)
         self.state = "asleep"
         self.last_metrics["vllm/sleep_seconds"] = time.perf_counter() - start

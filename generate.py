@@ -104,7 +104,8 @@ def hf_folder(model: str):
 
 def load_generator(args: GenerateArgs, tokenizer, device: torch.device) -> Engine:
     """The engine that samples `args.model`. A kiln checkpoint is read as merge.py reads it (the model entries alone,
-    fp32, whatever world size wrote it; its hf/ folder gives config and tokenizer) on every rank: for big models,
+    fp32, whatever world size wrote it; a LoRA checkpoint's adapters merged into its base; its hf/ folder gives config
+    and tokenizer) on every rank: for big models,
     `python merge.py` it once and generate from the Hugging Face folder."""
     checkpoint = Path(args.model) if is_checkpoint(args.model) else None
     dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
@@ -114,10 +115,11 @@ def load_generator(args: GenerateArgs, tokenizer, device: torch.device) -> Engin
                             max_model_len=args.vllm_max_model_len, tensor_parallel_size=args.vllm_tensor_parallel_size,
                             **({"load_format": "dummy"} if checkpoint else {}))
         if checkpoint:  # random weights until the checkpoint's arrive through the trainers' weight path
-            engine.load_weights(merge.read_model_state(checkpoint).items())
+            engine.load_weights(merge.checkpoint_model(checkpoint).state_dict().items() if merge.is_lora(checkpoint)
+                                else merge.read_model_state(checkpoint).items())
         return engine
     if checkpoint:
-        model = merge.restore_model(checkpoint, merge.read_model_state(checkpoint))
+        model = merge.checkpoint_model(checkpoint)
     else:
         model = policy.load_model(args.model)
     model = model.to(device=device, dtype=dtype).eval()

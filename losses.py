@@ -162,6 +162,10 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 
 
 MAX_LOG_RATIO = 20.0  # as verl: exp(20) is a finite ratio in fp32, exp(89) is inf (and inf * 0 a NaN gradient)
+# verl's rejection options: a per-token statistic (k1 = log(engine / trainer), k2 = its square / 2, k3 = rho - 1 -
+# log rho), judged per token or over each sequence (sum, mean, or max).
+RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
+              "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 
 
 def _truncated_is_weight(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor | None, cap: float | None,
@@ -180,50 +184,156 @@ def _truncated_is_weight(old_logprobs: torch.Tensor, engine_logprobs: torch.Tens
     return torch.where(mask.bool(), old_logprobs - engine_logprobs, 0).exp().clamp(max=cap).detach()
 
 
+def is_threshold_bounds(spec: str | float) -> tuple[float | None, float]:
+    """--rollout-is-threshold as (lower, upper): "C" truncates weights at C (TIS; lower None), "lo_hi" zeroes weights
+    outside [lo, hi] (IcePop)."""
+    text = str(spec).strip()
+    lower, _, upper = text.rpartition("_")
+    try:
+        bounds = (float(lower) if lower else None, float(upper))
+    except ValueError:
+        raise ValueError(f"rollout IS threshold {spec!r}: expected a number C (truncate at C) or lo_hi (IcePop: "
+                         "zero the weights outside [lo, hi])") from None
+    if bounds[1] <= 0 or (bounds[0] is not None and not 0 < bounds[0] <= bounds[1]):
+        raise ValueError(f"rollout IS threshold {spec!r}: need 0 < lo <= hi")
+    return bounds
+
+
+def rs_bounds(options: str, spec: str | float | None) -> dict[str, tuple[float | None, float]]:
+    """--rollout-rs and --rollout-rs-threshold as {option: (lower, upper)}, one threshold for all options or one per
+    option, in order. A k1 option takes ratio bounds "lo_hi" (a single u means [1/u, u]); k2 and k3 an upper bound."""
+    names = [o.strip() for o in options.split(",") if o.strip()]
+    unknown = [o for o in names if o not in RS_OPTIONS]
+    if not names or unknown:
+        raise ValueError(f"rollout rejection {options!r}: unknown option(s) {unknown}; expected comma-separated "
+                         f"options of {', '.join(RS_OPTIONS)}")
+    specs = [s.strip() for s in str(spec).split(",")] if spec is not None else []
+    if len(specs) not in (1, len(names)):
+        raise ValueError(f"rollout rejection {options!r} needs one threshold, or one per option; got {spec!r}")
+    bounds = {}
+    for name, text in zip(names, specs * len(names) if len(specs) == 1 else specs):
+        try:
+            low, _, high = text.rpartition("_")
+            high = float(high)
+            low = (float(low) if low else 1 / high) if name.endswith("k1") else None
+        except ValueError:
+            raise ValueError(f"rollout rejection {name}: threshold {text!r} is not a number (or lo_hi for k1)") \
+                from None
+        if (low is None and "_" in text) or high <= 0 or (low is not None and not 0 < low <= high):
+            raise ValueError(f"rollout rejection {name}: threshold {text!r}; k1 takes lo_hi with 0 < lo <= hi or one "
+                             "ratio u > 0, k2 and k3 one upper bound > 0")
+        bounds[name] = (low, high)
+    return bounds
+
+
+def _masked_extreme(x: torch.Tensor, on: torch.Tensor, largest: bool, dim: int | None = None) -> torch.Tensor:
+    """Max (or min) of x where `on` (over `dim`, or everything); 0 where nothing is on."""
+    x = torch.where(on, x, -math.inf if largest else math.inf)
+    if x.numel() == 0:
+        return x.new_zeros(() if dim is None else x.shape[:dim] + x.shape[dim:][1:])
+    out = (x.amax() if largest else x.amin()) if dim is None else (x.amax(dim) if largest else x.amin(dim))
+    return torch.where(torch.isinf(out), 0, out)
+
+
 def rollout_correction(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,
-                       is_level: str | None = None, is_threshold: float = 2.0, rs_level: str | None = None,
-                       rs_threshold: float | None = None, rs_threshold_lower: float | None = None,
-                       veto_threshold: float | None = None) -> tuple[torch.Tensor | None, torch.Tensor, dict]:
+                       is_level: str | None = None, is_threshold: str | float = 2.0, batch_normalize: bool = False,
+                       rs: str | None = None, rs_threshold: str | float | None = None,
+                       sum_over_ranks=None) -> tuple[torch.Tensor | None, torch.Tensor, dict]:
     """Importance weights and rejection for tokens the engine sampled from another policy (its numerics, or an older
     version of the weights: partial rollouts), as verl's rollout correction defines them (docs/algo/rollout_corr.md,
-    `rollout_corr_helper.compute_rollout_correction_and_rejection_mask`). All [B, T]; rho_t = exp(old - engine) on the
-    mask, its log bounded to [-MAX_LOG_RATIO, MAX_LOG_RATIO].
+    `rollout_corr_helper`). All [B, T]; lr_t = old - engine on the mask, rho_t = exp(lr_t).
 
-    is_level: None (no weights), "token" (min(rho_t, is_threshold): today's TIS), "sequence" (min(prod_t rho_t,
-    is_threshold) on every token of the sequence). rs_level: None, "token" (drop tokens whose rho_t leaves
-    [lower, upper]), "sequence" (drop sequences whose prod_t rho_t leaves it), "geometric" (drop sequences whose
-    geometric mean exp(mean_t log rho_t) leaves it); upper = rs_threshold (default is_threshold), lower =
-    rs_threshold_lower (default 1 / upper). veto_threshold: drop every sequence holding a token with rho_t below it.
-    Returns (weights, detached, 0 off the mask, or None; the mask less what was rejected; stats: is_weight_mean,
-    rs_rejected_frac of tokens, veto_frac of sequences, kl and k3_kl of KL(engine || trainer) over the mask)."""
-    if is_level not in (None, "token", "sequence") or rs_level not in (None, "token", "sequence", "geometric"):
-        raise ValueError(f"rollout correction: is_level {is_level!r} (None, token, sequence), rs_level {rs_level!r} "
-                         "(None, token, sequence, geometric)")
+    Weights (is_level): "token": exp(clamp(lr_t, +-20)); "sequence": exp(clamp(S, +-20)) on every token of the row,
+    S = sum_t lr_t of the raw log-ratios (one token at lr = -25 gives e^-25, not e^-20). is_threshold "C" truncates them
+    at C (TIS); "lo_hi" zeroes those outside [lo, hi] (IcePop). batch_normalize divides them by their mean (over the
+    tokens, or for "sequence" over the rows) unless it is <= 1e-8; `sum_over_ranks` (a function summing a tensor over
+    the data-parallel ranks) makes that mean the global batch's. Weights are detached, 0 off the mask.
+
+    Rejection (rs, comma-separated options, all must keep a token): with lr clamped to +-20, k1 = -lr (the log of
+    engine over trainer: "lo_hi" bounds the inverse ratio), k2 = lr^2 / 2, k3 = rho - 1 - lr; token_kX judges each
+    token, seq_sum_kX / seq_mean_kX / seq_max_kX each row by the sum / mean / max over its tokens and drop it whole.
+    k1 keeps log lo <= stat <= log hi, k2 and k3 keep stat <= upper (rs_bounds).
+
+    Returns (weights or None; the mask less what was rejected; verl's metrics, unprefixed: rollout_is_* (mean, max,
+    min, std, eff_sample_size, ratio_fraction_high/low, seq_mean/std/max/min, oob_ratio with IcePop,
+    batch_norm_factor), rollout_rs_<option>_{mean,max,min,masked_fraction,seq_masked_fraction}, rollout_rs_masked_
+    fraction, rollout_rs_seq_masked_fraction, and the diagnostics kl, k3_kl (of KL(engine || trainer)), training_ppl,
+    rollout_ppl, log_ppl_diff, ppl_ratio, chi2_token, chi2_seq)."""
+    if is_level not in (None, "token", "sequence"):
+        raise ValueError(f"rollout correction: is_level {is_level!r}; expected None, token or sequence")
     on = mask.bool()
-    log_rho = torch.where(on, old_logprobs - engine_logprobs, 0).detach()
-    bounded = log_rho.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    seq_log_rho = bounded.sum(-1, keepdim=True).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).expand_as(bounded)
+    rows = on.any(-1)  # rows with a token to train (the others count in no row statistic)
+    log_ratio = torch.where(on, old_logprobs - engine_logprobs, 0).detach().double()
+    bounded = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    seq_sum = log_ratio.sum(-1)  # the raw sum, as verl
+    stats = {}
+
+    def row_mean(x: torch.Tensor) -> float:
+        return x[rows].mean().item() if rows.any() else 0.0
+
     weights = None
     if is_level is not None:
-        weights = (bounded if is_level == "token" else seq_log_rho).exp().clamp(max=is_threshold)
-        weights = torch.where(on, weights, 0)
+        lower, upper = is_threshold_bounds(is_threshold)
+        raw = bounded.exp() if is_level == "token" else seq_sum.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()[:, None]
+        raw = torch.where(on, raw.expand_as(bounded), 0)
+        weights = raw.clamp(max=upper) if lower is None else torch.where((raw >= lower) & (raw <= upper), raw, 0)
+        low = lower if lower is not None else 1 / upper
+        seq = masked_mean(weights, mask, dim=-1)
+        stats |= {"rollout_is_mean": masked_mean(weights, mask).item(),
+                  "rollout_is_std": masked_mean((weights - masked_mean(weights, mask)) ** 2, mask).sqrt().item(),
+                  "rollout_is_seq_mean": row_mean(seq),
+                  "rollout_is_seq_std": seq[rows].std().item() if rows.sum() > 1 else 0.0,
+                  "rollout_is_seq_max": _masked_extreme(seq, rows, True).item(),
+                  "rollout_is_seq_min": _masked_extreme(seq, rows, False).item()}
+        if is_level == "token":
+            stats |= {"rollout_is_max": _masked_extreme(weights, on, True).item(),
+                      "rollout_is_min": _masked_extreme(weights, on, False).item(),
+                      "rollout_is_ratio_fraction_high": masked_mean((raw > upper).double(), mask).item(),
+                      "rollout_is_ratio_fraction_low": masked_mean((raw < low).double(), mask).item()}
+        else:  # judged on the raw sums (verl #6806: past the clamp every sequence looks alike)
+            stats |= {"rollout_is_max": _masked_extreme(seq_sum.clamp(max=MAX_LOG_RATIO), rows, True).exp().item(),
+                      "rollout_is_min": _masked_extreme(seq_sum, rows, False).exp().item(),
+                      "rollout_is_ratio_fraction_high": row_mean((seq_sum > math.log(upper)).double()),
+                      "rollout_is_ratio_fraction_low": row_mean((seq_sum < math.log(low)).double())}
+        normed = weights / masked_mean(weights, mask).clamp(min=1e-8)
+        stats["rollout_is_eff_sample_size"] = 1 / masked_mean(normed ** 2, mask).clamp(min=1e-12).item()
+        if lower is not None:
+            stats["rollout_is_oob_ratio"] = masked_mean(((raw < lower) | (raw > upper)).double(), mask).item()
+        if batch_normalize:
+            total, count = ((weights.sum(), on.sum()) if is_level == "token" else (seq[rows].sum(), rows.sum()))
+            moments = torch.stack([total.double(), count.double()])
+            moments = sum_over_ranks(moments) if sum_over_ranks is not None else moments
+            factor = (moments[0] / moments[1].clamp(min=1)).item()
+            stats["rollout_is_batch_norm_factor"] = factor if factor > 1e-8 else 1.0
+            weights = weights / stats["rollout_is_batch_norm_factor"]
+        weights = weights.to(old_logprobs.dtype)
     kept = on.clone()
-    if rs_level is not None:
-        upper = rs_threshold if rs_threshold is not None else is_threshold
-        lower = rs_threshold_lower if rs_threshold_lower is not None else 1 / upper
-        level = {"token": bounded, "sequence": seq_log_rho,
-                 "geometric": masked_mean(bounded, mask, dim=-1)[:, None].expand_as(bounded)}[rs_level]
-        kept &= (level >= math.log(lower)) & (level <= math.log(upper))
-    vetoed = torch.zeros(on.shape[0], dtype=torch.bool, device=on.device)
-    if veto_threshold is not None:
-        vetoed = (on & (log_rho < math.log(veto_threshold))).any(-1)
-        kept &= ~vetoed[:, None]
-    stats = {"rs_rejected_frac": masked_mean((on & ~kept).float(), mask).item(),
-             "veto_frac": vetoed.float().mean().item(),
-             "kl": masked_mean(-log_rho, mask).item(),  # k1 of KL(engine || trainer): E_engine[engine - old]
-             "k3_kl": masked_mean(log_rho.exp() - 1 - log_rho, mask).item()}
-    if weights is not None:
-        stats["is_weight_mean"] = masked_mean(weights, kept.float()).item()
+    if rs is not None:
+        statistic = {"k1": -bounded, "k2": 0.5 * bounded ** 2, "k3": bounded.exp() - 1 - bounded}
+        for option, (low, high) in rs_bounds(rs, rs_threshold).items():
+            level, _, estimator = option.rpartition("_")
+            x = statistic[estimator]
+            if level != "token":
+                x = {"seq_sum": masked_sum(x, mask, dim=-1), "seq_mean": masked_mean(x, mask, dim=-1),
+                     "seq_max": _masked_extreme(x, on, True, dim=-1)}[level][:, None].expand_as(x)
+            keep = (x >= math.log(low)) & (x <= math.log(high)) if low is not None else x <= high
+            kept &= keep
+            stats |= {f"rollout_rs_{option}_mean": masked_mean(x, mask).item(),
+                      f"rollout_rs_{option}_max": _masked_extreme(x, on, True).item(),
+                      f"rollout_rs_{option}_min": _masked_extreme(x, on, False).item(),
+                      f"rollout_rs_{option}_masked_fraction": masked_mean((~keep).double(), mask).item(),
+                      f"rollout_rs_{option}_seq_masked_fraction": row_mean((on & ~keep).any(-1).double())}
+        stats |= {"rollout_rs_masked_fraction": masked_mean((on & ~kept).double(), mask).item(),
+                  "rollout_rs_seq_masked_fraction": row_mean((on & ~kept).any(-1).double())}
+    train_mean = masked_mean(old_logprobs.detach().double(), mask, dim=-1)
+    engine_mean = masked_mean(engine_logprobs.detach().double(), mask, dim=-1)
+    stats |= {"kl": masked_mean(-log_ratio, mask).item(),  # k1 of KL(engine || trainer): E_engine[engine - old]
+              "k3_kl": masked_mean(bounded.exp() - 1 - bounded, mask).item(),
+              "training_ppl": row_mean((-train_mean).exp()), "rollout_ppl": row_mean((-engine_mean).exp()),
+              "log_ppl_diff": row_mean(engine_mean - train_mean),
+              "ppl_ratio": row_mean((engine_mean - train_mean).exp()),
+              "chi2_token": masked_mean((2 * bounded).exp(), mask).item() - 1,
+              "chi2_seq": row_mean((2 * seq_sum.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)).exp()) - 1}
     return weights, kept.to(mask.dtype), stats
 
 
@@ -323,6 +433,20 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
         d = d.clamp(-20, 20)
         return (d.exp() - 1 - d).clamp(max=clamp)
     raise ValueError(f"unknown KL estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
+
+
+# ------------------------------------------------------------------------------------ on-policy distillation
+
+
+def distill_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor,
+                       coef: float = 1.0) -> torch.Tensor:
+    """On-policy distillation's per-token advantage (Agarwal et al. 2024, arXiv 2306.13649; as slime's
+    `apply_opd_kl_to_advantages`, verl's PG OPD and tinker-cookbook's `incorporate_kl_penalty`): on tokens the student
+    sampled, A_t = -coef (log p_student(y_t) - log p_teacher(y_t)), the sampled reverse-KL term with the teacher held
+    constant: tokens the teacher finds likelier than the student are pushed up. Added to the algorithm's own
+    advantages (mixed with the task reward) or alone (distillation alone). [B, T] -> [B, T], 0 off the mask;
+    detached."""
+    return torch.where(mask.bool(), -coef * (student_logprobs - teacher_logprobs), 0).detach()
 
 
 # ------------------------------------------------------------------------------------------------- aggregation

@@ -11,6 +11,10 @@ checkpoint's hf/ config, and writes safetensors shards + index, config, generati
 few prompts with the restored model's, printing the max abs difference; it exits non-zero past the tolerance. A
 vision-language checkpoint (Qwen2.5-VL) is built and reloaded as such (vision tower included), and the prompts
 include one with an image.
+
+A LoRA run's checkpoint holds its adapters alone and PEFT's adapter_config.json naming the base model: the base is
+loaded from there, the adapters put in PEFT's layers (the reference logits are theirs), merged by PEFT
+(`merge_and_unload`) and written as a plain model, whose logits are then checked against the adapters' the same way.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ from typing import Literal
 import torch
 import torch.distributed.checkpoint as dcp
 import tyro
+from peft import LoraConfig
+from peft.tuners.lora import LoraModel
 from PIL import Image
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
@@ -117,6 +123,39 @@ def restore_model(checkpoint: Path, state: dict[str, torch.Tensor]):
     return model.eval()
 
 
+def restore_lora_model(checkpoint: Path, adapters: dict[str, torch.Tensor]):
+    """A LoRA checkpoint's model (fp32): the base its adapter_config.json names, with PEFT's LoRA layers holding the
+    checkpoint's adapters; and PEFT's LoraModel over it, which merges them."""
+    config = LoraConfig.from_pretrained(checkpoint)
+    base = config.base_model_name_or_path
+    if not base or not (Path(base) / "config.json").is_file():
+        raise ValueError(f"{checkpoint}/adapter_config.json: its base model {base!r} is not a model folder here (the "
+                         "LoRA run's --model)")
+    model = model_class(AutoConfig.from_pretrained(base)).from_pretrained(base, dtype=torch.float32)
+    lora = LoraModel(model, config, "default")
+    wanted = {name for name, _ in model.named_parameters() if ".lora_" in name}
+    if set(adapters) != wanted:
+        raise ValueError(f"{checkpoint}: its adapters and the model's LoRA layers disagree: "
+                         f"{sorted(set(adapters) ^ wanted)[:5]}")
+    model.load_state_dict(adapters, strict=False)
+    return model.eval(), lora
+
+
+def is_lora(checkpoint: Path) -> bool:
+    """Whether a checkpoint holds LoRA adapters (and PEFT's adapter_config.json naming their base)."""
+    return (Path(checkpoint) / "adapter_config.json").is_file()
+
+
+def checkpoint_model(checkpoint: Path):
+    """The plain model a checkpoint holds (fp32): its weights, or a LoRA checkpoint's base with its adapters merged by
+    PEFT."""
+    state = read_model_state(checkpoint)
+    if is_lora(checkpoint):
+        _, adapters = restore_lora_model(checkpoint, state)
+        return adapters.merge_and_unload().eval()
+    return restore_model(checkpoint, state)
+
+
 def verification_inputs(model, tokenizer) -> list[dict]:
     """Forward inputs of the prompts the logits are compared on: PROMPTS as text and, for a vision-language model, a
     chat turn with a seeded noise image, its placeholder expanded as the trainer expands it (vision.py)."""
@@ -158,10 +197,13 @@ def merge(args: Args) -> float:
     """Writes args.out and returns the max abs logit difference to the checkpoint (RuntimeError past tolerance)."""
     state = read_model_state(args.checkpoint)
     dtype = args.dtype or run_dtype(args.checkpoint)
-    model = restore_model(args.checkpoint, state)
+    model, adapters = (restore_lora_model(args.checkpoint, state) if is_lora(args.checkpoint)
+                       else (restore_model(args.checkpoint, state), None))
     del state
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint / "hf")
     reference = prompt_logits(model, tokenizer, args.device)
+    if adapters is not None:
+        model = adapters.merge_and_unload()
 
     args.out.mkdir(parents=True, exist_ok=True)
     model.to(getattr(torch, dtype)).save_pretrained(args.out, max_shard_size=args.max_shard_size)

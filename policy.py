@@ -31,6 +31,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.nn.utils.rnn import pad_sequence
 import transformers
+from peft import LoraConfig, inject_adapter_in_model
 from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
                           AutoModelForTokenClassification, AutoTokenizer, GenerationConfig)
 from transformers.masking_utils import AttentionMaskInterface
@@ -106,6 +107,65 @@ def load_model(path, dtype: torch.dtype = torch.float32, attn_implementation: st
     return AutoModelForImageTextToText.from_pretrained(
         path, dtype=dtype, local_files_only=True,
         attn_implementation={"text_config": attn_implementation, "vision_config": "sdpa"})
+
+
+def add_lora(model, rank: int, alpha: float, targets: str = "all-linear", seed: int = 0):
+    """LoRA adapters (PEFT) on the `targets` linear layers of `model`, in place, its other weights frozen: each adapted
+    layer computes W x + (alpha / rank) B A x, with B = 0 at the start (the model computes what it did) and A drawn
+    from `seed` (the same on every rank: FSDP2 takes the ranks' replicas to be equal). targets: "all-linear" (every
+    linear layer but the output layer) or module names, comma-separated (q_proj,k_proj,v_proj,o_proj). The adapters
+    are fp32 whatever the base's dtype. The model's class and its parameter names stay Hugging Face's, the adapted
+    layers' weights under `<layer>.base_layer.` and the adapters under `<layer>.lora_A.default.` / `lora_B`."""
+    if rank < 1 or alpha <= 0:
+        raise ValueError(f"LoRA needs --lora-rank >= 1 and --lora-alpha > 0, got {rank} and {alpha}")
+    names = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    source = Path(str(model.name_or_path))
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=names, bias="none",
+                        base_model_name_or_path=str(source.resolve()) if source.is_dir() else str(source))
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        try:
+            inject_adapter_in_model(config, model)
+        except ValueError as e:  # PEFT's "Target modules ... not found in the base model"
+            raise ValueError(f"--lora-targets {targets}: {e}") from e
+    for name, param in model.named_parameters():
+        if is_adapter_weight(name):
+            param.data = param.data.float()
+    return model
+
+
+def lora_config(model) -> LoraConfig | None:
+    """The PEFT config of the model's LoRA adapters (`add_lora`), None for a model without."""
+    return getattr(model, "peft_config", {}).get("default")
+
+
+def is_adapter_weight(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+@torch.no_grad()
+def iter_adapter_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of every LoRA adapter weight of `model`, in its parameter names: what an engine that holds
+    the base already needs. Under FSDP2 each is gathered (a collective: every rank iterates, in step)."""
+    for name, param in model.named_parameters():
+        if is_adapter_weight(name):
+            yield _hf_name(name), param.full_tensor() if isinstance(param, DTensor) else param.detach().clone()
+
+
+def merge_adapters(state: dict[str, torch.Tensor], config: LoraConfig) -> dict[str, torch.Tensor]:
+    """A state dict of a model with LoRA adapters (`add_lora`'s names) as the plain model's: each adapted layer's
+    weight W + (alpha / r) B A under the layer's own name, the adapters gone."""
+    scale = config.lora_alpha / config.r
+    merged = {}
+    for name, tensor in state.items():
+        if is_adapter_weight(name):
+            continue
+        layer, base, param = name.partition(".base_layer.")
+        if base and param == "weight":
+            a, b = state[f"{layer}.lora_A.default.weight"], state[f"{layer}.lora_B.default.weight"]
+            tensor = (tensor.float() + scale * (b.float() @ a.float())).to(tensor.dtype)
+        merged[f"{layer}.{param}" if base else name] = tensor
+    return merged
 
 
 ATTENTIONS = ("packed_sdpa", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
@@ -332,8 +392,10 @@ def shard_model(model, mixed_precision: bool = False, activation_checkpointing: 
 
 
 def adamw(model, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters (a LoRA model's adapters; no state for a frozen base)."""
     # foreach: torch's default for GPU tensors; on CPU it would step one tensor at a time in Python
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=True)
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay,
+                             foreach=True)
 
 
 def lr_schedule(optimizer, warmup_steps: int, total_steps: int, decay: str = "constant", floor: float = 0.0):

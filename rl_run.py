@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import math
 import random
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Literal
@@ -25,6 +26,7 @@ import containers
 import engines
 import eval_report
 import judge as judge_lib
+import losses
 import policy
 import rewards
 import rollout
@@ -76,7 +78,15 @@ class SharedArgs:
     """rows of the output layer computed at once for logprobs (each holds rows x vocab fp32 values)"""
 
     mixed_precision: bool = False
-    """bf16 parameters with fp32 reductions (use on GPUs)"""
+    """bf16 parameters with fp32 reductions (use on GPUs; with --lora-rank the frozen base is stored in bf16 too)"""
+    lora_rank: int = 0
+    """train LoRA adapters of this rank (PEFT) instead of the full weights, the base frozen; the engine gets the
+    adapters alone at every sync; 0 = full fine-tuning (PPO: the actor's; its critic trains its full weights)"""
+    lora_alpha: float = 16.0
+    """LoRA scale alpha: an adapted layer adds (alpha / rank) B A x"""
+    lora_targets: str = "all-linear"
+    """the linear layers that get adapters: all-linear (all but the output layer) or module names, comma-separated
+    (e.g. q_proj,k_proj,v_proj,o_proj)"""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """recompute in backward to save memory: full (decoder layers from their inputs) or selective (keeps matmul and
     attention outputs, recomputes only elementwise work)"""
@@ -150,6 +160,31 @@ class SharedArgs:
     """wall seconds per judge question, retries included"""
     judge_max_failure_rate: float = 0.2
     """stop the run when more than this fraction of a step's judge questions fail (errors and unparsable replies)"""
+    rollout_is: Literal["token", "sequence", None] = None
+    """rollout correction (losses.rollout_correction, verl's): importance weights exp(old - engine logprob) per token,
+    or per sequence from the sum of its tokens' log-ratios; None = off. Needs the policy's logprobs before the update:
+    one more forward without grad where the step had none"""
+    rollout_is_threshold: str = "2.0"
+    """rollout correction's weights: "C" truncates them at C (TIS), "lo_hi" zeroes those outside [lo, hi] (IcePop,
+    e.g. 0.5_5.0)"""
+    rollout_is_batch_normalize: bool = False
+    """divide the rollout-correction weights by their mean over the global batch (tokens, or sequences)"""
+    rollout_rs: str | None = None
+    """rollout correction's rejection, verl's options, comma-separated (all must keep a token): token_k1/k2/k3,
+    seq_sum_k1/k2/k3, seq_mean_k1/k2/k3 (seq_mean_k1: geometric mean), seq_max_k2/k3; rejected tokens leave the loss
+    (they still count in its normaliser); None = off"""
+    rollout_rs_threshold: str | None = None
+    """thresholds of --rollout-rs, one for all or one per option: k1 "lo_hi" bounds of log(engine / trainer) as ratios
+    (a single u = [1/u, u]), k2 and k3 an upper bound (e.g. seq_max_k2 with 0.5)"""
+    teacher: str | None = None
+    """on-policy distillation: a teacher model (Hugging Face folder, the policy's tokenizer) scores the policy's sampled
+    tokens, and each policy token's advantage gains --distill-coef times log p_teacher - log p_policy (the sampled
+    reverse KL, as verl's and slime's OPD); the teacher is forward-only, sharded like the reference model"""
+    distill_coef: float = 1.0
+    """weight of the distillation advantage (with --teacher)"""
+    distill_task_reward: bool = True
+    """with --teacher: train on the task reward's advantages too; --no-distill-task-reward distils alone (rewards are
+    still computed and logged, and move nothing)"""
     nonfinite_rewards: Literal["stop", "drop"] = "stop"
     """a NaN or infinite reward from the reward function (a bug: one would make every parameter NaN): stop the run
     naming the task, or drop the sample from the batch and count it (critic/score/nonfinite_dropped)"""
@@ -165,6 +200,7 @@ class Run:
     world: int
     model: torch.nn.Module  # the policy, FSDP2-sharded
     ref_model: torch.nn.Module | None  # the frozen reference of the KL term (--kl-coef > 0)
+    teacher: torch.nn.Module | None  # the forward-only teacher of on-policy distillation (--teacher)
     engine: engines.Engine
     tokenizer: object
     sampling: engines.Sampling
@@ -178,6 +214,7 @@ class Run:
     data_pos: int = 0  # rows consumed, over all ranks: where the seeded epoch order goes on
     best: dict = field(default_factory=dict)  # {"step", "metric", "value"} of the policy kept in best/
     evals: list[dict] = field(default_factory=list)  # every eval's eval_report.report summary and step, for the report
+    sync_metrics: dict = field(default_factory=dict)  # the latest weight sync's seconds and bytes
 
 
 # Settings that count something and must be at least 1, in either trainer.
@@ -206,6 +243,15 @@ def check_args(args, world: int) -> None:
                          ">= 1")
     check_best_metric(args.best_metric)
     runlog.sink_names(args.log_to, args.wandb_project)
+    if args.teacher is None and not args.distill_task_reward:
+        raise ValueError("--no-distill-task-reward drops the task reward for distillation alone: it needs --teacher")
+    if args.teacher is not None and args.distill_coef <= 0:
+        raise ValueError(f"--distill-coef must be > 0 with --teacher, got {args.distill_coef}")
+    losses.is_threshold_bounds(args.rollout_is_threshold)
+    if args.rollout_rs is not None:
+        if args.rollout_rs_threshold is None:
+            raise ValueError(f"--rollout-rs {args.rollout_rs} needs --rollout-rs-threshold")
+        losses.rs_bounds(args.rollout_rs, args.rollout_rs_threshold)
     if getattr(args, "agent_cmd", None) is not None:
         agent_server.check_agent_cmd(args.agent_cmd)
 
@@ -215,6 +261,8 @@ def check_paths(args) -> None:
     offline), an engine that is not installed."""
     runlog.check_output_dir(args.output_dir, args.resume, args.overwrite, dataclasses.asdict(args))
     policy.check_model_path(args.model)
+    if args.teacher is not None:
+        policy.check_model_path(args.teacher, "--teacher")
     engines.check_engine(args.engine)
 
 
@@ -272,6 +320,8 @@ def prepare(args, score_fn: rewards.ScoreFn, check: Callable[[object, int], None
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     tokenizer = policy.load_tokenizer(args.model)
+    if args.teacher is not None:
+        check_teacher(tokenizer, args.teacher)
     rows, eval_rows = load_rows(args, tokenizer, rank, world)
     if score_fn is rewards.score_batch:  # a caller's own score function decides which sources it knows
         rewards.check_sources(rows, args.data)
@@ -321,7 +371,7 @@ def start_vllm(args, prepared: Prepared) -> engines.Engine | None:
     if args.engine != "vllm":
         return None
     engine = engines.VLLMEngine(
-        args.model, seed=args.seed, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        args.model, seed=args.seed, gpu_memory_utilization=args.vllm_gpu_memory_utilization, lora_rank=args.lora_rank,
         max_model_len=args.vllm_max_model_len, tensor_parallel_size=args.vllm_tensor_parallel_size,
         max_images_per_prompt=vision.images_per_prompt(
             args.model, [prepared.rows, prepared.eval_rows],
@@ -331,9 +381,14 @@ def start_vllm(args, prepared: Prepared) -> engines.Engine | None:
 
 
 def load_policy(args, device: torch.device) -> torch.nn.Module:
-    """The policy to train, sharded with FSDP2 under the run's precision, checkpointing and compile settings."""
-    return policy.shard_model(policy.load_model(args.model, attn_implementation=args.attn_implementation).to(device),
-                              mixed_precision=args.mixed_precision,
+    """The policy to train (with --lora-rank: its LoRA adapters, the base frozen, in bf16 with --mixed-precision),
+    sharded with FSDP2 under the run's precision, checkpointing and compile settings."""
+    lora = args.lora_rank > 0
+    model = policy.load_model(args.model, dtype=torch.bfloat16 if lora and args.mixed_precision else torch.float32,
+                              attn_implementation=args.attn_implementation)
+    if lora:
+        policy.add_lora(model, args.lora_rank, args.lora_alpha, args.lora_targets, seed=args.seed)
+    return policy.shard_model(model.to(device), mixed_precision=args.mixed_precision,
                               activation_checkpointing=args.activation_checkpointing,
                               compile_layers=args.compile_layers)
 
@@ -345,6 +400,26 @@ def load_reference(args, device: torch.device) -> torch.nn.Module | None:
     ref_model = policy.shard_model(policy.load_model(args.model, attn_implementation=args.attn_implementation)
                                    .to(device), mixed_precision=args.mixed_precision)
     return ref_model.requires_grad_(False)
+
+
+def check_teacher(tokenizer, teacher: str) -> None:
+    """Refuse a teacher whose tokenizer is not the policy's: it scores the policy's token ids, which must mean the same
+    text to both."""
+    theirs, ours = policy.load_tokenizer(teacher).get_vocab(), tokenizer.get_vocab()
+    if theirs != ours:
+        differ = sorted(set(theirs.items()) ^ set(ours.items()))
+        raise ValueError(f"--teacher {teacher}: its tokenizer is not the policy's ({len(theirs)} and {len(ours)} "
+                         f"tokens, {len(differ)} (token, id) pairs differ, e.g. {differ[:3]}); on-policy distillation "
+                         "scores the policy's own token ids with the teacher, so both need one tokenizer")
+
+
+def load_teacher(args, device: torch.device) -> torch.nn.Module | None:
+    """The forward-only teacher of on-policy distillation (--teacher), sharded as the reference; None without."""
+    if args.teacher is None:
+        return None
+    teacher = policy.shard_model(policy.load_model(args.teacher, attn_implementation=args.attn_implementation)
+                                 .to(device), mixed_precision=args.mixed_precision)
+    return teacher.requires_grad_(False)
 
 
 def rollout_engine(vllm_engine: engines.Engine | None, model: torch.nn.Module, tokenizer) -> engines.Engine:
@@ -388,9 +463,24 @@ def train(run, train_step: Callable, save: Callable, total_steps: int, desc: str
 
 # ------------------------------------------------------------------------------------- rollouts, rewards, metrics
 def wake_with_current_weights(run) -> None:
-    """A level-2 sleep drops the engine's weights: each wake loads the policy's current ones."""
+    """A level-2 sleep drops the engine's weights: each wake loads the policy's current ones. An engine that holds the
+    base of a LoRA policy (vLLM's level-1 sleep keeps it; HFEngine's replica after its first load) gets the adapters
+    alone. The sync's seconds and bytes (this rank's engine) go to run.sync_metrics: timing_s/weight_sync,
+    weight_sync/bytes."""
+    sent = [0]
+
+    def counted(weights):
+        for name, tensor in weights:
+            sent[0] += tensor.nbytes
+            yield name, tensor
+
     run.engine.wake_up()
-    run.engine.load_weights(policy.iter_full_weights(run.model))
+    start = time.perf_counter()
+    if policy.lora_config(run.model) is not None and getattr(run.engine, "holds_base", False):
+        run.engine.load_adapter(counted(policy.iter_adapter_weights(run.model)), policy.lora_config(run.model))
+    else:
+        run.engine.load_weights(counted(policy.iter_full_weights(run.model)))
+    run.sync_metrics = {"timing_s/weight_sync": time.perf_counter() - start, "weight_sync/bytes": float(sent[0])}
 
 
 def run_rollouts(run, rows: list[dict], group_size: int, sampling: engines.Sampling, first_group: int,
@@ -406,6 +496,62 @@ def run_rollouts(run, rows: list[dict], group_size: int, sampling: engines.Sampl
                                **common, **image_counting(args.model), in_flight=in_flight, version=run.step)
     return rollout.external_agents(agent_cmd, run.engine, run.tokenizer, rows, group_size, sampling, args.tools,
                                    run.limits, keep_failed=args.agent_keep_failed or evaluation, **common)
+
+
+def corrects_rollouts(args) -> bool:
+    """Whether the run corrects for the engine's sampling distribution (--rollout-is, --rollout-rs)."""
+    return args.rollout_is is not None or args.rollout_rs is not None
+
+
+@dataclass
+class Correction:
+    """Rollout correction over one rank's batch: [B, T] weights (None without --rollout-is), the loss mask less the
+    rejected tokens, and the rollout_corr/* metrics of the global batch."""
+
+    weights: torch.Tensor | None
+    mask: torch.Tensor
+    metrics: dict
+
+
+def rollout_correction(run, old_logprobs: torch.Tensor | None, samples: list[rollout.Sample]) -> Correction:
+    """losses.rollout_correction of the samples' engine logprobs against `old_logprobs` (the policy's before the
+    update) under the run's flags; the mask as it is without them. Metrics: the mean over ranks, the max of maxima and
+    the min of minima. Collective."""
+    args, mask = run.args, policy.padded([s.loss_mask for s in samples])
+    if not corrects_rollouts(args):
+        return Correction(None, mask, {})
+    engine = policy.padded([s.engine_logprobs for s in samples])
+    weights, kept, stats = losses.rollout_correction(
+        old_logprobs, engine, mask, args.rollout_is, args.rollout_is_threshold, args.rollout_is_batch_normalize,
+        args.rollout_rs, args.rollout_rs_threshold, sum_over_ranks=collectives.sum_tensor_over_ranks)
+    every = collectives.gather_objects([stats])
+    pick = {"_max": max, "_min": min}
+    metrics = {f"rollout_corr/{k}": pick.get(k[-4:], lambda xs: sum(xs) / len(xs))([s[k] for s in every])
+               for k in stats}
+    return Correction(weights, kept, metrics)
+
+
+def distill(run, old_logprobs: torch.Tensor | None, samples: list[rollout.Sample],
+            advantages: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """On-policy distillation (--teacher): the teacher's logprobs of the samples' completion tokens (the policy's own
+    tokens, under the same temperature) and the token advantages [B, T]: `advantages` (the algorithm's, from the task
+    reward; zeros with --no-distill-task-reward) plus losses.distill_advantages against `old_logprobs` (the policy's
+    before the update), on the loss mask only (no prompt, tool or observation token). Metrics distill/* over every
+    rank's policy tokens. Without --teacher, `advantages` as they are. Collective."""
+    args = run.args
+    if run.teacher is None:
+        return advantages, {}
+    mask = policy.padded([s.loss_mask for s in samples])
+    teacher = policy.completion_logprobs_no_grad(run.teacher, samples, args.micro_batch_tokens, args.temperature,
+                                                 args.logprob_chunk_size)
+    signal = losses.distill_advantages(old_logprobs, teacher, mask, args.distill_coef)
+    log_ratio = torch.where(mask.bool(), old_logprobs - teacher, 0)
+    metrics = {"distill/reverse_kl": collectives.global_mean_var(log_ratio, mask)[0],
+               "distill/reverse_kl_k3": collectives.global_mean_var((-log_ratio).exp() - 1 + log_ratio, mask)[0],
+               "distill/teacher_logprob": collectives.global_mean_var(teacher, mask)[0],
+               "distill/student_logprob": collectives.global_mean_var(old_logprobs, mask)[0],
+               "distill/advantage_mean": collectives.global_mean_var(signal, mask)[0]}
+    return (advantages if args.distill_task_reward else torch.zeros_like(advantages)) + signal, metrics
 
 
 def score(run, samples: list[rollout.Sample]) -> None:
@@ -433,7 +579,8 @@ def reward_metrics(run, samples: list[rollout.Sample], rollout_metrics: dict) ->
     tool_metrics = {k: v for k, v in rollout_metrics.items() if k.startswith(("tools/", "swe/", "agents/"))}
     counts = {k: v for k, v in rollout_metrics.items() if k.startswith("partial/")}  # trajectories, over all ranks
     metrics = (rollout_metrics | collectives.mean_dicts_over_ranks(tool_metrics)
-               | collectives.sum_dicts_over_ranks(counts) | getattr(run.engine, "last_metrics", {}))
+               | collectives.sum_dicts_over_ranks(counts) | getattr(run.engine, "last_metrics", {})
+               | run.sync_metrics)
     sources, scores, errors, lengths, isolations = zip(*collectives.gather_objects(
         [(s.row["data_source"], s.reward, s.reward_info.get("error"), len(s.completion_ids),
           s.reward_info.get("sandbox_isolation")) for s in samples if math.isfinite(s.reward)]))

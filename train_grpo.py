@@ -70,21 +70,8 @@ class Args(rl_run.SharedArgs):
     dual_clip: float | None = None
     """dual-clip constant c (> 1) bounding the loss of negative advantages; None = off (not with GSPO)"""
     tis_cap: float | None = None
-    """truncated importance sampling: cap on exp(old - engine logprob); None = off"""
-    rollout_is: Literal["token", "sequence", None] = None
-    """rollout correction (losses.rollout_correction, verl's): importance weights per token or per sequence, capped at
-    --rollout-is-threshold; None = off (not with --tis-cap, which is --rollout-is token)"""
-    rollout_is_threshold: float = 2.0
-    """cap on the rollout-correction weights"""
-    rollout_rs: Literal["token", "sequence", "geometric", None] = None
-    """rollout correction's rejection: drop tokens, or sequences (by product or geometric mean), whose ratio leaves
-    [--rollout-rs-threshold-lower, --rollout-rs-threshold]; dropped tokens count as 0 in the loss's normaliser"""
-    rollout_rs_threshold: float | None = None
-    """upper bound of the rejection band (default: --rollout-is-threshold)"""
-    rollout_rs_threshold_lower: float | None = None
-    """lower bound of the rejection band (default: 1 / the upper)"""
-    rollout_veto_threshold: float | None = None
-    """drop every sequence holding a token whose ratio is below this (e.g. 1e-4); None = off"""
+    """truncated importance sampling: cap on exp(old - engine logprob); None = off (--rollout-is token does the same
+    with verl's metrics)"""
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", None] = None
     """how token losses become one number (verl's names; default: token-mean, GSPO's seq-mean-token-mean)"""
     kl_coef: float = 0.0
@@ -165,13 +152,16 @@ def check_args(args: Args, world: int) -> None:
                          f"{args.group_size} (or use --advantage reinforce++)")
     if args.policy_loss == "gspo" and args.dual_clip is not None:
         raise ValueError("--dual-clip bounds a token-level ratio; GSPO clips the sequence-level one (drop --dual-clip)")
+    if args.dynamic_sampling and not args.distill_task_reward:
+        raise ValueError("--dynamic-sampling keeps groups whose task rewards differ; --no-distill-task-reward "
+                         "trains on none of them (drop one of the two)")
     if args.dynamic_sampling and args.advantage == "reinforce++":
         raise ValueError("--dynamic-sampling drops groups whose rewards are equal, which carry no signal only for "
                          "group-relative advantages; REINFORCE++ whitens over the batch, where they do (use "
                          "--advantage reinforce++-baseline)")
     if args.max_sampling_tries < 1:
         raise ValueError(f"--max-sampling-tries must be >= 1, got {args.max_sampling_tries}")
-    if args.tis_cap is not None and (args.rollout_is or args.rollout_rs or args.rollout_veto_threshold):
+    if args.tis_cap is not None and (args.rollout_is or args.rollout_rs):
         raise ValueError("--tis-cap is rollout correction's token-level weight: use --rollout-is token "
                          "--rollout-is-threshold instead of combining them")
     if args.partial_rollouts and (args.tools == "none" or args.agent_cmd is not None or args.dynamic_sampling):
@@ -191,6 +181,7 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     vllm_engine = rl_run.start_vllm(args, ready)
     model = rl_run.load_policy(args, ready.device)
     ref_model = rl_run.load_reference(args, ready.device)
+    teacher = rl_run.load_teacher(args, ready.device)
     optimizer = policy.adamw(model, args.lr, args.weight_decay)
     scheduler = policy.lr_schedule(optimizer, args.warmup_steps, args.total_steps, args.lr_schedule)
     rl_run.start_tools(args)
@@ -204,7 +195,8 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
     log = runlog.start(args.output_dir, ready.rank, dataclasses.asdict(args) | ready.model_names,
                        args.wandb_project, resume_step=state["step"] if args.resume else None,
                        samples_max_mb=args.samples_max_mb, log_to=args.log_to)
-    return Run(args=args, rank=ready.rank, world=ready.world, model=model, ref_model=ref_model, optimizer=optimizer,
+    return Run(args=args, rank=ready.rank, world=ready.world, model=model, ref_model=ref_model, teacher=teacher,
+               optimizer=optimizer,
                scheduler=scheduler, engine=rl_run.rollout_engine(vllm_engine, model, ready.tokenizer),
                tokenizer=ready.tokenizer, sampling=ready.sampling, limits=ready.limits, rows=ready.rows,
                eval_rows=ready.eval_rows, score_fn=ready.score_fn, log=log, step=state["step"],
@@ -219,15 +211,19 @@ def train_step(run: Run) -> dict:
     samples, batch, metrics = collect_batch(run, seconds)
     # 6. Advantages over the global batch (DAPO's truncation mask takes samples out of the loss after them).
     batch, advantage_metrics = assign_advantages(run, samples, batch)
-    # 7. Old and reference logprobs (no grad) where the loss needs them.
+    # 7. Old and reference logprobs (no grad) where the loss needs them; rollout correction's weights and mask; the
+    # token advantages, with --teacher its logprobs' distillation term.
     with runlog.timed(seconds, "old_ref_logprobs"):
         old_logprobs, ref_logprobs = old_and_ref_logprobs(run, batch)
         recorded_logprobs = logprobs_to_record(run, samples)
+        correction = rl_run.rollout_correction(run, old_logprobs, batch)
+        advantages, distill_metrics = rl_run.distill(run, old_logprobs, batch, policy.padded(
+            [[s.advantage] * len(s.loss_mask) for s in batch]))
     # 8. Minibatch updates: per micro-batch packed forward -> policy loss (+ KL) -> backward; then clip -> step.
     with runlog.timed(seconds, "update"):
-        update_metrics = update_epochs(run, batch, old_logprobs, ref_logprobs)
+        update_metrics = update_epochs(run, batch, old_logprobs, ref_logprobs, correction, advantages)
     # 9. Throughput, timings, the learning rate, staleness of the trained tokens and sample records.
-    return (metrics | advantage_metrics | update_metrics
+    return (metrics | advantage_metrics | distill_metrics | update_metrics
             | partial_rollouts.staleness_metrics(run.in_flight, run.step, batch)
             | {"actor/lr": run.scheduler.get_last_lr()[0]}
             | rl_run.step_metrics(run, samples, seconds, run.args.total_steps, trainer_logprobs=recorded_logprobs))
@@ -334,9 +330,10 @@ def assign_advantages(run: Run, samples: list[rollout.Sample],
 
 def old_and_ref_logprobs(run: Run, batch: list[rollout.Sample]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Phase 7: [B, T] logprobs of the batch's completions under the policy before this step's updates (needed once
-    a batch gets more than one update) and under the reference model (with --kl-coef)."""
+    a batch gets more than one update, by rollout correction and by distillation) and under the reference model (with
+    --kl-coef)."""
     args, old_logprobs, ref_logprobs = run.args, None, None
-    if args.minibatches * args.epochs_per_step > 1:
+    if args.minibatches * args.epochs_per_step > 1 or rl_run.corrects_rollouts(args) or run.teacher is not None:
         old_logprobs = policy.completion_logprobs_no_grad(run.model, batch, args.micro_batch_tokens,
                                                           args.temperature, args.logprob_chunk_size)
     if run.ref_model is not None:
@@ -355,23 +352,25 @@ def logprobs_to_record(run: Run, samples: list[rollout.Sample]) -> torch.Tensor 
 
 
 def update_epochs(run: Run, batch: list[rollout.Sample], old_logprobs: torch.Tensor | None,
-                  ref_logprobs: torch.Tensor | None) -> dict:
+                  ref_logprobs: torch.Tensor | None, correction: rl_run.Correction, advantages: torch.Tensor) -> dict:
     """Phase 8: --epochs-per-step passes of --minibatches optimizer steps (`update_policy`, right below), then the
-    learning-rate schedule's step; metrics averaged over the updates."""
+    learning-rate schedule's step; metrics averaged over the updates, and rollout correction's."""
     update_metrics = defaultdict(list)
     for _ in range(run.args.epochs_per_step):
         for minibatch in range(run.args.minibatches):
-            for k, v in update_policy(run, batch, minibatch, old_logprobs, ref_logprobs).items():
+            for k, v in update_policy(run, batch, minibatch, old_logprobs, ref_logprobs, correction,
+                                      advantages).items():
                 update_metrics[k].append(v)
     run.scheduler.step()
-    return {k: sum(v) / len(v) for k, v in update_metrics.items()}
+    return {k: sum(v) / len(v) for k, v in update_metrics.items()} | correction.metrics
 
 
 def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_logprobs: torch.Tensor | None,
-                  ref_logprobs: torch.Tensor | None) -> dict:
+                  ref_logprobs: torch.Tensor | None, correction: rl_run.Correction, advantages: torch.Tensor) -> dict:
     """One optimizer step on this rank's share of one minibatch (whole groups): for each micro-batch of bounded
-    tokens, packed forward -> policy loss (+ KL to the reference) -> backward; then clip and step. Without
-    `old_logprobs` the update is on-policy (the ratio's denominator is the forward's own, detached)."""
+    tokens, packed forward -> policy loss (times rollout correction's weights, on the tokens it kept) (+ KL to the
+    reference) -> backward; then clip and step. `advantages`: [B, T] per token (the sample's, plus distillation's).
+    Without `old_logprobs` the update is on-policy (the ratio's denominator is the forward's own, detached)."""
     args = run.args
     index = policy.minibatch([s.group for s in batch], args.minibatches, minibatch)
     # Global normalisers make the sum of micro-batch losses on every rank equal the global-batch loss; FSDP
@@ -380,9 +379,8 @@ def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_log
     global_seqs = collectives.sum_over_ranks(len(index))
     if global_seqs == 0:  # no rank has a sample in this minibatch (dynamic sampling dropped them): no step
         return {}
-    mask = policy.padded([s.loss_mask for s in batch])
+    mask = correction.mask
     engine_logprobs = policy.padded([s.engine_logprobs for s in batch])
-    advantages = policy.padded([[s.advantage] * len(s.loss_mask) for s in batch])
     stats = defaultdict(float)
     run.optimizer.zero_grad(set_to_none=True)
     for micro in policy.completion_micro_batches(run.model, batch, index, args.micro_batch_tokens):
@@ -392,13 +390,6 @@ def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_log
         micro_mask, micro_engine, micro_advantages = (policy.rows_of(x, micro, logprobs)
                                                       for x in (mask, engine_logprobs, advantages))
         old = logprobs.detach() if old_logprobs is None else policy.rows_of(old_logprobs, micro, logprobs)
-        weights = None
-        if args.rollout_is or args.rollout_rs or args.rollout_veto_threshold:
-            weights, micro_mask, correction = losses.rollout_correction(
-                old, micro_engine, micro_mask, args.rollout_is, args.rollout_is_threshold, args.rollout_rs,
-                args.rollout_rs_threshold, args.rollout_rs_threshold_lower, args.rollout_veto_threshold)
-            for k, v in correction.items():  # token means: weighted by this micro-batch's share of the tokens
-                stats[f"rollout_corr/{k}"] += v * policy.rows_of(mask, micro, logprobs).sum().item() / global_tokens
         if args.policy_loss == "gspo":
             token_loss, loss_stats = losses.gspo_loss(
                 logprobs, old, micro_advantages, micro_mask, clip_low=args.clip_low, clip_high=args.clip_high,
@@ -407,8 +398,8 @@ def update_policy(run: Run, batch: list[rollout.Sample], minibatch: int, old_log
             token_loss, loss_stats = losses.clipped_policy_loss(
                 logprobs, old, micro_advantages, micro_mask, clip_low=args.clip_low, clip_high=args.clip_high,
                 dual_clip=args.dual_clip, engine_logprobs=micro_engine if args.tis_cap else None, tis_cap=args.tis_cap)
-        if weights is not None:  # elementwise, as --tis-cap's weight: after the clip, 0 off the mask
-            token_loss = token_loss * weights
+        if correction.weights is not None:  # elementwise, as --tis-cap's weight: after the clip, 0 off the mask
+            token_loss = token_loss * policy.rows_of(correction.weights, micro, logprobs)
         loss = losses.aggregate(token_loss, micro_mask, args.loss_agg, num_tokens=global_tokens,
                                 num_seqs=global_seqs, max_len=args.max_new_tokens) * run.world
         stats["actor/pg_loss"] += loss.item() / run.world

@@ -121,6 +121,7 @@ class Experience:
 
     samples: list[rollout.Sample]
     mask: torch.Tensor  # the samples' loss masks (1 = policy token)
+    correction: rl_run.Correction  # the actor's rollout-correction weights and mask (the loss mask less rejections)
     old_logprobs: torch.Tensor
     values: torch.Tensor  # V(state before each token), 0 off-mask
     advantages: torch.Tensor  # GAE (whitened with whiten_advantages); 0 off-mask
@@ -158,6 +159,7 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
                                      activation_checkpointing=args.activation_checkpointing,
                                      compile_layers=args.compile_layers)
     ref_model = rl_run.load_reference(args, ready.device)
+    teacher = rl_run.load_teacher(args, ready.device)
     optimizer = policy.adamw(model, args.lr, args.weight_decay)
     critic_optimizer = policy.adamw(value_model, args.critic_lr, args.weight_decay)
     rl_run.start_tools(args)
@@ -178,7 +180,8 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
                        args.wandb_project, resume_step=state["step"] if args.resume else None,
                        samples_max_mb=args.samples_max_mb, log_to=args.log_to)
     return Run(args=args, rank=ready.rank, world=ready.world, total_steps=total_steps, model=model,
-               value_model=value_model, ref_model=ref_model, optimizer=optimizer, critic_optimizer=critic_optimizer,
+               value_model=value_model, ref_model=ref_model, teacher=teacher, optimizer=optimizer,
+               critic_optimizer=critic_optimizer,
                engine=rl_run.rollout_engine(vllm_engine, model, ready.tokenizer), tokenizer=ready.tokenizer,
                sampling=ready.sampling, limits=ready.limits, rows=ready.rows, eval_rows=ready.eval_rows,
                score_fn=ready.score_fn, log=log, step=state["step"], data_pos=state["data_pos"],
@@ -248,13 +251,15 @@ def make_experience(run: Run, samples: list[rollout.Sample]) -> tuple[Experience
         kl = losses.kl_penalty(old, ref, args.kl_estimator) * mask
         token_rewards = token_rewards - run.kl_coef * kl
     advantages, returns = losses.gae(token_rewards, values, mask, args.gamma, args.lam)
+    advantages, distill_metrics = rl_run.distill(run, old, samples, advantages)  # --teacher: before whitening
     adv_mean, adv_var = collectives.global_mean_var(advantages, mask)
     if args.whiten_advantages:
         advantages = torch.where(mask.bool(), (advantages - adv_mean) / math.sqrt(adv_var + 1e-8), 0)
     returns_mean, returns_var = collectives.global_mean_var(returns, mask)
     _, error_var = collectives.global_mean_var(returns - values, mask)
     engine_logprobs = policy.padded([s.engine_logprobs for s in samples])
-    metrics = {
+    correction = rl_run.rollout_correction(run, old, samples)
+    metrics = correction.metrics | distill_metrics | {
         "critic/values/mean": collectives.global_mean_var(values, mask)[0],
         "critic/returns/mean": returns_mean,
         "critic/vf_explained_var": 1 - error_var / returns_var if returns_var > 0 else 0.0,
@@ -262,7 +267,8 @@ def make_experience(run: Run, samples: list[rollout.Sample]) -> tuple[Experience
         "actor/reward_kl_penalty": collectives.global_mean_var(kl, mask)[0],
         "mismatch/engine_abs": collectives.global_mean_var((old - engine_logprobs).abs(), mask)[0],
     }
-    return Experience(samples, mask, old, values, advantages, returns, metrics["actor/reward_kl_penalty"]), metrics
+    return Experience(samples, mask, correction, old, values, advantages, returns,
+                      metrics["actor/reward_kl_penalty"]), metrics
 
 
 def update_epochs(run: Run, exp: Experience) -> dict:
@@ -286,7 +292,8 @@ def update_epochs(run: Run, exp: Experience) -> dict:
 
 def update_actor(run: Run, exp: Experience, minibatch: int) -> dict:
     """One actor optimizer step on this rank's share of one minibatch: per micro-batch, packed forward -> clipped
-    surrogate on the whitened advantages (- entropy bonus) -> backward; then clip and step."""
+    surrogate on the whitened advantages (times rollout correction's weights, on the tokens it kept; - entropy bonus)
+    -> backward; then clip and step."""
     args = run.args
     micro_batches, global_tokens = minibatch_plan(run, exp, minibatch)
     stats = defaultdict(float)
@@ -294,9 +301,12 @@ def update_actor(run: Run, exp: Experience, minibatch: int) -> dict:
     for micro in micro_batches:
         logprobs, entropy = policy.completion_logprobs(run.model, [exp.samples[i] for i in micro], args.temperature,
                                                        args.logprob_chunk_size, with_entropy=True)
-        mask, old, adv = (policy.rows_of(x, micro, logprobs) for x in (exp.mask, exp.old_logprobs, exp.advantages))
+        mask, old, adv = (policy.rows_of(x, micro, logprobs)
+                          for x in (exp.correction.mask, exp.old_logprobs, exp.advantages))
         token_loss, loss_stats = losses.clipped_policy_loss(logprobs, old, adv, mask, clip_low=args.clip_low,
                                                             clip_high=args.clip_high)
+        if exp.correction.weights is not None:
+            token_loss = token_loss * policy.rows_of(exp.correction.weights, micro, logprobs)
         token_loss = token_loss - args.entropy_coef * entropy
         loss = losses.masked_sum(token_loss, mask) / global_tokens * run.world  # token mean; FSDP averages ranks
         loss.backward()

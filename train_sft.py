@@ -55,7 +55,14 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping"""
     mixed_precision: bool = False
-    """bf16 parameters with fp32 reductions (use on GPUs)"""
+    """bf16 parameters with fp32 reductions (use on GPUs; with --lora-rank the frozen base is stored in bf16 too)"""
+    lora_rank: int = 0
+    """train LoRA adapters of this rank (PEFT) instead of the full weights, the base frozen (hf/ gets them merged);
+    0 = full fine-tuning"""
+    lora_alpha: float = 16.0
+    """LoRA scale alpha: an adapted layer adds (alpha / rank) B A x"""
+    lora_targets: str = "all-linear"
+    """the linear layers that get adapters: all-linear (all but the output layer) or module names, comma-separated"""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """recompute in backward to save memory: full (decoder layers from their inputs) or selective (keeps matmul and
     attention outputs, recomputes only elementwise work)"""
@@ -158,8 +165,11 @@ def main(args: Args) -> dict:
         raise ValueError(f"{args.data}: {len(untrained)} conversations have no token to train on (first: row "
                          f"{untrained[0]}); the assistant turns must end with {eot!r}, or set --end-of-turn")
     shared = shared_prefix_length(encoded)
-    model = policy.shard_model(policy.load_model(args.model, attn_implementation=args.attn_implementation).to(device),
-                               mixed_precision=args.mixed_precision,
+    model = policy.load_model(args.model, dtype=torch.bfloat16 if args.lora_rank and args.mixed_precision
+                              else torch.float32, attn_implementation=args.attn_implementation)
+    if args.lora_rank:
+        policy.add_lora(model, args.lora_rank, args.lora_alpha, args.lora_targets, seed=args.seed)
+    model = policy.shard_model(model.to(device), mixed_precision=args.mixed_precision,
                                activation_checkpointing=args.activation_checkpointing,
                                compile_layers=args.compile_layers)
     optimizer = policy.adamw(model, args.lr, args.weight_decay)

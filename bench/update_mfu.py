@@ -32,6 +32,7 @@ import tyro
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import policy
+import rl_run
 import rollout
 import train_grpo
 
@@ -134,12 +135,19 @@ def peak_flops(args: Args, device: torch.device) -> float | None:
     return known[0]
 
 
+def update(grpo, batch: list) -> dict:
+    """One train_grpo.update_policy on the batch, on-policy: its loss masks and its samples' advantages."""
+    advantages = policy.padded([[s.advantage] * len(s.loss_mask) for s in batch])
+    return train_grpo.update_policy(grpo, batch, 0, None, None, rl_run.rollout_correction(grpo, None, batch),
+                                    advantages)
+
+
 def profile_update(args: Args, grpo: train_grpo.Run, batch: list[rollout.Sample], rank: int) -> None:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
-        train_grpo.update_policy(grpo, batch, 0, None, None)
+        update(grpo, batch)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
@@ -164,7 +172,8 @@ def main(args: Args) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     # No engine, data, reward or log: update_policy() needs only the model, its optimizer and the Args.
-    grpo = train_grpo.Run(args=grpo_args, rank=rank, world=world, model=model, ref_model=None, optimizer=optimizer,
+    grpo = train_grpo.Run(args=grpo_args, rank=rank, world=world, model=model, ref_model=None, teacher=None,
+                          optimizer=optimizer,
                           scheduler=scheduler, engine=None, tokenizer=None, sampling=None, limits=None, rows=[],
                           eval_rows=[], score_fn=None, judge=None, log=None)
     rng = random.Random(args.seed + rank)
@@ -174,7 +183,7 @@ def main(args: Args) -> dict:
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        stats = train_grpo.update_policy(grpo, batch, 0, None, None)
+        stats = update(grpo, batch)
         if cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start

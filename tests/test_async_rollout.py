@@ -294,15 +294,16 @@ def test_rollout_correction_flags_reach_the_loss(grpo_task, tmp_path):
     is about e^-5. Token rejection within [1/2, 2] drops every token (no loss, no gradient); sequence weights are the
     capped products, ~0, over the same tokens."""
     rejected = make_run(grpo_task, tmp_path / "rs", LengthsEngine([3], stop_id=2), position_rewards(2),
-                        prompts_per_step=2, group_size=2, max_new_tokens=8, rollout_rs="token")
+                        prompts_per_step=2, group_size=2, max_new_tokens=8, rollout_rs="token_k1",
+                        rollout_rs_threshold="2")
     metrics = train_grpo.train_step(rejected)
-    assert metrics["rollout_corr/rs_rejected_frac"] == pytest.approx(1.0)
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(1.0)
     assert metrics["actor/pg_loss"] == 0 and metrics["actor/grad_norm"] == 0
     assert metrics["rollout_corr/kl"] > 3  # E[engine - old]: about -1 - (-6)
     weighted = make_run(grpo_task, tmp_path / "is", LengthsEngine([3], stop_id=2), position_rewards(2),
                         prompts_per_step=2, group_size=2, max_new_tokens=8, rollout_is="sequence")
     metrics = train_grpo.train_step(weighted)
-    assert 0 < metrics["rollout_corr/is_weight_mean"] < 1e-4 and metrics["rollout_corr/rs_rejected_frac"] == 0
+    assert 0 < metrics["rollout_corr/rollout_is_mean"] < 1e-4 and "rollout_corr/rollout_rs_masked_fraction" not in metrics
     with pytest.raises(ValueError, match="--tis-cap is rollout correction's token-level weight"):
         train_grpo.check_args(train_grpo.Args(model="m", data="d", tis_cap=2.0, rollout_is="token"), 1)
 

@@ -174,7 +174,7 @@ def test_minibatches_take_whole_groups_and_an_empty_one_takes_no_step(tmp_path):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         args = train_grpo.Args(model=str(model_dir), minibatches=2)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        run = train_grpo.Run(args=args, rank=0, world=1, model=model, ref_model=None, optimizer=optimizer,
+        run = train_grpo.Run(args=args, rank=0, world=1, model=model, ref_model=None, teacher=None, optimizer=optimizer,
                              scheduler=scheduler, engine=None, tokenizer=None, sampling=None, limits=None, rows=[],
                              eval_rows=[], score_fn=None, judge=None, log=None)
         batch = [rollout.Sample(prompt_ids=[1, 2, 3], completion_ids=completion, loss_mask=[1, 1],
@@ -186,9 +186,11 @@ def test_minibatches_take_whole_groups_and_an_empty_one_takes_no_step(tmp_path):
 
         before = weights()
         assert policy.minibatch([5, 5], 2, 0) == []
-        assert train_grpo.update_policy(run, batch, 0, None, None) == {}
+        correction = rl_run.rollout_correction(run, None, batch)  # none asked for: the loss masks as they are
+        advantages = policy.padded([[s.advantage] * 2 for s in batch])
+        assert train_grpo.update_policy(run, batch, 0, None, None, correction, advantages) == {}
         assert all(torch.equal(a, b) for a, b in zip(weights(), before))
-        stats = train_grpo.update_policy(run, batch, 1, None, None)
+        stats = train_grpo.update_policy(run, batch, 1, None, None, correction, advantages)
         assert stats["actor/grad_norm"] > 0 and math.isfinite(stats["actor/pg_loss"])
         assert not any(torch.equal(a, b) for a, b in zip(weights(), before))
         with pytest.raises(ValueError, match="--minibatches 9 needs as many prompts per rank"):

@@ -394,38 +394,115 @@ def test_log_ratio_is_clamped_so_a_huge_ratio_stays_finite(dual_clip):
         assert torch.isfinite(logprobs.grad).all() and math.isfinite(stats["ppo_kl"]), (fn, logprobs.grad, stats)
 
 
-def test_rollout_correction_weights_and_rejections_by_hand():
-    """Two sequences, rho = exp(old - engine): [2, 1, 1/4] (product 1/2, geometric mean 2^(-1/3)) and [1/2, 1/2]
-    (product 1/4, geometric mean 1/2); the padding holds a ratio of e^100 that nothing may see."""
-    ln = math.log
-    old = torch.tensor([[ln(2), 0.0, ln(0.25), 100.0], [ln(0.5), ln(0.5), 100.0, 100.0]])
-    engine = torch.zeros(2, 4)
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
-    token, kept, stats = losses.rollout_correction(old, engine, mask, "token", is_threshold=1.5)
-    close(token, [[1.5, 1, 0.25, 0], [0.5, 0.5, 0, 0]])
-    assert kept.tolist() == mask.tolist() and stats["rs_rejected_frac"] == 0 and stats["veto_frac"] == 0
-    assert stats["kl"] == pytest.approx(3 * ln(2) / 5)  # mean of engine - old
-    assert stats["k3_kl"] == pytest.approx(((2 - 1 - ln(2)) + (0.25 - 1 + ln(4)) + 2 * (0.5 - 1 + ln(2))) / 5)
-    assert stats["is_weight_mean"] == pytest.approx((1.5 + 1 + 0.25 + 0.5 + 0.5) / 5)
-    sequence, _, _ = losses.rollout_correction(old, engine, mask, "sequence", is_threshold=2.0)
-    close(sequence, [[0.5, 0.5, 0.5, 0], [0.25, 0.25, 0, 0]])
-    capped, _, _ = losses.rollout_correction(-old, engine, mask, "sequence", is_threshold=3.0)  # products 2 and 4
-    close(capped, [[2, 2, 2, 0], [3, 3, 0, 0]])
-    # rejection within [1/3, 3]: the token 1/4; the sequence of product 1/4; by geometric mean within [2/3, 3/2],
-    # the sequence of mean 1/2
-    weights, kept, stats = losses.rollout_correction(old, engine, mask, rs_level="token", rs_threshold=3.0)
-    assert weights is None and kept.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]]
-    assert stats["rs_rejected_frac"] == pytest.approx(1 / 5) and "is_weight_mean" not in stats
-    _, kept, _ = losses.rollout_correction(old, engine, mask, rs_level="sequence", rs_threshold=3.0)
-    assert kept.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0]]
-    _, kept, _ = losses.rollout_correction(old, engine, mask, rs_level="geometric", rs_threshold=1.5)
-    assert kept.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0]]
-    _, kept, _ = losses.rollout_correction(old, engine, mask, rs_level="geometric", rs_threshold=1.5,
-                                           rs_threshold_lower=0.4)
-    assert kept.tolist() == mask.tolist()
-    # veto: a token 4x less likely under the trainer than the engine drops its whole sequence
-    weights, kept, stats = losses.rollout_correction(old, engine, mask, "token", 1.5, veto_threshold=0.3)
-    assert kept.tolist() == [[0, 0, 0, 0], [1, 1, 0, 0]] and stats["veto_frac"] == 0.5
-    assert stats["is_weight_mean"] == pytest.approx(0.5)  # over the kept tokens
+# Two sequences, rho = exp(old - engine): [2, 1, 1/4] (log-ratio sum ln 1/2) and [1/2, 1/2] (sum ln 1/4), then a row
+# with no token to train; the padding holds a ratio of e^100 that nothing may see.
+LN = math.log
+RC_OLD = torch.tensor([[LN(2), 0.0, LN(0.25), 100.0], [LN(0.5), LN(0.5), 100.0, 100.0], [100.0] * 4])
+RC_ENGINE = torch.zeros(3, 4)
+RC_MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
+
+
+def rc(**kwargs):
+    return losses.rollout_correction(RC_OLD, RC_ENGINE, RC_MASK, **kwargs)
+
+
+def test_rollout_correction_weights_by_hand():
+    """Truncated (TIS) and two-sided (IcePop) weights per token and per sequence, batch-normalised, with verl's
+    metrics."""
+    token, kept, stats = rc(is_level="token", is_threshold=1.5)
+    close(token, [[1.5, 1, 0.25, 0], [0.5, 0.5, 0, 0], [0] * 4])
+    assert kept.tolist() == RC_MASK.tolist() and not any(k.startswith("rollout_rs") for k in stats)
+    assert stats["rollout_is_mean"] == pytest.approx(0.75) and stats["rollout_is_max"] == pytest.approx(1.5)
+    assert stats["rollout_is_min"] == pytest.approx(0.25) and stats["rollout_is_std"] == pytest.approx(math.sqrt(
+        sum((w - 0.75) ** 2 for w in (1.5, 1, 0.25, 0.5, 0.5)) / 5))
+    assert stats["rollout_is_ratio_fraction_high"] == pytest.approx(1 / 5)  # 2 > 1.5
+    assert stats["rollout_is_ratio_fraction_low"] == pytest.approx(3 / 5)  # 1/4, 1/2, 1/2 < 1/1.5
+    assert stats["rollout_is_eff_sample_size"] == pytest.approx(45 / 61)  # 1 / mean((w / 0.75)^2)
+    assert stats["rollout_is_seq_mean"] == pytest.approx((2.75 / 3 + 0.5) / 2)  # the empty row counts in no mean
+    assert stats["kl"] == pytest.approx(3 * LN(2) / 5)  # mean of engine - old
+    assert stats["k3_kl"] == pytest.approx(((2 - 1 - LN(2)) + (0.25 - 1 + LN(4)) + 2 * (0.5 - 1 + LN(2))) / 5)
+    assert stats["chi2_token"] == pytest.approx((4 + 1 + 1 / 16 + 1 / 4 + 1 / 4) / 5 - 1)
+    assert stats["chi2_seq"] == pytest.approx((1 / 4 + 1 / 16) / 2 - 1)
+    assert stats["training_ppl"] == pytest.approx((2 ** (1 / 3) + 2) / 2) and stats["rollout_ppl"] == 1
+    assert stats["log_ppl_diff"] == pytest.approx(2 / 3 * LN(2))  # mean over rows of mean(engine) - mean(old)
+    assert stats["ppl_ratio"] == pytest.approx((2 ** (1 / 3) + 2) / 2)
+    sequence, _, stats = rc(is_level="sequence", is_threshold=3.0)  # judged against [1/3, 3]
+    close(sequence, [[0.5, 0.5, 0.5, 0], [0.25, 0.25, 0, 0], [0] * 4])
+    assert (stats["rollout_is_max"], stats["rollout_is_min"]) == (pytest.approx(0.5), pytest.approx(0.25))
+    assert stats["rollout_is_ratio_fraction_high"] == 0 and stats["rollout_is_ratio_fraction_low"] == 0.5
+    capped, _, _ = losses.rollout_correction(-RC_OLD, RC_ENGINE, RC_MASK, "sequence", 3.0)  # products 2 and 4
+    close(capped, [[2, 2, 2, 0], [3, 3, 0, 0], [0] * 4])
+    # IcePop: weights outside [lo, hi] are zeroed, the mask is untouched
+    icepop, kept, stats = rc(is_level="token", is_threshold="0.4_1.5")
+    close(icepop, [[0, 1, 0, 0], [0.5, 0.5, 0, 0], [0] * 4])
+    assert kept.tolist() == RC_MASK.tolist() and stats["rollout_is_oob_ratio"] == pytest.approx(2 / 5)
+    icepop, _, _ = rc(is_level="sequence", is_threshold="0.3_2")
+    close(icepop, [[0.5, 0.5, 0.5, 0], [0] * 4, [0] * 4])
+    # batch normalisation: by the token mean 0.75; per sequence by the mean of the rows' weights, (0.5 + 0.25) / 2;
+    # over ranks by the global mean (another rank holding 5 tokens of weight 1.25 in all: 5 / 10)
+    normed, _, stats = rc(is_level="token", is_threshold=1.5, batch_normalize=True)
+    close(normed, [[2, 4 / 3, 1 / 3, 0], [2 / 3, 2 / 3, 0, 0], [0] * 4])
+    assert stats["rollout_is_batch_norm_factor"] == pytest.approx(0.75)
+    normed, _, _ = rc(is_level="sequence", is_threshold=2.0, batch_normalize=True)
+    close(normed, [[4 / 3] * 3 + [0], [2 / 3] * 2 + [0, 0], [0] * 4])
+    normed, _, _ = rc(is_level="token", is_threshold=1.5, batch_normalize=True,
+                      sum_over_ranks=lambda x: x + torch.tensor([1.25, 5.0], dtype=x.dtype))
+    close(normed, [[3, 2, 0.5, 0], [1, 1, 0, 0], [0] * 4])
     with pytest.raises(ValueError, match="is_level 'seq'"):
-        losses.rollout_correction(old, engine, mask, "seq")
+        rc(is_level="seq")
+    for bad in ("2_1", "x", "0"):
+        with pytest.raises(ValueError, match="rollout IS threshold"):
+            rc(is_level="token", is_threshold=bad)
+
+
+def test_sequence_weights_from_the_raw_sum_as_verl():
+    """A row with log-ratios -25 and +20: verl sums the raw log-ratios (-5) and then bounds the sum, e^-5; bounding each
+    token first (-20 + 20 = 0) would give 1. Rejection bounds each token's log-ratio to +-20 (k1 = 25 -> 20)."""
+    old, engine, mask = torch.tensor([[-25.0, 20.0]]), torch.zeros(1, 2), torch.ones(1, 2)
+    weights, _, _ = losses.rollout_correction(old, engine, mask, "sequence", 2.0)
+    close(weights, [[math.exp(-5)] * 2])
+    _, kept, stats = losses.rollout_correction(old, engine, mask, rs="token_k1", rs_threshold="1e-9_1e9")
+    assert kept.tolist() == [[1, 1]] and stats["rollout_rs_token_k1_max"] == pytest.approx(20)  # ln 1e9 = 20.7
+
+
+@pytest.mark.parametrize("option, threshold, kept", [
+    ("token_k1", "3", [[1, 1, 0, 0], [1, 1, 0, 0]]),  # k1 = ln 4 of the 1/4 token leaves [ln 1/3, ln 3]
+    # k1 is log(engine / trainer): "0.6_3" bounds the inverse ratio, so rho = 2 (k1 = ln 1/2 < ln 0.6) goes too
+    ("token_k1", "0.6_3", [[0, 1, 0, 0], [1, 1, 0, 0]]),
+    ("seq_sum_k1", "3", [[1, 1, 1, 0], [0, 0, 0, 0]]),  # sums ln 2 and ln 4
+    ("seq_mean_k1", "1.5", [[1, 1, 1, 0], [0, 0, 0, 0]]),  # geometric: means ln 2 / 3 and ln 2
+    ("seq_mean_k1", "0.4_2.5", [[1, 1, 1, 0], [1, 1, 0, 0]]),
+    ("token_k2", "0.5", [[1, 1, 0, 0], [1, 1, 0, 0]]),  # k2 = (ln 2)^2 / 2 = 0.24, 0, (ln 4)^2 / 2 = 0.96
+    ("token_k3", "0.3", [[0, 1, 0, 0], [1, 1, 0, 0]]),  # k3 = 0.307, 0, 0.636; 0.193 twice
+    ("seq_sum_k2", "0.5", [[0, 0, 0, 0], [1, 1, 0, 0]]),  # sums 1.20 and 0.48
+    ("seq_mean_k3", "0.2", [[0, 0, 0, 0], [1, 1, 0, 0]]),  # means 0.314 and 0.193
+    ("seq_max_k2", "0.5", [[0, 0, 0, 0], [1, 1, 0, 0]]),  # maxima 0.96 and 0.24
+    ("seq_max_k3", "0.25", [[0, 0, 0, 0], [1, 1, 0, 0]]),  # maxima 0.636 and 0.193
+])
+def test_rollout_rejection_by_hand(option, threshold, kept):
+    weights, mask, stats = rc(rs=option, rs_threshold=threshold)
+    assert weights is None and mask.tolist() == [row + [] for row in kept] + [[0] * 4]
+    rejected = 5 - sum(map(sum, kept))
+    assert stats[f"rollout_rs_{option}_masked_fraction"] == pytest.approx(rejected / 5)
+    assert stats["rollout_rs_masked_fraction"] == pytest.approx(rejected / 5)
+    assert stats["rollout_rs_seq_masked_fraction"] == pytest.approx(
+        sum(k != m for k, m in zip(kept, [[1, 1, 1, 0], [1, 1, 0, 0]])) / 2)
+
+
+def test_rollout_rejection_options_combine():
+    """Options are ANDed, with one threshold each (or one for all); bad options and thresholds are refused."""
+    _, kept, stats = rc(rs="token_k1,seq_max_k2", rs_threshold="3,0.5")
+    assert kept.tolist() == [[0, 0, 0, 0], [1, 1, 0, 0], [0] * 4]
+    assert stats["rollout_rs_token_k1_masked_fraction"] == pytest.approx(1 / 5)
+    assert stats["rollout_rs_seq_max_k2_masked_fraction"] == pytest.approx(3 / 5)
+    assert stats["rollout_rs_masked_fraction"] == pytest.approx(3 / 5) and stats[
+        "rollout_rs_seq_masked_fraction"] == 0.5
+    _, kept, _ = rc(rs="token_k2,token_k3", rs_threshold="0.5")  # both reject the 1/4 token only
+    assert kept.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [0] * 4]
+    _, kept, _ = rc(rs="token_k2,token_k3", rs_threshold="0.5,0.3")  # k3 of rho = 2 is 0.307
+    assert kept.tolist() == [[0, 1, 0, 0], [1, 1, 0, 0], [0] * 4]
+    for options, threshold, message in (("seq_max_k1", "2", "unknown option"), ("token_k1,token_k2", "1,2,3", "one "
+                                        "per option"), ("token_k2", "0.5_2", "one upper bound"), ("token_k1", "a",
+                                                                                                 "not a number")):
+        with pytest.raises(ValueError, match=message):
+            rc(rs=options, rs_threshold=threshold)

@@ -204,9 +204,9 @@ def test_loss_weights_of_tokens_from_two_versions_by_hand():
     assert kept.tolist() == mask.tolist()
     weights, _, _ = losses.rollout_correction(old, engine, mask, "sequence", 1.5)
     assert weights[0].tolist() == pytest.approx([1.0] * 4 + [0.0])  # min(2 * .5 * 1 * 1, 1.5) on every token
-    _, kept, stats = losses.rollout_correction(old, engine, mask, "token", 1.5, rs_level="token")
+    _, kept, stats = losses.rollout_correction(old, engine, mask, "token", 1.5, rs="token_k1", rs_threshold=1.5)
     assert kept.tolist() == [[0, 0, 1, 1, 0]]  # 2 and .5 leave [1/1.5, 1.5]: the stale tokens are rejected
-    assert stats["rs_rejected_frac"] == pytest.approx(0.5)
+    assert stats["rollout_rs_masked_fraction"] == pytest.approx(0.5)
 
 
 # train_grpo with --partial-rollouts, in one process: positions 0-3 of the data order are task-L, task-S, task-S,

@@ -34,7 +34,12 @@ from vllm.distributed.parallel_state import (destroy_distributed_environment, de
                                              init_distributed_environment, initialize_model_parallel)
 from vllm.engine.arg_utils import EngineArgs
 from vllm.inputs import TokensPrompt
+from vllm.config.lora import LoRAConfig
 from vllm.logprobs import FlatLogprobs, append_logprobs_for_next_position, create_sample_logprobs
+import vllm.lora.lora_model as vllm_lora_model  # noqa: E402
+from vllm.lora.lora_model import LoRAModel
+from vllm.lora.peft_helper import PEFTHelper
+from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingType
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer, uses_fast_detokenizer
@@ -287,6 +292,7 @@ class RecordingLLM:
         self.llm_engine.add_request = self._add_request
         self.llm_engine.step = self._step
         self.llm_engine.abort_request = self._abort_request
+        self.llm_engine.add_lora = self._add_lora
         self.scheduled = {}  # request id -> (prompt, params, tokens so far, logprobs)
 
     def _record(self, real, name, *args, **kwargs):
@@ -339,6 +345,13 @@ class RecordingLLM:
             if finished or params.output_kind != RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._output(request_id, prompt, params, token_ids, logprobs, finished))
         return outputs
+
+    def _add_lora(self, lora_request):
+        """LLMEngine.add_lora: what the worker's LoRA manager reads is the request's folder (recorded here)."""
+        self._record(LLMEngine.add_lora, "add_lora", lora_request)
+        assert isinstance(lora_request, LoRARequest) and os.path.isfile(
+            os.path.join(lora_request.lora_path, "adapter_model.safetensors"))
+        return True
 
     def _abort_request(self, request_ids, *args, **kwargs):
         self._record(LLMEngine.abort_request, "abort_request", request_ids, *args, **kwargs)
@@ -452,3 +465,85 @@ def test_image_budget_reaches_the_model_config(vl_dir, monkeypatch):
     config = dataclasses.replace(args, enable_sleep_mode=False).create_model_config()
     assert config.multimodal_config.get_limit_per_prompt("image") == 5
     assert config.multimodal_config.get_limit_per_prompt("video") == 0
+
+
+ALL_LINEAR = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def lora_policy(model_dir, rank: int = 8):
+    """kiln's policy with LoRA adapters (all-linear), B made non-zero so that every adapter shows."""
+    model = policy.add_lora(policy.load_model(model_dir), rank, 2.0 * rank, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_()
+    return model
+
+
+def test_lora_engine_args(model_dir):
+    """--lora-rank 12 asks vLLM for one adapter slot of rank 16 (the next rank vLLM 0.32 allows), which its
+    LoRAConfig accepts; a rank past vLLM's largest is refused before the engine starts."""
+    kwargs = llm_kwargs(model_dir, lora_rank=12)
+    args = EngineArgs(**kwargs)
+    assert (args.enable_lora, args.max_lora_rank, args.max_loras) == (True, 16, 1)
+    LoRAConfig(max_lora_rank=args.max_lora_rank, max_loras=args.max_loras)
+    assert "enable_lora" not in llm_kwargs(model_dir)
+    with pytest.raises(ValueError, match="vLLM serves LoRA ranks up to 512"):
+        llm_kwargs(model_dir, lora_rank=600)
+
+
+def test_adapter_folder_is_what_vllms_lora_loader_reads(model_dir, tmp_path, monkeypatch):
+    """engines.write_adapter's folder through vLLM 0.32's own PEFTHelper and LoRAModel.from_local_checkpoint (what
+    its worker's LoRA manager runs for a LoRARequest): every adapted layer of the policy arrives, A and B as the
+    policy holds them, scaled alpha / r. (Host memory is pinned only where an accelerator is: none here.)"""
+    monkeypatch.setattr(vllm_lora_model, "PIN_MEMORY", False)
+    model = lora_policy(model_dir)
+    nbytes = engines.write_adapter(tmp_path / "v1", policy.iter_adapter_weights(model), policy.lora_config(model),
+                                   torch.float32)
+    adapters = dict(policy.iter_adapter_weights(model))
+    assert nbytes == sum(t.nbytes for t in adapters.values())
+    helper = PEFTHelper.from_local_dir(str(tmp_path / "v1"), max_position_embeddings=256)
+    helper.validate_legal(LoRAConfig(max_lora_rank=8))
+    assert (helper.r, helper.lora_alpha, set(helper.target_modules)) == (8, 16, ALL_LINEAR)
+    loaded = LoRAModel.from_local_checkpoint(str(tmp_path / "v1"), ALL_LINEAR, helper, lora_model_id=1,
+                                             device="cpu", dtype=torch.float32)
+    layers = {name.removesuffix(".lora_A.default.weight") for name in adapters if ".lora_A." in name}
+    assert set(loaded.loras) == layers
+    for layer in layers:
+        weights = loaded.loras[layer]
+        assert torch.equal(weights.lora_a, adapters[f"{layer}.lora_A.default.weight"])
+        assert torch.equal(weights.lora_b, adapters[f"{layer}.lora_B.default.weight"])
+        assert weights.scaling == 2.0
+
+
+def test_vllm_engine_syncs_adapters_as_lora_requests(vllm_qwen2, model_dir, monkeypatch):
+    """A LoRA policy's VLLMEngine: level-1 sleeps (the base stays), each load_adapter writes a new folder that
+    LLMEngine.add_lora reloads in place into slot 1, requests carry the stored LoRARequest (without load_inplace,
+    which would reload it for every request), the previous folder goes, the prefix cache is reset."""
+    model, model_config, _ = vllm_qwen2
+    monkeypatch.setattr(RecordingLLM, "model", model)
+    monkeypatch.setattr(RecordingLLM, "model_config", model_config)
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    engine = engines.VLLMEngine(str(model_dir), seed=7, dtype="float32", max_model_len=256, lora_rank=8)
+    llm, source = engine.llm, lora_policy(model_dir)
+    assert (llm.kwargs["enable_lora"], llm.kwargs["max_lora_rank"]) == (True, 8) and engine.holds_base
+    paths = []
+    for _ in range(2):
+        engine.sleep()
+        engine.wake_up()
+        engine.load_adapter(policy.iter_adapter_weights(source), policy.lora_config(source))
+        request = next(args[0] for name, args, _ in reversed(llm.calls) if name == "add_lora")
+        assert (request.lora_name, request.lora_int_id, request.load_inplace) == ("kiln", 1, True)
+        assert engine.lora_request.lora_path == request.lora_path and not engine.lora_request.load_inplace
+        paths.append(request.lora_path)
+        engine.generate([[1, 2, 3]], engines.Sampling(max_new_tokens=2))
+        engine.submit("k", [4], engines.Sampling(max_new_tokens=1))
+        while engine.submitted:
+            engine.step()
+    assert paths[0] != paths[1] and not os.path.exists(paths[0]) and os.path.isdir(paths[1])
+    generated = [kwargs["lora_request"] for name, _, kwargs in llm.calls if name in ("generate", "add_request")]
+    assert [r.lora_path for r in generated] == [paths[0], paths[0], paths[1], paths[1]]
+    assert [kwargs for name, _, kwargs in llm.calls if name == "sleep"] == [{"level": 1}, {"level": 1}]
+    names = [name for name, _, _ in llm.calls]
+    assert names.count("reset_prefix_cache") == 2 and "apply_model" not in names[1:]  # no base weights sent
+    assert engine.last_metrics["vllm/sync_bytes"] == sum(t.nbytes for _, t in policy.iter_adapter_weights(source))
