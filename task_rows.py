@@ -29,13 +29,15 @@ from __future__ import annotations
 
 import base64
 import functools
+import glob
+import hashlib
 import json
 import math
 import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -58,6 +60,9 @@ JSON_COLUMNS_KEY = b"kiln.json_columns"
 # The Arrow copy of a parquet file's validated rows: beside it, stamped with the file's size and mtime it was made of.
 ARROW_CACHE = ".{name}.kiln-rows-1.arrow"
 SOURCE_STAMP_KEY = b"kiln.source_stamp"
+# A value per row derived from the rows (a prompt's length under one tokenizer, ...), kept beside the Arrow copy and
+# removed with it: named by what it is and a digest of what determines it (Rows.per_row).
+PER_ROW_CACHE = "{arrow}.{name}-{digest}.npy"
 BATCH_ROWS = 256  # rows of a column read at once
 VALIDATE_ROWS = 32  # whole rows (tests, images) decoded at once while validating
 
@@ -224,11 +229,12 @@ class Rows(Sequence):
     """A parquet file's rows without holding them: an Arrow file of them, validated once and kept beside the parquet
     (ARROW_CACHE, made again when the parquet changes), memory-mapped, so the ranks of a node share its pages and none
     holds the rows in its heap. `rows[i]` decodes row i (validate_row's copy, as load_rows gave before); `values`
-    reads one field of every row, a batch at a time; a slice or `subset` is a view. Equal to a list of the same
-    rows."""
+    reads one field of every row, a batch at a time; `per_row` a value derived from every row, computed once; a slice
+    or `subset` is a view. Equal to a list of the same rows."""
 
-    def __init__(self, table: pa.Table, json_columns: list[str], where: str, index: np.ndarray | None = None):
-        self.table, self.json_columns, self.where = table, json_columns, where
+    def __init__(self, table: pa.Table, json_columns: list[str], where: str, index: np.ndarray | None = None,
+                 arrow: Path | None = None):
+        self.table, self.json_columns, self.where, self.arrow = table, json_columns, where, arrow
         self.index = np.arange(table.num_rows) if index is None else index
 
     @classmethod
@@ -239,7 +245,7 @@ class Rows(Sequence):
             if not cache.is_file() or _arrow_metadata(cache).get(SOURCE_STAMP_KEY) != stamp:
                 _write_arrow_cache(path, cache, stamp, where)
         table = ipc.open_file(pa.memory_map(str(cache))).read_all()  # zero-copy: the file's pages, not the heap
-        return cls(table, json.loads((table.schema.metadata or {}).get(JSON_COLUMNS_KEY, b"[]")), where)
+        return cls(table, json.loads((table.schema.metadata or {}).get(JSON_COLUMNS_KEY, b"[]")), where, arrow=cache)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -255,7 +261,30 @@ class Rows(Sequence):
 
     def subset(self, positions) -> "Rows":
         """The rows at `positions` (of this view), in that order."""
-        return Rows(self.table, self.json_columns, self.where, self.index[np.asarray(positions, dtype=np.int64)])
+        return Rows(self.table, self.json_columns, self.where, self.index[np.asarray(positions, dtype=np.int64)],
+                    self.arrow)
+
+    def per_row(self, name: str, key: str, compute: Callable[[Sequence[dict]], Sequence[int]]) -> np.ndarray:
+        """`compute(rows)`, one integer per row of the file, kept beside the Arrow copy (PER_ROW_CACHE) under `name` and
+        a digest of `key` (everything `compute` depends on besides the rows) and the file's stamp: computed by the
+        first caller of a node under the copy's lock, read by the other ranks and every later start, removed when the
+        file changes. Returns this view's rows' values."""
+        stamp = (self.table.schema.metadata or {}).get(SOURCE_STAMP_KEY, b"")
+        digest = hashlib.sha256(key.encode() + b"\0" + stamp).hexdigest()[:16]
+        path = self.arrow.with_name(PER_ROW_CACHE.format(arrow=self.arrow.name, name=name, digest=digest))
+        with FileLock(str(self.arrow) + ".lock"):  # the copy's own lock: no rewrite of the copy while this is made
+            values = np.load(path) if path.is_file() else None
+            if values is None or len(values) != self.table.num_rows:
+                values = np.asarray(compute(Rows(self.table, self.json_columns, self.where, arrow=self.arrow)),
+                                    dtype=np.int64)
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                try:
+                    with open(tmp, "wb") as f:
+                        np.save(f, values)
+                    os.replace(tmp, path)
+                finally:
+                    tmp.unlink(missing_ok=True)
+        return values[self.index]
 
     def values(self, field: str) -> Iterator:
         """Each row's `field` ("data_source", "prompt", "reward_model.style", ...; None where absent), as the row holds
@@ -285,6 +314,15 @@ def values(rows: Sequence[dict], field: str) -> Iterator:
         return rows.values(field)
     top, _, key = field.partition(".")
     return ((row.get(top) or {}).get(key) if key else row.get(top) for row in rows)
+
+
+def per_row(rows: Sequence[dict], name: str, key: str | None,
+            compute: Callable[[Sequence[dict]], Sequence[int]]) -> np.ndarray:
+    """`compute(rows)` as an array: for a parquet file's `Rows` computed once and kept (Rows.per_row); for other rows,
+    or a `key` of None (what it depends on cannot be named), computed now."""
+    if isinstance(rows, Rows) and rows.arrow is not None and key is not None:
+        return rows.per_row(name, key, compute)
+    return np.asarray(compute(rows), dtype=np.int64).reshape(len(rows))
 
 
 def subset(rows: Sequence[dict], positions: list[int]) -> Sequence[dict]:
@@ -327,6 +365,8 @@ def _write_arrow_cache(path: Path, cache: Path, stamp: bytes, where: str) -> Non
                 writer.write_batch(pa.RecordBatch.from_arrays(batch.columns, schema=schema))
         if not count:
             raise ValueError(f"{where}: no rows")
+        for derived in glob.glob(glob.escape(str(cache)) + ".*.npy"):  # values of the rows this copy replaces
+            os.unlink(derived)
         os.replace(tmp, cache)
     finally:
         tmp.unlink(missing_ok=True)
