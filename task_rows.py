@@ -19,7 +19,8 @@ ground_truth JSON per family (what rewards.py reads):
     vl_agent family (vision_toy, vstar, chart, ...; rewards.py): the answer as plain text; vision_toy rows also have
                extra_info.target_box [x0, y0, x1, y1], the region of images[0] that holds the answer
 
-`load_rows` reads .parquet, .jsonl or a Hugging Face dataset name and validates every row (a bad one raises
+`load_rows` reads .parquet, .jsonl or a Hugging Face dataset name (`org/name[@revision]`, downloaded once per
+node: hub.fetch) and validates every row (a bad one raises
 RowError naming file, row and field); a parquet file's rows stay on disk (`Rows`: a validated Arrow copy beside it,
 memory-mapped and shared by the ranks, a row decoded when used); `write_rows` writes them back exactly;
 `in_epoch_order` is the seeded order the trainers visit them in. data_prep.py converts public datasets into this
@@ -34,7 +35,6 @@ import hashlib
 import json
 import math
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -46,6 +46,8 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import torch
 from filelock import FileLock
+
+import hub
 
 IMAGE_MARKER = "<image>"  # CodeV's inline image placeholder, which kiln rows replace by image parts
 IO_SOURCES = ("apps", "codecontests", "taco", "livecodebench")  # stdin/stdout or call-based tests, APPS format
@@ -204,7 +206,7 @@ def row_images(row: dict) -> list[bytes]:
 
 def load_rows(source: str | os.PathLike, split: str = "train") -> Sequence[dict]:
     """Validated rows from a .parquet file (a lazy `Rows`), a .jsonl file (read whole) or a Hugging Face dataset name
-    (`split` of it)."""
+    (`split` of it, read whole; collective under torchrun, see `hub_records`)."""
     path = Path(source)
     if path.suffix in (".parquet", ".jsonl") or path.exists():
         if not path.is_file():
@@ -215,7 +217,7 @@ def load_rows(source: str | os.PathLike, split: str = "train") -> Sequence[dict]
             rows = [validate_row(r, f"{source} line {n}") for n, r in read_jsonl(path)]
         else:
             raise ValueError(f"{source}: expected a .parquet or .jsonl file")
-    elif re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(source)):
+    elif dataset_name(str(source)) is not None:
         rows = [validate_row(r, f"{source}[{split}] row {i}") for i, r in enumerate(hub_records(str(source), split))]
     else:
         raise ValueError(f"{source}: not a .parquet/.jsonl file or a Hugging Face dataset name")
@@ -503,15 +505,31 @@ def hub_error(name: str, e: Exception) -> RuntimeError:
         "(offline machine, HF_HUB_OFFLINE=1), fetch the data elsewhere and pass a local path instead.")
 
 
+def dataset_name(source: str) -> tuple[str, str | None] | None:
+    """(repo id, revision) when `source` names a Hugging Face dataset (`org/name[@revision]`), None for a file."""
+    return None if Path(source).suffix in (".parquet", ".jsonl") else hub.hub_name(source)
+
+
+def check_source(source: str, flag: str) -> None:
+    """Refuse, before anything loads, a dataset named by hub name that HF_HUB_OFFLINE=1 keeps from downloading and
+    the local cache does not hold (hub.check_cached); a file is load_rows' to check."""
+    if dataset_name(source) is not None:
+        hub.check_cached(source, f"{flag} {source}", "dataset")
+
+
 def hub_records(name: str, split: str | None) -> list[dict]:
-    """Records of a Hugging Face dataset (all splits when `split` is None)."""
+    """Records of a Hugging Face dataset `org/name[@revision]` (all splits when `split` is None): its snapshot,
+    downloaded into the hub cache by local rank 0 of each node while the other ranks wait (hub.fetch), then read
+    from those files by every rank (`datasets`, which knows the hub's layouts of configs and splits)."""
+    local = hub.fetch(name, kind="dataset")
     try:
         import datasets  # only here: a second of import for every script that never reads the hub
     except ImportError as e:
         raise RuntimeError(f"loading the Hugging Face dataset {name!r} needs `pip install datasets`") from e
     try:
-        loaded = datasets.load_dataset(name, split=split)
-    except Exception as e:  # the hub raises many types (connection, offline, not found); all mean "not here"
-        raise hub_error(name, e) from e
+        loaded = datasets.load_dataset(local, split=split)
+    except Exception as e:  # a split or config it lacks, files it cannot parse: the library's first line says which
+        part, why = f"split {split!r} of its files" if split else "its files", str(e).strip().partition("\n")[0]
+        raise ValueError(f"{name}: cannot read {part} in {local} ({type(e).__name__}: {why})") from e
     parts = loaded.values() if split is None else [loaded]
     return [dict(record) for part in parts for record in part]
