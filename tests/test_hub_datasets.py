@@ -24,6 +24,7 @@ from test_hub_models import env  # noqa: E402
 pytestmark = pytest.mark.slow
 REPO = "kiln-test/rows"
 TRAIN = "train-00000-of-00001.parquet"
+PATH = {"PYTHONPATH": str(ROOT)}  # for READ, a script outside the repository
 READ = """import json, sys
 import policy, task_rows
 policy.init_distributed()
@@ -58,7 +59,7 @@ def test_two_ranks_read_a_hub_dataset_with_one_download_then_offline_from_the_ca
     home = tmp_path / "hf-home"
     hub.requests.clear()
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(root / "read.py"), REPO, "train"], cwd=ROOT, env=env(hub, home) | {"PYTHONPATH": str(ROOT)},
+                           str(root / "read.py"), REPO, "train"], cwd=ROOT, env=env(hub, home) | PATH,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert rows_read(done.stdout) == [ids, ids]  # both ranks, the same rows
@@ -69,7 +70,7 @@ def test_two_ranks_read_a_hub_dataset_with_one_download_then_offline_from_the_ca
     # Offline, cached: the dataset loads pinned to its commit, and the hub is asked nothing.
     hub.requests.clear()
     done = subprocess.run([sys.executable, str(root / "read.py"), f"{REPO}@{sha}", "test"], cwd=ROOT,
-                          env=env(hub, home, offline=True), capture_output=True, text=True, timeout=300)
+                          env=env(hub, home, offline=True) | PATH, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert rows_read(done.stdout) == [[f"toy/{i}" for i in range(12, 16)]] and hub.requests == []
 
