@@ -122,3 +122,28 @@ def test_prompt_lengths_are_kept_beside_the_rows_until_the_tokenizer_template_to
 
 
 real_render = chat.render
+
+
+def test_image_counts_are_kept_per_image_processor_and_a_counter_without_a_key_counts_every_time(tmp_path):
+    data_prep.vision_toy(tmp_path / "train.parquet", split="train", n_train=3, n_test=1, size=128)
+    rows = load_rows(tmp_path / "train.parquet")
+    tokenizer = policy.load_tokenizer(tiny.make_tiny_model(tmp_path / "m", ["a few words"] * 20))
+    text = rollout.prompt_lengths(rows, tokenizer, None)
+    calls = []
+
+    class Counter:  # what vision.ImageCounter is to the filter: a count per image, named by `key`
+        def __init__(self, tokens: int, key: str | None):
+            self.tokens, self.key = tokens, key
+
+        def __call__(self, image: bytes) -> int:
+            calls.append(image)
+            return self.tokens
+
+    assert rollout.prompt_lengths(rows, tokenizer, None, Counter(10, "processor A")) == [n + 9 for n in text]
+    assert len(calls) == 3
+    assert rollout.prompt_lengths(rows, tokenizer, None, Counter(10, "processor A")) == [n + 9 for n in text]
+    assert len(calls) == 3  # read back, not counted
+    assert rollout.prompt_lengths(rows, tokenizer, None, Counter(20, "processor B")) == [n + 19 for n in text]
+    assert rollout.prompt_lengths(rows, tokenizer, None, Counter(30, None)) == [n + 29 for n in text]
+    assert rollout.prompt_lengths(rows, tokenizer, None, Counter(30, None)) == [n + 29 for n in text]
+    assert len(calls) == 3 + 3 + 3 + 3
