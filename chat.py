@@ -17,9 +17,11 @@ see the same tokens.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import textwrap
+from importlib.metadata import version
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 TOOL_OUTPUT_MARK = "\ue000kiln tool output\ue000"  # a private-use character no template or tool writes
@@ -256,6 +258,19 @@ def parse_tool_calls(text: str, known: set[str]) -> list[dict | str]:
 def render(tokenizer, messages: list[dict], schemas: list[dict] | None, add_generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tools=schemas or None, tokenize=False,
                                          add_generation_prompt=add_generation_prompt)
+
+
+def rendering_key(tokenizer, schemas: list[dict] | None) -> str | None:
+    """A digest of everything that decides the ids `render` then the tokenizer give a conversation: the tokenizer
+    itself as loaded (its serialized vocabulary, merges, normalizer and added tokens, whichever files they came
+    from), its chat template and special tokens, the tool signatures, and the libraries' versions. None for a
+    tokenizer without a serialized form (a slow, pure-Python one): then nothing derived from it can be cached."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    parts = [type(tokenizer).__name__, version("transformers"), version("tokenizers"), version("jinja2"),
+             backend.to_str(), tokenizer.chat_template, tokenizer.special_tokens_map, schemas]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def template_suffix_ids(tokenizer, messages: list[dict], new_messages: list[dict],

@@ -578,7 +578,7 @@ def vision_count_rows(n_train: int, n_test: int, seed: int = 0, max_colours: int
     if max_colours < 2 and n_test:
         raise ValueError(f"vision_count: held-out tasks name max_colours colours; {max_colours} must be >= 2")
     rng = random.Random(seed)
-    names = list(vision_tasks.DOT_COLOURS)
+    names = list(vision_tasks.COUNT_COLOURS)
     sequences = [(c,) for c in names]
     every = list(sequences)
     for _ in range(max_colours - 1):

@@ -1,7 +1,7 @@
 """`make demo-vision`: watch kiln teach a tiny vision-language agent to run code on its image, CodeV's loop (image ->
 code on the image -> printed output and images back -> answer), on a 2-core CPU in minutes.
 
-1. vision_count tasks (data_prep.vision_count_rows): an image of small solid squares in four colours; the question
+1. vision_count tasks (data_prep.vision_count_rows): an image of small solid squares in six colours; the question
    names 1-3 colours and asks how many squares have one of them. A tiny model cannot count pixels by looking: one
    program on the image (exact colour tests, the mask's area over a square's) computes the answer. Held-out
    questions name 3-colour sequences never trained (each colour and each neighbouring pair was)
@@ -62,7 +62,7 @@ class Args:
     greedy decoding of its warm start slips on every colour)"""
     misread_rate: float = 0.25
     """how often the SFT teacher misreads the tool's output (by one)"""
-    sft_steps: int = 900
+    sft_steps: int = 700
     """warm-start steps"""
     sft_batch_size: int = 32
     """conversations per SFT step"""

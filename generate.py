@@ -22,6 +22,7 @@ import cli
 import collectives
 import containers
 import merge
+import hub
 import policy
 import task_rows
 import vision
@@ -163,7 +164,7 @@ def generate(args: GenerateArgs) -> Path:
     """Samples of args.model for every row of args.data in args.out (rank 0 writes it, once everything is done)."""
     check_generate_args(args)
     rank, world, device = policy.init_distributed()
-    args.model = policy.fetch_model(args.model)  # a hub name: downloaded once per node
+    args.model = hub.fetch(args.model, "--model")  # a hub name: downloaded once per node
     if rank == 0:  # made before the model loads: a folder that cannot be made fails now, not after generating
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed + rank)

@@ -11,20 +11,15 @@ import itertools
 import logging
 import math
 import os
-import re
 import sys
 import warnings
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
-from huggingface_hub import constants as hub_constants
-from huggingface_hub import snapshot_download
-from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import create_block_mask
@@ -37,6 +32,7 @@ from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, 
 from transformers.masking_utils import AttentionMaskInterface
 
 import collectives
+import hub
 import vision
 
 
@@ -182,80 +178,14 @@ def check_attention(path, attn_implementation: str) -> None:
                          "--attn-implementation packed_sdpa or flash_attention_2")
 
 
-def hub_name(path: str) -> tuple[str, str | None] | None:
-    """(repo id, revision) of a Hugging Face hub name, `org/name` or `org/name@revision` (a branch, tag or commit);
-    None for what can only be a local path (an existing one, or one that starts with / . ~ or has more parts)."""
-    if Path(path).exists() or path.startswith(("/", ".", "~")):
-        return None
-    match = re.fullmatch(r"([\w.-]+(?:/[\w.-]+)?)(?:@([\w./-]+))?", path)
-    return (match.group(1), match.group(2)) if match else None
-
-
 def check_model_path(path: str, flag: str = "--model") -> None:
     """Refuse, before anything loads, a model that is neither a folder nor a hub name, and, offline
-    (HF_HUB_OFFLINE=1), a hub model that is not in the local cache; naming it. `fetch_model` downloads the others."""
+    (HF_HUB_OFFLINE=1), a hub model that is not in the local cache; naming it. `hub.fetch` downloads the others."""
     if Path(path).is_dir():
         return
-    hub = hub_name(path)
-    if hub is None:
+    if hub.hub_name(path) is None:
         raise ValueError(f"{flag} {path}: model folder does not exist")
-    if hub_constants.HF_HUB_OFFLINE and cached_model(*hub) is None:
-        raise ValueError(f"{flag} {path}: no such model folder, nor a Hugging Face model in the local cache "
-                         f"({hub_constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE=1 forbids downloading it: fetch it "
-                         f"first (`hf download {hub[0]}`{f' --revision {hub[1]}' if hub[1] else ''}) or unset "
-                         "HF_HUB_OFFLINE")
-
-
-def cached_model(repo: str, revision: str | None) -> str | None:
-    """The complete snapshot of a hub model in the local cache (HF_HOME / HF_HUB_CACHE), or None."""
-    try:
-        return snapshot_download(repo, revision=revision, local_files_only=True)
-    except Exception:  # not cached, or cached in part: huggingface_hub raises several types for both
-        return None
-
-
-def fetch_model(path: str, flag: str = "--model") -> str:
-    """The local folder of the model `path`: the folder itself, or for a hub name (`org/name[@revision]`) its snapshot
-    in the Hugging Face cache ($HF_HOME), downloaded first if missing. Collective under torchrun: local rank 0 of each
-    node downloads (huggingface_hub: files already complete are kept, a dropped connection resumes where it broke)
-    while the other ranks wait for it, at most $KILN_DOWNLOAD_TIMEOUT_S seconds (default 4 hours); then every rank
-    takes the same local folder. A download that fails stops every rank with one message naming the model."""
-    hub = hub_name(path)
-    if hub is None or Path(path).is_dir():
-        return path
-    repo, revision = hub
-    timeout_s = float(os.environ.get("KILN_DOWNLOAD_TIMEOUT_S", 4 * 3600))
-    waiting = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))  # before the download: its own
-               if dist.is_initialized() and dist.get_world_size() > 1 else None)  # timeout, not the job's
-    error = None
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and cached_model(repo, revision) is None:
-        print(f"{flag} {path}: downloading from {hub_constants.ENDPOINT} into {hub_constants.HF_HUB_CACHE}",
-              flush=True)
-        try:
-            snapshot_download(repo, revision=revision)
-        except RepositoryNotFoundError:
-            error = (f"{flag} {path}: no such model on {hub_constants.ENDPOINT} (or it is private or gated: log in "
-                     "with `hf auth login`)")
-        except RevisionNotFoundError:
-            error = f"{flag} {path}: the model has no revision {revision!r} on {hub_constants.ENDPOINT}"
-        except Exception as e:  # offline, unreachable, disk full, ...: the library's first line says which
-            error = f"{flag} {path}: could not download it ({type(e).__name__}: {str(e).strip().splitlines()[0]})"
-    errors = [error]
-    if waiting is not None:
-        errors = [None] * dist.get_world_size()
-        try:
-            dist.all_gather_object(errors, error, group=waiting)
-        except RuntimeError as e:
-            raise RuntimeError(f"{flag} {path}: rank {dist.get_rank()} waited {timeout_s:.0f} s for local rank 0 of "
-                               "its node to download it; set KILN_DOWNLOAD_TIMEOUT_S higher, or fetch it first "
-                               f"(`hf download {repo}`)") from e
-        dist.destroy_process_group(waiting)
-    if any(errors):
-        raise RuntimeError(next(e for e in errors if e))
-    local = cached_model(repo, revision)
-    if local is None:
-        raise RuntimeError(f"{flag} {path}: downloaded, yet not found in this rank's cache {hub_constants.HF_HUB_CACHE}")
-    return local
+    hub.check_cached(path, f"{flag} {path}", "model")
 
 
 def load_tokenizer(path):

@@ -25,6 +25,7 @@ import collectives
 import containers
 import engines
 import eval_report
+import hub
 import judge as judge_lib
 import losses
 import policy
@@ -258,11 +259,14 @@ def check_args(args, world: int) -> None:
 
 def check_paths(args) -> None:
     """Refuse, before anything loads, an output dir in use, a model that is neither a folder nor a hub name (nor cached,
-    offline), an engine that is not installed."""
+    offline), a hub dataset not cached offline, an engine that is not installed."""
     runlog.check_output_dir(args.output_dir, args.resume, args.overwrite, dataclasses.asdict(args))
     policy.check_model_path(args.model)
     if args.teacher is not None:
         policy.check_model_path(args.teacher, "--teacher")
+    for flag, source in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if source:
+            task_rows.check_source(source, flag)
     engines.check_engine(args.engine)
 
 
@@ -271,13 +275,13 @@ MODEL_FIELDS = ("model", "critic_model", "teacher")
 
 
 def fetch_models(args) -> dict[str, str]:
-    """Replace each hub name among args' models by its local folder, downloaded once per node (policy.fetch_model);
+    """Replace each hub name among args' models by its local folder, downloaded once per node (hub.fetch);
     returns the names replaced ({field: hub name}), which run_config.json records instead of the folders."""
     names = {}
     for name in MODEL_FIELDS:
         value = getattr(args, name, None)
         if value:
-            local = policy.fetch_model(value, "--" + name.replace("_", "-"))
+            local = hub.fetch(value, "--" + name.replace("_", "-"))
             if local != value:
                 names[name] = value
                 setattr(args, name, local)

@@ -108,20 +108,42 @@ def load_rows_within(source: str, tokenizer, max_prompt_tokens: int, verbose: bo
     (counted, and printed when verbose); a source with none left is refused."""
     rows = task_rows.load_rows(source)
     check_swe_rows(rows, tools, source)
-    schemas = TOOL_SCHEMAS[tools] if tools != "none" else None
-    lengths, prompts = [], task_rows.values(rows, "prompt")
-    while chunk := list(itertools.islice(prompts, 1024)):  # a chunk at a time: a rank never holds every prompt's ids
-        texts = [chat.render(tokenizer, prompt, schemas, add_generation_prompt=True) for prompt in chunk]
-        lengths += map(len, tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"])
-    if count_image is not placeholder_only:  # images are read only to be counted: a text model counts none
-        lengths = [n + sum(count_image(task_rows.image_bytes(image)) - 1 for image in images or [])
-                   for n, images in zip(lengths, task_rows.values(rows, "images"))]
+    lengths = prompt_lengths(rows, tokenizer, TOOL_SCHEMAS[tools] if tools != "none" else None, count_image)
     kept = task_rows.subset(rows, [i for i, n in enumerate(lengths) if n <= max_prompt_tokens])
     if not kept:
         raise ValueError(f"{source}: no row has a prompt within --max-prompt-tokens {max_prompt_tokens}")
     if len(kept) < len(rows) and verbose:
         print(f"{source}: skipped {len(rows) - len(kept)} of {len(rows)} rows longer than {max_prompt_tokens} tokens")
     return kept
+
+
+def prompt_lengths(rows: Sequence[dict], tokenizer, schemas: list[dict] | None,
+                   count_image: Callable[[bytes], int] = placeholder_only) -> list[int]:
+    """Each row's prompt length in tokens as the rollout renders it (with the tool `schemas`, each image counted as
+    `count_image` tokens). A parquet file's rows (task_rows.Rows) render and tokenize once per tokenizer, template and
+    tool signatures (chat.rendering_key), and count images once per image processor (a `count_image` with a `key`,
+    vision.ImageCounter): the lengths stay beside the file's Arrow copy, where the other ranks and later starts read
+    them instead of tokenizing the whole set again."""
+    lengths = task_rows.per_row(rows, "prompt-tokens", chat.rendering_key(tokenizer, schemas),
+                                functools.partial(_text_lengths, tokenizer=tokenizer, schemas=schemas))
+    if count_image is not placeholder_only:  # images are read only to be counted: a text model counts none
+        lengths = lengths + task_rows.per_row(rows, "image-tokens", getattr(count_image, "key", None),
+                                              functools.partial(_image_tokens, count_image=count_image))
+    return lengths.tolist()
+
+
+def _text_lengths(rows: Sequence[dict], tokenizer, schemas: list[dict] | None) -> list[int]:
+    lengths, prompts = [], task_rows.values(rows, "prompt")
+    while chunk := list(itertools.islice(prompts, 1024)):  # a chunk at a time: a rank never holds every prompt's ids
+        texts = [chat.render(tokenizer, prompt, schemas, add_generation_prompt=True) for prompt in chunk]
+        lengths += map(len, tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"])
+    return lengths
+
+
+def _image_tokens(rows: Sequence[dict], count_image: Callable[[bytes], int]) -> list[int]:
+    """What each row's images add to its prompt beyond their placeholders."""
+    return [sum(count_image(task_rows.image_bytes(image)) - 1 for image in images or [])
+            for images in task_rows.values(rows, "images")]
 
 
 def collect(engine: Engine, tokenizer, rows: list[dict], group_size: int, sampling: Sampling, tools: str = "none",

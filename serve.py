@@ -13,6 +13,7 @@ import torch
 import agent_server
 import chat
 import cli
+import hub
 import policy
 from engines import Sampling
 from generate import GenerateArgs, hf_folder, load_generator
@@ -56,7 +57,7 @@ def serve(args: ServeArgs) -> None:
         raise ValueError("--vllm-tensor-parallel-size > 1 needs --temperature: the ranks of an engine sample together")
     rank, world, device = policy.init_distributed()
     torch.manual_seed(args.seed + rank)
-    named, args.model = args.model, policy.fetch_model(args.model)  # a hub name: downloaded once per node
+    named, args.model = args.model, hub.fetch(args.model, "--model")  # a hub name: downloaded once per node
     hf_dir = hf_folder(args.model)
     tokenizer = policy.load_tokenizer(hf_dir)
     engine = load_generator(GenerateArgs(

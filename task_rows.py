@@ -19,7 +19,8 @@ ground_truth JSON per family (what rewards.py reads):
     vl_agent family (vision_toy, vstar, chart, ...; rewards.py): the answer as plain text; vision_toy rows also have
                extra_info.target_box [x0, y0, x1, y1], the region of images[0] that holds the answer
 
-`load_rows` reads .parquet, .jsonl or a Hugging Face dataset name and validates every row (a bad one raises
+`load_rows` reads .parquet, .jsonl or a Hugging Face dataset name (`org/name[@revision]`, downloaded once per
+node: hub.fetch) and validates every row (a bad one raises
 RowError naming file, row and field); a parquet file's rows stay on disk (`Rows`: a validated Arrow copy beside it,
 memory-mapped and shared by the ranks, a row decoded when used); `write_rows` writes them back exactly;
 `in_epoch_order` is the seeded order the trainers visit them in. data_prep.py converts public datasets into this
@@ -29,13 +30,14 @@ from __future__ import annotations
 
 import base64
 import functools
+import glob
+import hashlib
 import json
 import math
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -44,6 +46,8 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import torch
 from filelock import FileLock
+
+import hub
 
 IMAGE_MARKER = "<image>"  # CodeV's inline image placeholder, which kiln rows replace by image parts
 IO_SOURCES = ("apps", "codecontests", "taco", "livecodebench")  # stdin/stdout or call-based tests, APPS format
@@ -58,6 +62,9 @@ JSON_COLUMNS_KEY = b"kiln.json_columns"
 # The Arrow copy of a parquet file's validated rows: beside it, stamped with the file's size and mtime it was made of.
 ARROW_CACHE = ".{name}.kiln-rows-1.arrow"
 SOURCE_STAMP_KEY = b"kiln.source_stamp"
+# A value per row derived from the rows (a prompt's length under one tokenizer, ...), kept beside the Arrow copy and
+# removed with it: named by what it is and a digest of what determines it (Rows.per_row).
+PER_ROW_CACHE = "{arrow}.{name}-{digest}.npy"
 BATCH_ROWS = 256  # rows of a column read at once
 VALIDATE_ROWS = 32  # whole rows (tests, images) decoded at once while validating
 
@@ -199,7 +206,7 @@ def row_images(row: dict) -> list[bytes]:
 
 def load_rows(source: str | os.PathLike, split: str = "train") -> Sequence[dict]:
     """Validated rows from a .parquet file (a lazy `Rows`), a .jsonl file (read whole) or a Hugging Face dataset name
-    (`split` of it)."""
+    (`split` of it, read whole; collective under torchrun, see `hub_records`)."""
     path = Path(source)
     if path.suffix in (".parquet", ".jsonl") or path.exists():
         if not path.is_file():
@@ -210,7 +217,7 @@ def load_rows(source: str | os.PathLike, split: str = "train") -> Sequence[dict]
             rows = [validate_row(r, f"{source} line {n}") for n, r in read_jsonl(path)]
         else:
             raise ValueError(f"{source}: expected a .parquet or .jsonl file")
-    elif re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(source)):
+    elif dataset_name(str(source)) is not None:
         rows = [validate_row(r, f"{source}[{split}] row {i}") for i, r in enumerate(hub_records(str(source), split))]
     else:
         raise ValueError(f"{source}: not a .parquet/.jsonl file or a Hugging Face dataset name")
@@ -224,11 +231,12 @@ class Rows(Sequence):
     """A parquet file's rows without holding them: an Arrow file of them, validated once and kept beside the parquet
     (ARROW_CACHE, made again when the parquet changes), memory-mapped, so the ranks of a node share its pages and none
     holds the rows in its heap. `rows[i]` decodes row i (validate_row's copy, as load_rows gave before); `values`
-    reads one field of every row, a batch at a time; a slice or `subset` is a view. Equal to a list of the same
-    rows."""
+    reads one field of every row, a batch at a time; `per_row` a value derived from every row, computed once; a slice
+    or `subset` is a view. Equal to a list of the same rows."""
 
-    def __init__(self, table: pa.Table, json_columns: list[str], where: str, index: np.ndarray | None = None):
-        self.table, self.json_columns, self.where = table, json_columns, where
+    def __init__(self, table: pa.Table, json_columns: list[str], where: str, index: np.ndarray | None = None,
+                 arrow: Path | None = None):
+        self.table, self.json_columns, self.where, self.arrow = table, json_columns, where, arrow
         self.index = np.arange(table.num_rows) if index is None else index
 
     @classmethod
@@ -239,7 +247,7 @@ class Rows(Sequence):
             if not cache.is_file() or _arrow_metadata(cache).get(SOURCE_STAMP_KEY) != stamp:
                 _write_arrow_cache(path, cache, stamp, where)
         table = ipc.open_file(pa.memory_map(str(cache))).read_all()  # zero-copy: the file's pages, not the heap
-        return cls(table, json.loads((table.schema.metadata or {}).get(JSON_COLUMNS_KEY, b"[]")), where)
+        return cls(table, json.loads((table.schema.metadata or {}).get(JSON_COLUMNS_KEY, b"[]")), where, arrow=cache)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -255,7 +263,30 @@ class Rows(Sequence):
 
     def subset(self, positions) -> "Rows":
         """The rows at `positions` (of this view), in that order."""
-        return Rows(self.table, self.json_columns, self.where, self.index[np.asarray(positions, dtype=np.int64)])
+        return Rows(self.table, self.json_columns, self.where, self.index[np.asarray(positions, dtype=np.int64)],
+                    self.arrow)
+
+    def per_row(self, name: str, key: str, compute: Callable[[Sequence[dict]], Sequence[int]]) -> np.ndarray:
+        """`compute(rows)`, one integer per row of the file, kept beside the Arrow copy (PER_ROW_CACHE) under `name` and
+        a digest of `key` (everything `compute` depends on besides the rows) and the file's stamp: computed by the
+        first caller of a node under the copy's lock, read by the other ranks and every later start, removed when the
+        file changes. Returns this view's rows' values."""
+        stamp = (self.table.schema.metadata or {}).get(SOURCE_STAMP_KEY, b"")
+        digest = hashlib.sha256(key.encode() + b"\0" + stamp).hexdigest()[:16]
+        path = self.arrow.with_name(PER_ROW_CACHE.format(arrow=self.arrow.name, name=name, digest=digest))
+        with FileLock(str(self.arrow) + ".lock"):  # the copy's own lock: no rewrite of the copy while this is made
+            values = np.load(path) if path.is_file() else None
+            if values is None or len(values) != self.table.num_rows:
+                values = np.asarray(compute(Rows(self.table, self.json_columns, self.where, arrow=self.arrow)),
+                                    dtype=np.int64)
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                try:
+                    with open(tmp, "wb") as f:
+                        np.save(f, values)
+                    os.replace(tmp, path)
+                finally:
+                    tmp.unlink(missing_ok=True)
+        return values[self.index]
 
     def values(self, field: str) -> Iterator:
         """Each row's `field` ("data_source", "prompt", "reward_model.style", ...; None where absent), as the row holds
@@ -285,6 +316,15 @@ def values(rows: Sequence[dict], field: str) -> Iterator:
         return rows.values(field)
     top, _, key = field.partition(".")
     return ((row.get(top) or {}).get(key) if key else row.get(top) for row in rows)
+
+
+def per_row(rows: Sequence[dict], name: str, key: str | None,
+            compute: Callable[[Sequence[dict]], Sequence[int]]) -> np.ndarray:
+    """`compute(rows)` as an array: for a parquet file's `Rows` computed once and kept (Rows.per_row); for other rows,
+    or a `key` of None (what it depends on cannot be named), computed now."""
+    if isinstance(rows, Rows) and rows.arrow is not None and key is not None:
+        return rows.per_row(name, key, compute)
+    return np.asarray(compute(rows), dtype=np.int64).reshape(len(rows))
 
 
 def subset(rows: Sequence[dict], positions: list[int]) -> Sequence[dict]:
@@ -327,6 +367,8 @@ def _write_arrow_cache(path: Path, cache: Path, stamp: bytes, where: str) -> Non
                 writer.write_batch(pa.RecordBatch.from_arrays(batch.columns, schema=schema))
         if not count:
             raise ValueError(f"{where}: no rows")
+        for derived in glob.glob(glob.escape(str(cache)) + ".*.npy"):  # values of the rows this copy replaces
+            os.unlink(derived)
         os.replace(tmp, cache)
     finally:
         tmp.unlink(missing_ok=True)
@@ -463,15 +505,31 @@ def hub_error(name: str, e: Exception) -> RuntimeError:
         "(offline machine, HF_HUB_OFFLINE=1), fetch the data elsewhere and pass a local path instead.")
 
 
+def dataset_name(source: str) -> tuple[str, str | None] | None:
+    """(repo id, revision) when `source` names a Hugging Face dataset (`org/name[@revision]`), None for a file."""
+    return None if Path(source).suffix in (".parquet", ".jsonl") else hub.hub_name(source)
+
+
+def check_source(source: str, flag: str) -> None:
+    """Refuse, before anything loads, a dataset named by hub name that HF_HUB_OFFLINE=1 keeps from downloading and
+    the local cache does not hold (hub.check_cached); a file is load_rows' to check."""
+    if dataset_name(source) is not None:
+        hub.check_cached(source, f"{flag} {source}", "dataset")
+
+
 def hub_records(name: str, split: str | None) -> list[dict]:
-    """Records of a Hugging Face dataset (all splits when `split` is None)."""
+    """Records of a Hugging Face dataset `org/name[@revision]` (all splits when `split` is None): its snapshot,
+    downloaded into the hub cache by local rank 0 of each node while the other ranks wait (hub.fetch), then read
+    from those files by every rank (`datasets`, which knows the hub's layouts of configs and splits)."""
+    local = hub.fetch(name, kind="dataset")
     try:
         import datasets  # only here: a second of import for every script that never reads the hub
     except ImportError as e:
         raise RuntimeError(f"loading the Hugging Face dataset {name!r} needs `pip install datasets`") from e
     try:
-        loaded = datasets.load_dataset(name, split=split)
-    except Exception as e:  # the hub raises many types (connection, offline, not found); all mean "not here"
-        raise hub_error(name, e) from e
+        loaded = datasets.load_dataset(local, split=split)
+    except Exception as e:  # a split or config it lacks, files it cannot parse: the library's first line says which
+        part, why = f"split {split!r} of its files" if split else "its files", str(e).strip().partition("\n")[0]
+        raise ValueError(f"{name}: cannot read {part} in {local} ({type(e).__name__}: {why})") from e
     parts = loaded.values() if split is None else [loaded]
     return [dict(record) for part in parts for record in part]

@@ -23,6 +23,7 @@ import chat
 import cli
 import collectives
 import losses
+import hub
 import policy
 import runlog
 import task_rows
@@ -155,7 +156,7 @@ def main(args: Args) -> dict:
         raise ValueError(f"--steps must be >= 0, got {args.steps}")
     runlog.check_output_dir(args.output_dir, args.resume, args.overwrite, dataclasses.asdict(args))
     policy.check_model_path(args.model)
-    named, args.model = args.model, policy.fetch_model(args.model)  # a hub name: downloaded once per node
+    named, args.model = args.model, hub.fetch(args.model, "--model")  # a hub name: downloaded once per node
     torch.manual_seed(args.seed)
     tokenizer = policy.load_tokenizer(args.model)
     eot = chat.end_of_turn(tokenizer, args.end_of_turn)

@@ -84,13 +84,28 @@ def image_tokens(processor, image) -> int:
     return processor.get_number_of_image_patches(height, width, {}) // processor.merge_size ** 2
 
 
+@dataclass(frozen=True)
+class ImageCounter:
+    """image_tokens by one image processor, called as `count_image(image)`; `key`, the processor's settings, names
+    the counts so they can be cached (rollout.prompt_lengths)."""
+
+    processor: object
+
+    def __call__(self, image) -> int:
+        return image_tokens(self.processor, image)
+
+    @property
+    def key(self) -> str:
+        return self.processor.to_json_string()
+
+
 @functools.lru_cache(maxsize=8)  # asked at every rollout phase: the config and image processor load once
-def image_counter(path: str):
+def image_counter(path: str) -> ImageCounter | None:
     """image_tokens by the image processor of the model folder at `path` (its own min/max pixels), for a
     vision-language model; None for a text model."""
     if not is_vision_model(AutoConfig.from_pretrained(path, local_files_only=True)):
         return None
-    return functools.partial(image_tokens, image_processor(str(path)))
+    return ImageCounter(image_processor(str(path)))
 
 
 def images_per_prompt(model: str, row_sets: list, tool_images: int) -> int | None:

@@ -115,20 +115,21 @@ TASKS = {"dots": _dots_task, "text": _tiny_text_task, "chart": _chart_task}
 FAMILIES = tuple(TASKS)
 
 
-# `make demo-vision`'s counting tasks: solid squares of COUNT_SIDE px in DOT_COLOURS; the question names 1-3 colours
+# `make demo-vision`'s counting tasks: solid squares of COUNT_SIDE px in COUNT_COLOURS; the question names 1-3 colours
 # and asks how many squares have one of them. A tiny vision-language model cannot count pixels by looking: one
 # correct program on the image does (its colours exactly, the mask's area over a square's).
 COUNT_SIDE = 5
+COUNT_COLOURS = DOT_COLOURS | {"purple": (140, 40, 160), "yellow": (230, 200, 20)}  # six: many 3-colour sequences
 COUNT_QUESTION = "How many squares are {colours}? Answer with a number."
 # The careless teacher's colour test (data_prep.vision_count_teacher_conversations): one channel over a threshold,
 # which the white background passes too, so a program with it counts wrong whatever the image.
 COUNT_SLIPS = {"red": "(a[:, :, 0] > 200)", "green": "(a[:, :, 1] > 100)", "blue": "(a[:, :, 2] > 200)",
-               "orange": "(a[:, :, 0] > 240)"}
+               "orange": "(a[:, :, 0] > 240)", "purple": "(a[:, :, 2] > 150)", "yellow": "(a[:, :, 1] > 180)"}
 
 
 def colour_test(colour: str) -> str:
     """The exact test for one colour's pixels in the program's array `a`."""
-    return f"(a == {DOT_COLOURS[colour]}).all(2)"
+    return f"(a == {COUNT_COLOURS[colour]}).all(2)"
 
 
 def count_code(colours: list[str], tests: list[str]) -> str:
@@ -140,18 +141,18 @@ def count_code(colours: list[str], tests: list[str]) -> str:
 
 
 def count_task(rng: random.Random, colours: tuple[str, ...], size: int = 112) -> dict:
-    """Squares of every colour (1-7 each, never touching) on white; how many are one of `colours` (in that order in
+    """Squares of every colour (1-6 each, never touching) on white; how many are one of `colours` (in that order in
     the question, as the program tests them)."""
     picture = Image.new("RGB", (size, size), "white")
     draw, placed, counts = ImageDraw.Draw(picture), [], {}
-    for name in DOT_COLOURS:
+    for name in COUNT_COLOURS:
         counts[name] = 0
-        for _ in range(rng.randint(1, 7)):
+        for _ in range(rng.randint(1, 6)):
             for _ in range(200):
                 x, y = rng.randint(1, size - COUNT_SIDE - 1), rng.randint(1, size - COUNT_SIDE - 1)
                 if all(abs(x - a) > COUNT_SIDE + 1 or abs(y - b) > COUNT_SIDE + 1 for a, b in placed):
                     placed.append((x, y))
-                    draw.rectangle((x, y, x + COUNT_SIDE - 1, y + COUNT_SIDE - 1), fill=DOT_COLOURS[name])
+                    draw.rectangle((x, y, x + COUNT_SIDE - 1, y + COUNT_SIDE - 1), fill=COUNT_COLOURS[name])
                     counts[name] += 1
                     break
     named = colours[0] if len(colours) == 1 else ", ".join(colours[:-1]) + " or " + colours[-1]

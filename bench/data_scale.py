@@ -8,8 +8,9 @@ node do. Memory is the rise of each rank's anonymous resident pages (RssAnon, sa
 imports took: the shared file pages of a memory map do not count, a heap copy does. Three runs:
 - today: every rank reads the whole file into Python objects (the load_rows before the Arrow rows); at most
   `--today-rows` rows (a rank holds them all: 20,000 x 128 KB would take ~8 GB per rank on this 23 GB machine);
-- after, cold: the first load, which validates the rows once and writes the Arrow copy beside the parquet;
-- after, warm: every later start (the copy is there).
+- after, cold: the first load, which validates the rows once and writes the Arrow copy beside the parquet, and
+  measures every prompt once;
+- after, warm: every later start (the copy and the prompt lengths beside it are there).
 The data goes to a temporary folder, removed at the end (about 2 x rows x (test + image) bytes on disk).
 
     .venv/bin/python bench/data_scale.py [--rows 20000 --test-kb 128 --image-mb 0 --ranks 2]

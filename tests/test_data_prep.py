@@ -246,16 +246,18 @@ for load in (lambda: task_rows.load_rows("someone/rows"), lambda: data_prep.apps
              lambda: data_prep.mbpp_rows("google-research-datasets/mbpp")):
     try:
         load()
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         print(e)
 """
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=120).stdout.splitlines()
     assert len(out) == 3, out
-    for line, name in zip(out, ["someone/rows", "codeparrot/apps", "google-research-datasets/mbpp"]):
-        assert line.startswith(f"could not get '{name}' from the Hugging Face hub")
-        assert "pass a local path instead" in line
+    for line, name in zip(out[::2], ["someone/rows", "google-research-datasets/mbpp"]):  # hub.fetch's check
+        assert line.startswith(f"{name}: no such file, nor a Hugging Face dataset in the local cache")
+        assert f"fetch it first (`hf download {name} --repo-type dataset`) or unset HF_HUB_OFFLINE" in line
+    assert out[1].startswith("could not get 'codeparrot/apps' from the Hugging Face hub")  # one file, hf_hub_download
+    assert "pass a local path instead" in out[1]
 
 
 # ------------------------------------------------------------------------------------------------ converters

@@ -32,13 +32,13 @@ def test_count_tasks_hold_out_unseen_colour_sequences_and_need_the_pixels():
     train_seqs = {tuple(r["extra_info"]["colours"]) for r in train}
     test_seqs = {tuple(r["extra_info"]["colours"]) for r in test}
     assert not test_seqs & train_seqs and {len(s) for s in test_seqs} == {3}
-    assert {(c,) for c in vision_tasks.DOT_COLOURS} <= train_seqs  # every colour is asked alone
+    assert {(c,) for c in vision_tasks.COUNT_COLOURS} <= train_seqs  # every colour is asked alone
     assert {pair for a, b, c in test_seqs for pair in ((a, b), (b, c))} <= train_seqs  # and each held-out pair
     with pytest.raises(ValueError, match="1 must be >= 2"):
         data_prep.vision_count_rows(100, 10, max_colours=1)
     for row in train[:100] + test:
         pixels = np.array(Image.open(io.BytesIO(row["images"][0])))
-        truth = sum(int((pixels == vision_tasks.DOT_COLOURS[c]).all(2).sum()) for c in row["extra_info"]["colours"])
+        truth = sum(int((pixels == vision_tasks.COUNT_COLOURS[c]).all(2).sum()) for c in row["extra_info"]["colours"])
         assert str(truth // vision_tasks.COUNT_SIDE ** 2) == row["reward_model"]["ground_truth"]
         assert truth % vision_tasks.COUNT_SIDE ** 2 == 0  # whole squares: none touches another or the border
     assert data_prep.vision_count_rows(50, 5, seed=3) == data_prep.vision_count_rows(50, 5, seed=3)  # bit for bit

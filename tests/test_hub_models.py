@@ -84,7 +84,7 @@ def test_dropped_download_resumes_and_a_revision_pins_the_snapshot(served, tmp_p
     big_sha = hub.add("kiln-test/big", big)
     hub.cut_once.add("extra.bin")
     hub.requests.clear()
-    script = ("import policy, sys; policy.init_distributed(); print(policy.fetch_model(sys.argv[1]))")
+    script = ("import hub, policy, sys; policy.init_distributed(); print(hub.fetch(sys.argv[1], '--model'))")
     done = subprocess.run([sys.executable, "-c", script, f"kiln-test/big@{big_sha}"], cwd=ROOT,
                           env=env(hub, tmp_path / "home"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import demo  # noqa: E402
+import hub  # noqa: E402
 import policy  # noqa: E402
 import rewards  # noqa: E402
 import train_grpo  # noqa: E402
@@ -122,7 +123,7 @@ def test_gpu_quick_start_names_hub_models_that_offline_runs_refuse_uncached(tmp_
     HF_HUB_OFFLINE=1 a model not in the cache is refused with the command that fetches it."""
     block = (ROOT / "docs" / "gpu.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0]
     names = [name for name in re.findall(r"--model (\S+)", block) if not name.startswith(("runs/", "data/", ".", "/"))]
-    assert names == ["Qwen/Qwen2.5-Coder-7B-Instruct"] and policy.hub_name(names[0]) == (names[0], None)
+    assert names == ["Qwen/Qwen2.5-Coder-7B-Instruct"] and hub.hub_name(names[0]) == (names[0], None)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError, match=r"--model Qwen/Qwen2.5-Coder-7B-Instruct: .*`hf download "
