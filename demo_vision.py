@@ -68,7 +68,7 @@ class Args:
     """conversations per SFT step"""
     sft_warmup_steps: int = 50
     """linear warm-up of the SFT learning rate"""
-    grpo_steps: int = 80
+    grpo_steps: int = 40
     """GRPO steps"""
     grpo_lr: float = 3e-4
     """GRPO learning rate (tiny models want large ones)"""
