@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: venv system test test-fast demo demo-agent demo-vision demo-distill bench test-vllm clean
+.PHONY: venv system test test-fast test-demo-vision demo demo-agent demo-vision demo-distill bench test-vllm clean
 
 venv: $(STAMP)
 
@@ -40,10 +40,14 @@ export KILN_SWE_DIR ?= $(CURDIR)/runs/swe-instances
 # a 2-core AMD EPYC: bench/RESULTS.md).
 WORKERS ?= 3
 test: venv $(NPM_TOOLS)
-	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 -m "not after_suite" tests
+
+# The vision demo's loop shortened (tests/test_demo_vision.py, about 6 minutes alone): .ci/run runs it after make test.
+test-demo-vision: venv
+	$(PY) -m pytest -q -m after_suite tests/test_demo_vision.py
 
 test-fast: venv $(NPM_TOOLS)
-	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" tests
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow and not after_suite" tests
 
 demo: venv
 	$(PY) demo.py

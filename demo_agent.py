@@ -109,30 +109,40 @@ def main(args: Args) -> dict:
                                      hidden_size=args.hidden_size, num_layers=args.num_layers)
     print(f"tiny model and tokenizer: {model_dir}")
 
+    warm_start(args, model_dir, out)
+    before = held_out(str(out / "sft" / "hf"), test, out / "held_out_before.jsonl")
+    print(held_out_line("before GRPO", before))
+    grpo(args, out, "python", LIMITS, MAX_NEW_TOKENS)
+    final = out / "grpo" / "checkpoints" / f"step_{args.grpo_steps:08d}"
+    after = held_out(str(final), test, out / "held_out_after.jsonl")
+    print(held_out_line("after GRPO", after))
+    return report(out, test, before, after, args.grpo_steps, args.prompts_per_step * args.group_size, start,
+                  f"kiln demo-agent: tiny model, calc tasks, python tool, 2 CPU ranks, seed {args.seed}")
+
+
+def warm_start(args, model_dir: Path, out: Path) -> None:
+    """train_sft.py on the teacher's conversations (out/sft.jsonl) into out/sft, on args.nproc ranks."""
     run(torchrun(args.nproc, "train_sft.py", "--model", str(model_dir), "--data", str(out / "sft.jsonl"),
                  "--output-dir", str(out / "sft"), "--steps", str(args.sft_steps), "--lr", "3e-3",
                  "--warmup-steps", str(args.sft_warmup_steps), "--batch-size", str(args.sft_batch_size),
-                 "--seed", str(args.seed),
-                 "--overwrite"),
+                 "--seed", str(args.seed), "--overwrite"),
         "SFT warm start")
-    before = held_out(str(out / "sft" / "hf"), test, out / "held_out_before.jsonl")
-    print(held_out_line("before GRPO", before))
+
+
+def grpo(args, out: Path, tools: str, limits: rollout.AgentLimits, max_new_tokens: int) -> None:
+    """train_grpo.py from the warm start on out/train.parquet with the toolbox `tools`, every trajectory checked by
+    check_tito, rich samples every 5 steps for board.py; the last step's checkpoint kept."""
     run(torchrun(args.nproc, "train_grpo.py", "--model", str(out / "sft" / "hf"), "--data", str(out / "train.parquet"),
-                 "--output-dir", str(out / "grpo"), "--tools", "python", "--check-tito",
-                 "--max-turns", str(LIMITS.max_turns), "--max-total-tokens", str(LIMITS.max_total_tokens),
-                 "--max-tool-response-tokens", str(LIMITS.max_tool_response_tokens),
-                 "--max-new-tokens", str(MAX_NEW_TOKENS), "--total-steps", str(args.grpo_steps),
+                 "--output-dir", str(out / "grpo"), "--tools", tools, "--check-tito",
+                 "--max-turns", str(limits.max_turns), "--max-total-tokens", str(limits.max_total_tokens),
+                 "--max-tool-response-tokens", str(limits.max_tool_response_tokens),
+                 "--max-new-tokens", str(max_new_tokens), "--total-steps", str(args.grpo_steps),
                  "--lr", str(args.grpo_lr), "--prompts-per-step", str(args.prompts_per_step),
                  "--group-size", str(args.group_size),
                  "--warmup-steps", "5",  # Adam's first, sign-like steps knock a tiny model off its warm start
                  "--save-every", str(args.grpo_steps), "--sample-every", "5", "--rich-samples",  # for board.py
                  "--seed", str(args.seed), "--overwrite"),
         "GRPO")
-    final = out / "grpo" / "checkpoints" / f"step_{args.grpo_steps:08d}"
-    after = held_out(str(final), test, out / "held_out_after.jsonl")
-    print(held_out_line("after GRPO", after))
-    return report(out, test, before, after, args.grpo_steps, args.prompts_per_step * args.group_size, start,
-                  f"kiln demo-agent: tiny model, calc tasks, python tool, 2 CPU ranks, seed {args.seed}")
 
 
 def report(out: Path, test: list[dict], before: dict, after: dict, grpo_steps: int, trajectories: int,

@@ -31,8 +31,7 @@ import data_prep
 import rollout
 import task_rows
 import tiny
-from demo import run, torchrun  # the text demo's steps
-from demo_agent import held_out, held_out_line, report  # the agent demo's evaluation and report
+from demo_agent import grpo, held_out, held_out_line, report, warm_start  # the agent demo's steps
 
 
 @dataclass
@@ -100,24 +99,10 @@ def main(args: Args) -> dict:
                                    hidden_size=args.hidden_size, num_layers=args.num_layers)
     print(f"tiny vision-language model and tokenizer: {model_dir}")
 
-    run(torchrun(args.nproc, "train_sft.py", "--model", str(model_dir), "--data", str(out / "sft.jsonl"),
-                 "--output-dir", str(out / "sft"), "--steps", str(args.sft_steps), "--lr", "3e-3",
-                 "--warmup-steps", str(args.sft_warmup_steps), "--batch-size", str(args.sft_batch_size),
-                 "--seed", str(args.seed), "--overwrite"),
-        "SFT warm start")
+    warm_start(args, model_dir, out)
     before = held_out(str(out / "sft" / "hf"), test, out / "held_out_before.jsonl", "codev", LIMITS, MAX_NEW_TOKENS)
     print(held_out_line("before GRPO", before))
-    run(torchrun(args.nproc, "train_grpo.py", "--model", str(out / "sft" / "hf"), "--data", str(out / "train.parquet"),
-                 "--output-dir", str(out / "grpo"), "--tools", "codev", "--check-tito",
-                 "--max-turns", str(LIMITS.max_turns), "--max-total-tokens", str(LIMITS.max_total_tokens),
-                 "--max-tool-response-tokens", str(LIMITS.max_tool_response_tokens),
-                 "--max-new-tokens", str(MAX_NEW_TOKENS), "--total-steps", str(args.grpo_steps),
-                 "--lr", str(args.grpo_lr), "--prompts-per-step", str(args.prompts_per_step),
-                 "--group-size", str(args.group_size),
-                 "--warmup-steps", "5",  # Adam's first, sign-like steps knock a tiny model off its warm start
-                 "--save-every", str(args.grpo_steps), "--sample-every", "5", "--rich-samples",  # for board.py
-                 "--seed", str(args.seed), "--overwrite"),
-        "GRPO")
+    grpo(args, out, "codev", LIMITS, MAX_NEW_TOKENS)
     final = out / "grpo" / "checkpoints" / f"step_{args.grpo_steps:08d}"
     after = held_out(str(final), test, out / "held_out_after.jsonl", "codev", LIMITS, MAX_NEW_TOKENS)
     print(held_out_line("after GRPO", after))

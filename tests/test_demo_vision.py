@@ -88,13 +88,14 @@ def test_careless_teacher_writes_codev_conversations_that_train_only_its_own_tok
 
 
 @pytest.mark.slow
+@pytest.mark.after_suite  # about 6 minutes alone: .ci/run runs it after make test (make test-demo-vision)
 def test_a_shortened_demo_vision_learns_to_count_with_code_with_every_mask_right(tmp_path, monkeypatch):
     """The demo's loop on seed 0, shortened: 1,000 tasks naming 1-2 colours (held out: 2-colour sequences never
-    trained), 300 SFT steps, 12 GRPO steps, 50 held-out tasks. The warm start slips on most colours, so greedy
+    trained), 600 SFT steps, 15 GRPO steps, 50 held-out tasks. The warm start slips on most colours, so greedy
     decoding passes few tasks; GRPO must teach the exact colour tests through the tool's outputs."""
-    monkeypatch.setattr(demo_vision, "torchrun", ranks.torchrun)  # the same launches, ranks forked with imports done
+    monkeypatch.setattr(demo_agent, "torchrun", ranks.torchrun)  # the same launches, ranks forked with imports done
     args = demo_vision.Args(output_dir=str(tmp_path), seed=0, n_train=1000, n_test=50, max_colours=2,
-                            sft_steps=300, grpo_steps=12)
+                            sft_steps=600, grpo_steps=15)
     result = demo_vision.main(args)
 
     trajectories = args.grpo_steps * args.prompts_per_step * args.group_size + 2 * args.n_test
