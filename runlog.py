@@ -235,7 +235,8 @@ def open_sinks(names: list[str], out: Path, project: str, config: dict, resume_s
             sinks.append(Sink(name, lambda record, step, run=run: run.log(without_step(record), step=step), run.finish))
         elif name == "mlflow":
             sinks.append(open_mlflow(out, project, config, ids))
-    ids_file.write_text(json.dumps(ids) + "\n")
+    if ids:  # a run with no such sink leaves no file: an output dir holding it is a run that logged
+        ids_file.write_text(json.dumps(ids) + "\n")
     return sinks
 
 

@@ -267,7 +267,7 @@ def test_a_multi_turn_sample_with_a_tool_image_and_its_mismatch_colouring(browse
     Select(browser.find_element("id", "f-step")).select_by_value("")  # every step, only samples with tool images
     browser.find_element("id", "f-toolimages").click()
     wait_for(browser, "document.querySelector('.sample-item') && $('f-toolimages').checked && "
-                      "$('page').textContent.includes('of')")
+                      "$('page').textContent.includes('of') && !$('list').dataset.loading")  # the filtered list
     browser.find_elements("css selector", ".sample-item")[0].click()
     wait_for(browser, "document.querySelectorAll('#tokens .tok').length > 0 && "
                       "[...document.querySelectorAll('img.tool-image')].every(i => i.complete && i.naturalWidth > 0)")
