@@ -312,8 +312,9 @@ def test_source_level_hacks_are_caught_by_the_canaries_on_both_grading_paths(doc
         caught = swe_grading.swebench_reward(truth, patch, docker_client, swe_grading.SweConfig(official=official))
         assert (caught.score, caught.info["error"], caught.info["dropped"]) == (-1.0, "tampered", [])
         assert caught.info["canaries"] == 2 * caught.info["renamed"] >= 2 and caught.info["suspicious"]
-    if hack != "fake_lines":  # the variants that must fail are reported passing
-        assert "must fail" in caught.info["reason"]
+    if hack != "fake_lines":  # the variants that must fail are reported passing, or (the forged unittest result can
+        # leave a variant's line out of Django's log, depending on where the rewrite drew it) not reported at all
+        assert "must fail" in caught.info["reason"] or "variants missing" in caught.info["reason"], caught.info
     else:  # the forged line names a test that, renamed, never ran under that name
         assert "is reported, but the grading renamed it" in caught.info["reason"]
     monkeypatch.setattr(swe_grading, "plan_canaries", lambda spec: [])
