@@ -341,8 +341,9 @@ def ensure_image(client, truth: dict) -> str:
     return tag
 
 
-def ensure_images(client, truths: list[dict]) -> None:
-    """Every task's image (each built once)."""
+def ensure_images(truths: list[dict], client=None) -> None:
+    """Every task's image (each built once); DockerUnavailable when no daemon answers."""
+    client = client or containers.shared_client()
     for truth in {t["image"]: t for t in truths}.values():
         ensure_image(client, truth)
 
