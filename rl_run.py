@@ -592,8 +592,9 @@ def reward_metrics(run, samples: list[rollout.Sample], rollout_metrics: dict) ->
     # samples whose task tests left no reward file: no score, left out of the batch; a count that should stay 0
     metrics["critic/score/infra_dropped"] = float(collectives.sum_over_ranks(
         sum("infra_error" in s.reward_info for s in samples)))
-    if run.args.tools == "swe":
-        metrics |= swe_grading.swe_metrics(collectives.gather_objects([s.reward_info for s in samples]))
+    if run.args.tools == "swe":  # the swebench samples' verdicts (task rows have their scores above)
+        swe = collectives.gather_objects([s.reward_info for s in samples if s.row["data_source"] == "swebench"])
+        metrics |= swe_grading.swe_metrics(swe) if swe else {}
     return metrics
 
 

@@ -275,7 +275,7 @@ def test_the_agents_time_is_the_tasks_then_the_tests_run(tmp_path, docker_client
     assert s.info["task_verdict"]["score"] == 0.0 and own_containers(docker_client) == []
 
 
-@pytest.mark.slow  # a 2-rank torchrun with Docker containers per trajectory: about a minute on 2 cores
+@pytest.mark.slow  # a 2-rank torchrun, a container per trajectory and its tests: about 2 minutes on 2 shared cores
 @pytest.mark.docker
 def test_two_rank_grpo_on_the_task_rows_scores_by_their_tests_and_leaves_no_container(built, docker_client,
                                                                                         tmp_path):
