@@ -217,7 +217,7 @@ def task_reward(row: dict, completion: str, context: ScoreContext) -> Reward:
     verdict = context.sample_info.get("task_verdict")
     if verdict is None:
         verdict = dataclasses.asdict(task_dirs.grade_script(task_dirs.truth_of(row), completion))
-    info = {k: verdict[k] for k in ("rewards", "error", "output", "seconds")}
+    info = {k: verdict[k] for k in ("rewards", "error", "output", "seconds", "strays_after_tests")}
     if verdict["score"] is None:
         return Reward(math.nan, info | {"infra_error": verdict["infra_error"]})
     return Reward(verdict["score"], info)

@@ -62,16 +62,17 @@ while [ -n "$p" ] && [ "$p" != 0 ]; do
   while read -r key value; do [ "$key" = PPid: ] && parent=$value; done < /proc/$p/status
   p=$parent
 done
+killed=0
 for round in 1 2 3 4 5 6 7 8; do
   found=0
   for d in /proc/[0-9]*; do
     p=${d#/proc/}
     case "$keep" in *" $p "*) continue ;; esac
-    kill -9 "$p" 2>/dev/null && found=1
+    kill -9 "$p" 2>/dev/null && found=1 && killed=$((killed + 1))
   done
   [ "$found" = 0 ] && break
 done
-true"""
+echo $killed"""
 
 
 class TaskError(ValueError):
@@ -111,13 +112,15 @@ class TaskSpec:
 class Verdict:
     """A run of the task's tests: score (None when there is none: an infrastructure failure, `infra_error` says
     why), rewards (the reward file's numbers), error (None, "verifier_timeout" or "infra"), the end of test.sh's
-    output, seconds."""
+    output, seconds, and strays_after_tests: processes that outlived test.sh outside its process group (a daemon the
+    tests started, or one the code under test did: the reward deserves a look when it is not 0)."""
     score: float | None
     rewards: dict = field(default_factory=dict)
     error: str | None = None
     infra_error: str | None = None
     output: str = ""
     seconds: float = 0.0
+    strays_after_tests: int = 0
 
 
 # ------------------------------------------------------------------------------------------------ reading a directory
@@ -257,6 +260,12 @@ def read_task(task_dir: Path, index: int | str | None = None, split: str = "trai
     if missing:
         raise TaskError(f"{task_dir}: missing {', '.join(missing)} (a task directory holds task.toml, "
                         "instruction.md, environment/Dockerfile and tests/test.sh)")
+    if (task_dir / "solution").is_dir() and not (task_dir / "solution" / "solve.sh").is_file():
+        raise TaskError(f"{task_dir}: solution/ has no solve.sh")
+    for script in ("tests/test.sh", "solution/solve.sh"):
+        if (task_dir / script).is_file() and b"\r\n" in (task_dir / script).read_bytes():
+            raise TaskError(f"{task_dir}/{script}: has CRLF line endings (its #! line would name '/bin/bash\\r'); "
+                            "convert it with dos2unix")
     spec = read_spec(task_dir)
     prompt = instruction(task_dir)
     if not prompt:
@@ -367,7 +376,11 @@ def start(client, truth: dict, run: str = "", limits: containers.ContainerLimits
     [agent].user from the workdir with [environment].env, and /logs/{agent,verifier,artifacts} made (mode 777).
     ContainerStartFailed when the daemon will not start it (containers.Container)."""
     spec = spec_of(truth)
-    config = client.images.get(truth["image"]).attrs["Config"]
+    try:
+        config = client.images.get(truth["image"]).attrs["Config"]
+    except docker.errors.ImageNotFound:
+        raise containers.ImageMissing(f"task {spec.name}: image {truth['image']} is not on this Docker host; build it "
+                                      "with `python data_prep.py tasks` (or task_dirs.ensure_images)") from None
     base = limits or containers.ContainerLimits()
     limits = dataclasses.replace(base, cpus=spec.cpus, memory=f"{spec.memory_mb}m",
                                  ttl=max(base.ttl, int(spec.agent_timeout + spec.verifier_timeout) + 600))
@@ -386,8 +399,10 @@ def start(client, truth: dict, run: str = "", limits: containers.ContainerLimits
     return TaskContainer(box, truth, spec, made.output.split()[0], config.get("User") or "", env)
 
 
-def stop_strays(task: TaskContainer) -> None:
-    task.box.exec(KILL_STRAYS.replace("$1", task.keeper), user="0", timeout=60, cap=4000)
+def stop_strays(task: TaskContainer) -> int:
+    """KILL_STRAYS in the task's container; returns how many processes it killed (a zombie counts each round)."""
+    killed = task.box.exec(KILL_STRAYS.replace("$1", task.keeper), user="0", timeout=60, cap=4000).output.split()
+    return int(killed[-1]) if killed and killed[-1].isdigit() else 0
 
 
 def verify(task: TaskContainer) -> Verdict:
@@ -406,16 +421,18 @@ def verify(task: TaskContainer) -> Verdict:
         run = box.exec(f"{TESTS}/test.sh", timeout=spec.verifier_timeout, cap=200_000, direct=True,
                        user=spec.verifier_user or task.image_user or "0",
                        environment=task.env | {"TEST_DIR": TESTS} | spec.verifier_env)
-        stop_strays(task)
+        strays = stop_strays(task)
         output = run.output[-4000:]
         if run.timed_out:
-            return Verdict(0.0, error="verifier_timeout", output=output, seconds=time.perf_counter() - start_time)
+            return Verdict(0.0, error="verifier_timeout", output=output, seconds=time.perf_counter() - start_time,
+                           strays_after_tests=strays)
         rewards, problem = read_reward(box)
     except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as e:
         return _infra(f"the container failed under the tests ({type(e).__name__}: {e})", start_time)
     if problem:
         return _infra(problem, start_time, output)
-    return Verdict(rewards["reward"], rewards, output=output, seconds=time.perf_counter() - start_time)
+    return Verdict(rewards["reward"], rewards, output=output, seconds=time.perf_counter() - start_time,
+                   strays_after_tests=strays)
 
 
 def _infra(reason: str, start_time: float, output: str = "") -> Verdict:

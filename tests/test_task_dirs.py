@@ -108,6 +108,8 @@ def test_the_image_tag_follows_the_environment_and_nothing_else(tmp_path):
     (lambda d: (d / "task.toml").write_text("[agent]\nuser = true\n"), "[agent].user: expected a user name"),
     (lambda d: (d / "environment" / "docker-compose.yaml").write_text("services: {}\n"), "compose sidecars"),
     (lambda d: (d / "instruction.md").write_text("<!-- a canary line -->\n\n"), "instruction.md: empty"),
+    (lambda d: (d / "tests" / "test.sh").write_bytes(b"#!/bin/bash\r\necho 1\r\n"), "test.sh: has CRLF line endings"),
+    (lambda d: (d / "solution" / "solve.sh").rename(d / "solution" / "fix.sh"), "solution/ has no solve.sh"),
 ])
 def test_a_bad_task_is_refused_naming_its_directory_and_field(tmp_path, change, message):
     copy = variant(tmp_path, "fix-median")
@@ -178,7 +180,11 @@ def test_a_planted_reward_planted_tests_and_a_daemon_rewriting_the_reward_do_not
              "sleep 0.3\n")
     verdict = grade(built["fix-median"], plant)
     assert verdict.score == 0.0 and verdict.rewards == {"reward": 0.0}, verdict.output
-    assert "FAILED" in verdict.output  # the task's own tests ran
+    assert "FAILED" in verdict.output and verdict.strays_after_tests == 0  # the task's own tests ran; the daemon
+    # was gone before them. Code under test that leaves a daemon of its own is reported (strays_after_tests).
+    daemon = "echo 'import subprocess; subprocess.Popen([\"setsid\", \"sleep\", \"300\"])' >> /app/stats.py"
+    verdict = grade(built["fix-median"], daemon)
+    assert verdict.score == 0.0 and verdict.strays_after_tests >= 1
     assert own_containers(docker_client) == []
 
 
