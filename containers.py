@@ -342,7 +342,8 @@ class Container:
                 image, ["sleep", str(limits.ttl)], detach=True, auto_remove=True, init=True, network_mode="none",
                 nano_cpus=int(limits.cpus * 1e9), mem_limit=limits.memory, memswap_limit=limits.memory,
                 pids_limit=limits.pids, tmpfs={"/tmp": f"size={limits.tmpfs}"}, working_dir=workdir,
-                labels=labels, user=user or None, environment=environment), f"start {image}", undo, self._count_retry)
+                labels=labels, user=user or None, environment=environment), f"start {image}", undo,
+                self._count_retry)
         except (docker.errors.APIError, requests.exceptions.RequestException) as e:
             if not transient(e):
                 raise
@@ -369,7 +370,8 @@ class Container:
         guard = [GUARD_DIRECT, "guard", str(timeout)] if direct else [GUARD, "guard", str(timeout), str(cap)]
         exec_id = retry_transient(lambda: api.exec_create(
             self._container.id, ["bash", "-c", *guard, command],
-            workdir=workdir or self.workdir, user=user, environment=environment)["Id"], f"exec in {self.name}", on_retry=self._count_retry)
+            workdir=workdir or self.workdir, user=user, environment=environment)["Id"], f"exec in {self.name}",
+            on_retry=self._count_retry)
         start = time.monotonic()
         if direct:
             out, truncated = self._read_capped(exec_id, cap)

@@ -16,6 +16,7 @@ checks swebench rows: each gold patch must resolve and the unpatched tree must n
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -27,7 +28,6 @@ import sys
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol, Sequence

@@ -53,8 +53,9 @@ MAX_PACKED_BYTES = 50_000_000  # the most a task's three folders may hold, compr
 CANARY = re.compile(r"^\s*(<!--.*canary.*-->|#.*canary.*)\s*$", re.I)
 ENV_REFERENCE = re.compile(r"\$\{(\w+)(?::-(.*?))?\}")
 # Kills every process of the container but PID 1 (its init), the `sleep` that keeps it alive ($1) and this command's
-# own ancestors (bash builtins only): what the agent left running (a daemon that setsid took out of its command's process group) must not
-# touch the tests or the reward file. A few rounds catch what forks meanwhile.
+# own ancestors (found with bash builtins): what the agent left running (a daemon that setsid took out of its
+# command's process group) must not touch the tests or the reward file. A few rounds catch what forks meanwhile;
+# prints how many it killed.
 KILL_STRAYS = r"""keep=" 1 $1 "
 p=$$
 while [ -n "$p" ] && [ "$p" != 0 ]; do
@@ -478,7 +479,8 @@ def run_as_agent(task: TaskContainer, script: str, oracle: bool = False) -> cont
         box.exec(f"rm -rf {SOLUTION} && mkdir -p {SOLUTION}", user="0", timeout=60, cap=4000)
         box.put_tree(SOLUTION, unpacked_tar(task.truth["solution"]))
         box.exec(f"chmod -R a+rX {SOLUTION} && chmod +x {SOLUTION}/solve.sh", user="0", timeout=60, cap=4000)
-        command, environment = f"{SOLUTION}/solve.sh", task.env | {"DEBIAN_FRONTEND": "noninteractive"} | spec.solution_env
+        command = f"{SOLUTION}/solve.sh"
+        environment = task.env | {"DEBIAN_FRONTEND": "noninteractive"} | spec.solution_env
     else:
         box.put_file("/.kiln-agent.sh", script.encode(), mode=0o755)
         command = "bash /.kiln-agent.sh; code=$?; rm -f /.kiln-agent.sh; exit $code"

@@ -5,9 +5,9 @@ limits on images shown to the model, and the checks on swebench and task rows be
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
-import functools
 import math
 import re
 import shlex
@@ -245,25 +245,24 @@ def task_toolbox(row: dict, limits: containers.ContainerLimits = SWE_CONTAINER) 
     info, replay = {"container_seconds": time.perf_counter() - start}, ["#!/bin/bash"]
     timed = functools.partial(_timed, info)
 
-    def in_time(tool: Callable[[dict, float], ToolResult]) -> Callable[[dict], ToolResult]:
+    def in_time(tool: Callable[[dict], ToolResult]) -> Callable[[dict], ToolResult]:
         def run(arguments: dict) -> ToolResult:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if time.monotonic() >= deadline:
                 info["agent_timeout"] = True
                 return ToolResult(f"Time is up ({task.spec.agent_timeout:g} s): the tests now run.", stop=True)
-            return tool(arguments, left)
+            return tool(arguments)
         return run
 
-    def bash(arguments: dict, left: float) -> ToolResult:
+    def bash(arguments: dict) -> ToolResult:
         timeout = arguments.get("timeout", task.box.limits.timeout)
-        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
-            arguments = arguments | {"timeout": min(timeout, max(left, 1.0))}
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:  # cut to the time left
+            arguments = arguments | {"timeout": min(timeout, max(deadline - time.monotonic(), 1.0))}
         result = swe_bash(task.box, arguments)
         if result.text.startswith("<returncode>"):  # it ran
             replay.append(task_dirs.replay_command(arguments["command"], arguments["timeout"]))
         return result
 
-    def editor(arguments: dict, left: float) -> ToolResult:
+    def editor(arguments: dict) -> ToolResult:
         result = swe_editor(task.box, arguments)
         if not result.error and arguments.get("command") != "view":  # a file was written: its bytes and mode
             path = arguments["path"]

@@ -25,6 +25,7 @@ import policy  # noqa: E402
 import ranks  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
+import swe_instances  # noqa: E402
 import task_dirs  # noqa: E402
 import task_rows  # noqa: E402
 import tiny  # noqa: E402
@@ -142,7 +143,15 @@ def test_data_prep_writes_rows_that_load_and_need_the_swe_toolbox(tmp_path):
 # ----------------------------------------------------------------------------------------- the reward, real Docker
 
 @pytest.fixture(scope="module")
-def built(docker_client, swe_rows, rows):  # noqa: F811 -- swe_rows builds kiln's base image the Dockerfiles start FROM
+def base_image(docker_client, request):  # noqa: F811
+    """kiln's base image, which the tasks' Dockerfiles start FROM (built with the SWE instances when it is missing)."""
+    if not task_dirs.image_present(docker_client, swe_instances.BASE_IMAGE):
+        request.getfixturevalue("swe_rows")
+    return swe_instances.BASE_IMAGE
+
+
+@pytest.fixture(scope="module")
+def built(docker_client, base_image, rows):  # noqa: F811
     task_dirs.ensure_images([task_dirs.truth_of(row) for row in rows.values()], docker_client)
     return {name: task_dirs.truth_of(row) for name, row in rows.items()}
 
@@ -189,7 +198,7 @@ def test_a_planted_reward_planted_tests_and_a_daemon_rewriting_the_reward_do_not
 
 
 @pytest.mark.docker
-def test_no_reward_file_is_an_infrastructure_failure_left_out_never_a_zero(tmp_path, docker_client, swe_rows):  # noqa: F811
+def test_no_reward_file_is_an_infrastructure_failure_left_out_never_a_zero(tmp_path, docker_client, base_image):
     row = task_dirs.read_task(variant(tmp_path, "fix-median", test_sh="#!/bin/bash\necho 'forgot the reward'\n"))
     truth = task_dirs.truth_of(row)
     task_dirs.ensure_image(docker_client, truth)
@@ -205,7 +214,7 @@ def test_no_reward_file_is_an_infrastructure_failure_left_out_never_a_zero(tmp_p
 
 
 @pytest.mark.docker
-def test_tests_past_their_time_limit_score_zero_and_task_toml_sets_the_users(tmp_path, docker_client, swe_rows):  # noqa: F811
+def test_tests_past_their_time_limit_score_zero_and_task_toml_sets_the_users(tmp_path, docker_client, base_image):
     """[verifier].timeout_sec kills a hanging test.sh: 0, error verifier_timeout. [agent].user runs the agent's
     script (nobody: it cannot write /app), [verifier].user the tests."""
     toml = "[agent]\nuser = 'nobody'\n[verifier]\ntimeout_sec = 2\n"
@@ -267,7 +276,7 @@ def test_the_agent_loop_in_the_task_container_scores_by_the_tests_and_its_script
 
 
 @pytest.mark.docker
-def test_the_agents_time_is_the_tasks_then_the_tests_run(tmp_path, docker_client, swe_rows, tokenizer):  # noqa: F811
+def test_the_agents_time_is_the_tasks_then_the_tests_run(tmp_path, docker_client, base_image, tokenizer):
     row = task_dirs.read_task(variant(tmp_path, "count-errors", toml="[agent]\ntimeout_sec = 2\n"))
     task_dirs.ensure_image(docker_client, task_dirs.truth_of(row))
     scripts = {"slow": [call("bash", command="sleep 30; echo never", timeout=60),
