@@ -292,9 +292,14 @@ def test_the_agents_time_is_the_tasks_then_the_tests_run(tmp_path, docker_client
 
 @pytest.mark.slow  # a 2-rank torchrun, a container per trajectory and its tests: about 2 minutes on 2 shared cores
 @pytest.mark.docker
-def test_two_rank_grpo_on_the_task_rows_scores_by_their_tests_and_leaves_no_container(built, docker_client,
-                                                                                        tmp_path):
-    data_prep.tasks(TASKS, tmp_path / "tasks.parquet", build=False)
+def test_two_rank_grpo_on_task_rows_scores_by_their_tests_leaves_out_infra_failures_and_no_container(
+        built, docker_client, tmp_path):
+    """fix-median and a copy whose tests write no reward, one per rank, two trajectories each: the step completes on
+    the two scored samples, the other two are left out and counted, no container is left."""
+    variant(tmp_path / "tasks", "fix-median")
+    variant(tmp_path / "tasks", "text-kit", test_sh="#!/bin/bash\necho 'no reward file'\n").rename(
+        tmp_path / "tasks" / "no-reward")
+    data_prep.tasks(tmp_path / "tasks", tmp_path / "tasks.parquet", build=False)
     model = tiny.make_tiny_model(tmp_path / "model", CORPUS, max_position_embeddings=8192)
     subprocess.run([*ranks.torchrun(2, ROOT / "train_grpo.py"), "--model", str(model), "--data",
                     str(tmp_path / "tasks.parquet"), "--output-dir", str(tmp_path / "out"), "--prompts-per-step", "2",
@@ -302,6 +307,6 @@ def test_two_rank_grpo_on_the_task_rows_scores_by_their_tests_and_leaves_no_cont
                     "--tools", "swe", "--max-turns", "2", "--max-prompt-tokens", "4000", "--max-total-tokens",
                     "4100", "--check-tito"], check=True, timeout=900, cwd=tmp_path)
     step = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert step["step"] == 1 and step["swe/container_seconds"] > 0 and step["critic/score/infra_dropped"] == 0
-    assert step["critic/score/task/mean"] == 0.0  # an untrained model solves nothing; the tests scored every sample
+    assert step["step"] == 1 and step["swe/container_seconds"] > 0 and step["critic/score/infra_dropped"] == 2
+    assert step["critic/score/task/mean"] == 0.0  # an untrained model fixes nothing; the tests scored its samples
     assert orphans(docker_client) == []
