@@ -140,6 +140,13 @@ def test_data_prep_writes_rows_that_load_and_need_the_swe_toolbox(tmp_path):
         tools.check_swe_rows(loaded, "python", str(out))
 
 
+def test_the_command_line_reports_a_bad_folder_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "data_prep.py"), "tasks", "--source", str(tmp_path), "--out",
+                           str(tmp_path / "rows.parquet")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and not (tmp_path / "rows.parquet").exists()
+    assert done.stderr.strip().splitlines() == [f"error: {tmp_path}: no task directories (folders with a task.toml)"]
+
+
 # ----------------------------------------------------------------------------------------- the reward, real Docker
 
 @pytest.fixture(scope="module")
