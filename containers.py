@@ -321,7 +321,7 @@ class Container:
 
     def __init__(self, client: docker.DockerClient, image: str, role: str, run: str = "",
                  limits: ContainerLimits = ContainerLimits(), workdir: str = "/testbed",
-                 history_free: bool | None = None):
+                 history_free: bool | None = None, user: str = "", environment: dict | None = None):
         if role == "agent" if history_free is None else history_free:
             image = history_free_image(client, image)
         try:
@@ -342,7 +342,8 @@ class Container:
                 image, ["sleep", str(limits.ttl)], detach=True, auto_remove=True, init=True, network_mode="none",
                 nano_cpus=int(limits.cpus * 1e9), mem_limit=limits.memory, memswap_limit=limits.memory,
                 pids_limit=limits.pids, tmpfs={"/tmp": f"size={limits.tmpfs}"}, working_dir=workdir,
-                labels=labels), f"start {image}", undo, self._count_retry)
+                labels=labels, user=user or None, environment=environment), f"start {image}", undo,
+                self._count_retry)
         except (docker.errors.APIError, requests.exceptions.RequestException) as e:
             if not transient(e):
                 raise
@@ -355,10 +356,12 @@ class Container:
         return self._container.name
 
     def exec(self, command: str, timeout: float | None = None, cap: int | None = None,
-             workdir: str | None = None, direct: bool = False) -> ExecResult:
+             workdir: str | None = None, direct: bool = False, user: str = "",
+             environment: dict | None = None) -> ExecResult:
         """Run `command` with bash, SIGKILLed after `timeout` seconds, output capped; whatever it started in the
         background is killed when it ends (only files persist between commands). `direct`: the output leaves the
-        container as it is written, never through a file in it that the command could read or rewrite (grading)."""
+        container as it is written, never through a file in it that the command could read or rewrite (grading).
+        `user` and `environment`: the command's, instead of the container's."""
         timeout = self.limits.timeout if timeout is None else timeout
         cap = self.limits.output_cap if cap is None else cap
         if not 0 < timeout < API_TIMEOUT - 60:
@@ -367,7 +370,8 @@ class Container:
         guard = [GUARD_DIRECT, "guard", str(timeout)] if direct else [GUARD, "guard", str(timeout), str(cap)]
         exec_id = retry_transient(lambda: api.exec_create(
             self._container.id, ["bash", "-c", *guard, command],
-            workdir=workdir or self.workdir)["Id"], f"exec in {self.name}", on_retry=self._count_retry)
+            workdir=workdir or self.workdir, user=user, environment=environment)["Id"], f"exec in {self.name}",
+            on_retry=self._count_retry)
         start = time.monotonic()
         if direct:
             out, truncated = self._read_capped(exec_id, cap)
@@ -430,6 +434,11 @@ class Container:
             tar.addfile(info, io.BytesIO(data))
         if not self._container.put_archive(directory or "/", buffer.getvalue()):
             raise OSError(f"{self.name}: could not write {path}")
+
+    def put_tree(self, directory: str, tar: bytes) -> None:
+        """Unpack the tar archive `tar` into the existing `directory` of the container (not the tmpfs /tmp)."""
+        if not self._container.put_archive(directory, tar):
+            raise OSError(f"{self.name}: could not unpack an archive into {directory}")
 
     def get_file(self, path: str) -> bytes:
         """The bytes of the regular file at `path` in the container (not under the tmpfs /tmp; see put_file)."""

@@ -8,6 +8,7 @@
     python data_prep.py codev --source codev.parquet --out codev_rows.parquet        # CodeV / DeepEyes rows
     python data_prep.py extract-images --source codev.parquet --image-dir images/    # images to files, paths back
     python data_prep.py vision_toy --out vision_toy.parquet [--n-train 600 --n-test 60 --size 1024 --seed 0]
+    python data_prep.py tasks --source tasks/ --out tasks.parquet [--no-build] [--check]    # Harbor task dirs
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ from PIL import Image
 from tqdm import tqdm
 
 import chat
+import cli
+import task_dirs
 import vision_tasks
 from task_rows import (IMAGE_MARKER, RowError, hub_error, hub_records, image_bytes, json_shape, make_row,
                        read_jsonl, validate_row, write_rows)
@@ -739,6 +742,32 @@ def vision_toy(out: Path, split: Literal["all", "train", "test"] = "all", n_trai
     _write_and_say({"all": train + test, "train": train, "test": test}[split], out)
 
 
+def tasks(source: Path, out: Path, split: str = "train", build: bool = True, check: bool = False) -> None:
+    """Harbor-style task directories (instruction.md, environment/Dockerfile, tests/test.sh, solution/solve.sh,
+    task.toml) -> rows of data_source "task" (task_dirs.py): the instruction is the prompt; environment/, tests/ and
+    solution/ travel packed in the ground truth, shown to the policy never.
+
+    Args:
+        source: a task directory, or a folder of them
+        out: where the rows go (.parquet or .jsonl)
+        split: the rows' extra_info.split
+        build: build each task's image now (offline, from kiln's base image), so a Dockerfile that fails stops here
+        check: also run each task's solve.sh (it must score 1) and nothing (it must score 0) in fresh containers
+    """
+    rows = task_dirs.task_rows_of(source, split)
+    if build or check:
+        task_dirs.ensure_images([task_dirs.truth_of(row) for row in rows])
+    if check:
+        results = task_dirs.check_tasks(rows)
+        for result in results:
+            print(f"{result['task']}: solve.sh {result['oracle']}, no-op {result['noop']}"
+                  + ("" if result["ok"] else f"  FAIL: {result['problem']}"))
+        failed = [r["task"] for r in results if not r["ok"]]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {len(results)} tasks fail the check: {', '.join(failed)}")
+    _write_and_say(rows, out)
+
+
 def _write_and_say(rows: list[dict], out: Path) -> None:
     write_rows(rows, out)
     sources = Counter(r["data_source"] for r in rows)
@@ -747,6 +776,8 @@ def _write_and_say(rows: list[dict], out: Path) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    tyro.extras.subcommand_cli_from_dict({"humaneval": humaneval, "mbpp": mbpp, "apps": apps,
-                                        "swebench": swebench, "toy": toy, "codev": codev,
-                                        "extract-images": extract_images, "vision_toy": vision_toy})
+    with cli.one_line_errors():
+        tyro.extras.subcommand_cli_from_dict({"humaneval": humaneval, "mbpp": mbpp, "apps": apps,
+                                            "swebench": swebench, "toy": toy, "codev": codev,
+                                            "extract-images": extract_images, "vision_toy": vision_toy,
+                                            "tasks": tasks})

@@ -16,6 +16,7 @@ checks swebench rows: each gold patch must resolve and the unpatched tree must n
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -42,6 +43,7 @@ import eval_report
 import judge as judge_lib
 import sandbox
 import swe_grading
+import task_dirs
 import task_rows
 
 # Big APPS answers have thousands of digits; int() refuses them by default.
@@ -205,6 +207,26 @@ def swebench_reward(row: dict, completion: str, context: ScoreContext) -> Reward
     grade = swe_grading.swebench_reward(json.loads(row["reward_model"]["ground_truth"]),
                                         completion.encode(errors="surrogateescape"), config=context.swe)
     return Reward(grade.score, grade.info)
+
+
+def task_reward(row: dict, completion: str, context: ScoreContext) -> Reward:
+    """A task directory (task_dirs): the task's tests' reward, as they scored the agent's own container at the end
+    of its trajectory (context.sample_info["task_verdict"], from tools.task_toolbox), or else the completion run as
+    a script in a fresh container of the task and then the tests (`python rewards.py score`). No reward file (an
+    infrastructure failure) is no score: NaN with info["infra_error"], left out and counted, never a 0."""
+    verdict = context.sample_info.get("task_verdict")
+    if verdict is None:
+        verdict = dataclasses.asdict(task_dirs.grade_script(task_dirs.truth_of(row), completion))
+    info = {k: verdict[k] for k in ("rewards", "error", "output", "seconds", "strays_after_tests")}
+    if verdict["score"] is None:
+        return Reward(math.nan, info | {"infra_error": verdict["infra_error"]})
+    return Reward(verdict["score"], info)
+
+
+def ungraded(info: dict) -> bool:
+    """Whether a reward's info says it has no score through no fault of the sample (the judge failed, or the task's
+    tests left no reward file): it is left out and counted, never trained on or counted as 0."""
+    return judge_failed(info) or "infra_error" in info
 
 
 # ------------------------------------------------------------------------- vl_agent: CodeV's code-with-images reward
@@ -396,6 +418,7 @@ REWARDS: dict[str, RewardFn] = {
     "calc": answer_reward,
     "vision_count": answer_reward,
     "swebench": swebench_reward,
+    task_dirs.DATA_SOURCE: task_reward,
     **dict.fromkeys(VL_AGENT_SOURCES, vl_agent_reward),
 }
 
@@ -591,6 +614,10 @@ def main(args: ScoreArgs) -> dict:
     if args.official and not swe_truths:
         raise ValueError(f"--official grades swebench rows; no sample of {args.samples} answers one")
     swe_grading.check_images(swe_truths, args.samples)
+    task_truths = [task_dirs.truth_of(rows_by_id[t]) for t in sorted(set(task_ids))
+                   if rows_by_id[t]["data_source"] == task_dirs.DATA_SOURCE]
+    if task_truths:  # a task's completion is a script, run in a fresh container of its image
+        task_dirs.ensure_images(task_truths)
     swe = swe_grading.SweConfig(official=args.official)
     judge = make_judge(args.judge_url, args.judge_model, [rows_by_id[t] for t in set(task_ids)], where=args.samples)
     limits = sandbox.Limits(timeout=args.timeout)
@@ -608,7 +635,11 @@ def main(args: ScoreArgs) -> dict:
             print(f"{len(failed)} samples not graded (the judge failed), left out of the report; first: "
                   f"{failed[0][0]}: {failed[0][1].info['judge_error']}")
         judge.close()
-    graded = [(t, r, s) for t, r, s in zip(task_ids, results, steps) if not judge_failed(r.info)]
+    infra = [(t, r) for t, r in zip(task_ids, results) if "infra_error" in r.info]
+    if infra:
+        print(f"{len(infra)} samples not graded (the task's tests left no reward: an infrastructure failure), left "
+              f"out of the report; first: {infra[0][0]}: {infra[0][1].info['infra_error']}")
+    graded = [(t, r, s) for t, r, s in zip(task_ids, results, steps) if not ungraded(r.info)]
     if not graded:
         raise RuntimeError("no sample could be graded")
     task_ids, results, steps = [t for t, _, _ in graded], [r for _, r, _ in graded], [s for _, _, s in graded]

@@ -570,7 +570,7 @@ def refuse_or_count_nonfinite(run, samples: list[rollout.Sample]) -> int:
     """A NaN or infinite reward the judge does not account for is a reward-function bug: with --nonfinite-rewards
     stop, every rank stops naming every offender; with drop, their number over all ranks."""
     offenders = [(task_rows.row_id(s.row), s.reward) for s in samples
-                 if not math.isfinite(s.reward) and not rewards.judge_failed(s.reward_info)]
+                 if not math.isfinite(s.reward) and not rewards.ungraded(s.reward_info)]
     if run.args.nonfinite_rewards == "stop":
         rewards.refuse_nonfinite(collectives.gather_objects(offenders), run.step + 1)
         return 0
@@ -589,8 +589,12 @@ def reward_metrics(run, samples: list[rollout.Sample], rollout_metrics: dict) ->
         [(s.row["data_source"], s.reward, s.reward_info.get("error"), len(s.completion_ids),
           s.reward_info.get("sandbox_isolation")) for s in samples if math.isfinite(s.reward)]))
     metrics |= rewards.batch_metrics(sources, scores, errors, lengths, isolations)
-    if run.args.tools == "swe":
-        metrics |= swe_grading.swe_metrics(collectives.gather_objects([s.reward_info for s in samples]))
+    # samples whose task tests left no reward file: no score, left out of the batch; a count that should stay 0
+    metrics["critic/score/infra_dropped"] = float(collectives.sum_over_ranks(
+        sum("infra_error" in s.reward_info for s in samples)))
+    if run.args.tools == "swe":  # the swebench samples' verdicts (task rows have their scores above)
+        swe = collectives.gather_objects([s.reward_info for s in samples if s.row["data_source"] == "swebench"])
+        metrics |= swe_grading.swe_metrics(swe) if swe else {}
     return metrics
 
 
@@ -647,7 +651,7 @@ def evaluate(run) -> dict:
     score(run, samples)
     graded = collectives.gather_objects([(task_rows.row_id(s.row), rewards.for_report(rewards.Reward(s.reward,
                                                                                                       s.reward_info)))
-                                         for s in samples if not rewards.judge_failed(s.reward_info)])
+                                         for s in samples if not rewards.ungraded(s.reward_info)])
     ungraded = {"val-aux/judge_ungraded": len(run.eval_rows) * draws - len(graded)} if run.judge is not None else {}
     if not graded:
         return ungraded

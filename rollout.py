@@ -372,16 +372,21 @@ def _start_and_run(engine: Engine, tokenizer, sampling: Sampling, new_toolbox: C
 
 
 def close_all(boxes: list[ToolBox]) -> None:
-    """Close every toolbox even when some fail or a Ctrl-C interrupts one; the first failure is raised afterwards.
-    (Containers that a second Ctrl-C leaves go at the trainer's exit, their TTL or the next start's sweep.)"""
-    failure = None
-    for box in boxes:
+    """Close every toolbox, at once on a thread pool (a task's close runs its tests), even when some fail or a Ctrl-C
+    interrupts the wait; a failure is raised afterwards. (Containers that a second Ctrl-C leaves go at the trainer's
+    exit, their TTL or the next start's sweep.)"""
+    failures = []
+
+    def close(box: ToolBox) -> None:
         try:
             box.close()
         except BaseException as e:  # noqa: B036 -- the rest must still be closed; re-raised below
-            failure = failure or e
-    if failure is not None:
-        raise failure
+            failures.append(e)
+    if boxes:
+        with ThreadPoolExecutor(max_workers=min(len(boxes), MAX_TOOL_THREADS), thread_name_prefix="kiln-close") as pool:
+            list(pool.map(close, boxes))
+    if failures:
+        raise failures[0]
 
 
 MAX_TOOL_THREADS = 64  # tool calls running at once on a rank (SWE: docker execs, mostly waiting on the daemon)

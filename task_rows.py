@@ -15,6 +15,8 @@ ground_truth JSON per family (what rewards.py reads):
     swebench: SWE-bench 5.x instance fields {"instance_id", "repo", "version", "base_commit", "image", "eval_script",
                "log_parser", "eval_type", "FAIL_TO_PASS": [...], "PASS_TO_PASS": [...], "test_patch", "patch"}
                (the gold "patch" is for checks only; nothing of ground_truth is ever shown to the policy)
+    task: a Harbor-style task directory (task_dirs.py): its task.toml settings (TaskSpec's fields), "image", and
+               "environment", "tests", "solution" (optional) as base64 gzipped tars; shown to the policy: none of it
     calc: the exact answer as plain text (rewards.answer_reward)
     vl_agent family (vision_toy, vstar, chart, ...; rewards.py): the answer as plain text; vision_toy rows also have
                extra_info.target_box [x0, y0, x1, y1], the region of images[0] that holds the answer
@@ -55,7 +57,8 @@ IO_SOURCES = ("apps", "codecontests", "taco", "livecodebench")  # stdin/stdout o
 GROUND_TRUTH_KEYS = {"io": {"inputs": list, "outputs": list}, "mbpp": {"test_list": list}, "toy": {"test_list": list},
                      "humaneval": {"test": str, "entry_point": str, "prompt": str},
                      "swebench": {"instance_id": str, "image": str, "eval_script": str, "log_parser": str,
-                                  "eval_type": str, "base_commit": str, "FAIL_TO_PASS": list}}
+                                  "eval_type": str, "base_commit": str, "FAIL_TO_PASS": list},
+                     "task": {"name": str, "image": str, "environment": str, "tests": str}}
 ROLES = ("system", "user", "assistant", "tool")
 # Parquet has no "mixed type" column: columns arrow cannot hold exactly are stored as JSON text and listed here.
 JSON_COLUMNS_KEY = b"kiln.json_columns"

@@ -1,9 +1,11 @@
 """The agent's tools: a toolbox per trajectory (`python` in the sandbox's PythonSession, called through <tool_call> or,
 `codev`, through CodeV's <code> tags; `bash`, `str_replace_editor` and `submit` in the trajectory's own SWE-bench
-container), their JSON signatures for the prompt, the limits on images shown to the model, and the checks on swebench
-rows before anything loads."""
+container, or a task directory's: `--tools swe` runs both kinds of rows), their JSON signatures for the prompt, the
+limits on images shown to the model, and the checks on swebench and task rows before anything loads."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import io
 import json
 import math
@@ -18,6 +20,7 @@ from PIL import Image, UnidentifiedImageError
 import containers
 import sandbox
 import swe_grading
+import task_dirs
 import task_rows
 import vision
 
@@ -186,15 +189,7 @@ def swe_toolbox(row: dict, limits: containers.ContainerLimits = SWE_CONTAINER) -
     container = containers.Container(containers.shared_client(), truth["image"], role="agent",
                                      run=truth["instance_id"], limits=limits)
     info = {"container_seconds": time.perf_counter() - start}
-
-    def timed(tool: Callable[[dict], ToolResult]) -> Callable[[dict], ToolResult]:
-        def run(arguments: dict) -> ToolResult:
-            begin = time.perf_counter()
-            try:
-                return tool(arguments)
-            finally:
-                info["container_seconds"] += time.perf_counter() - begin
-        return run
+    timed = functools.partial(_timed, info)
 
     def close() -> None:
         begin = time.perf_counter()
@@ -211,6 +206,87 @@ def swe_toolbox(row: dict, limits: containers.ContainerLimits = SWE_CONTAINER) -
              "str_replace_editor": timed(lambda arguments: swe_editor(container, arguments)),
              "submit": lambda arguments: ToolResult("Submitted: /testbed will be graded.", stop=True)}
     return ToolBox(tools, SWE_TOOLS, close=close, info=info)
+
+
+def _timed(info: dict, tool: Callable[[dict], ToolResult]) -> Callable[[dict], ToolResult]:
+    """`tool`, its wall seconds added to info["container_seconds"]."""
+    def run(arguments: dict) -> ToolResult:
+        begin = time.perf_counter()
+        try:
+            return tool(arguments)
+        finally:
+            info["container_seconds"] += time.perf_counter() - begin
+    return run
+
+
+def _described(tool: dict, description: str) -> dict:
+    return {"type": "function", "function": tool["function"] | {"description": description}}
+
+
+TASK_TOOLS = [
+    _described(SWE_TOOLS[0], "Run one bash command in the task's working directory, without network. It is killed "
+               "after `timeout` seconds; only files persist between calls (no cd, no variables, no background "
+               "jobs); long output keeps its head and tail."),
+    SWE_TOOLS[1],
+    _described(SWE_TOOLS[2], "End the episode once you are done: the task's tests then check the container."),
+]
+
+
+def task_toolbox(row: dict, limits: containers.ContainerLimits = SWE_CONTAINER) -> ToolBox:
+    """`bash`, `str_replace_editor` and `submit` in a fresh container of a task directory's image (task_dirs), for at
+    most the task's [agent].timeout_sec (then every call ends the episode). On close the task's tests run in that
+    container (task_dirs.verify; its Verdict in info["task_verdict"], what rewards.task_reward reads) and the container
+    is removed, whatever happens. The sample's completion is what the agent did as a script (its commands and the
+    files the editor wrote), which `python rewards.py score` replays in a fresh container."""
+    truth = task_dirs.truth_of(row)
+    start = time.perf_counter()
+    task = task_dirs.start(containers.shared_client(), truth, limits=limits)
+    deadline = time.monotonic() + task.spec.agent_timeout
+    info, replay = {"container_seconds": time.perf_counter() - start}, ["#!/bin/bash"]
+    timed = functools.partial(_timed, info)
+
+    def in_time(tool: Callable[[dict], ToolResult]) -> Callable[[dict], ToolResult]:
+        def run(arguments: dict) -> ToolResult:
+            if time.monotonic() >= deadline:
+                info["agent_timeout"] = True
+                return ToolResult(f"Time is up ({task.spec.agent_timeout:g} s): the tests now run.", stop=True)
+            return tool(arguments)
+        return run
+
+    def bash(arguments: dict) -> ToolResult:
+        timeout = arguments.get("timeout", task.box.limits.timeout)
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:  # cut to the time left
+            arguments = arguments | {"timeout": min(timeout, max(deadline - time.monotonic(), 1.0))}
+        result = swe_bash(task.box, arguments)
+        if result.text.startswith("<returncode>"):  # it ran
+            replay.append(task_dirs.replay_command(arguments["command"], arguments["timeout"]))
+        return result
+
+    def editor(arguments: dict) -> ToolResult:
+        result = swe_editor(task.box, arguments)
+        if not result.error and arguments.get("command") != "view":  # a file was written: its bytes and mode
+            path = arguments["path"]
+            mode = task.box.exec(f"stat -c %a {shlex.quote(path)}", user="0").output.strip()
+            replay.append(task_dirs.replay_file(path, task.box.get_file(path), mode))
+        return result
+
+    def close() -> None:
+        begin = time.perf_counter()
+        try:
+            info["task_verdict"] = dataclasses.asdict(task_dirs.verify(task))
+        finally:
+            task.box.remove()
+            info["container_seconds"] += time.perf_counter() - begin
+            info["completion"] = "\n".join(replay) + "\n"
+
+    tools = {"bash": timed(in_time(bash)), "str_replace_editor": timed(in_time(editor)),
+             "submit": lambda arguments: ToolResult("Submitted: the task's tests will run.", stop=True)}
+    return ToolBox(tools, TASK_TOOLS, close=close, info=info)
+
+
+def container_toolbox(row: dict) -> ToolBox:
+    """`--tools swe`: the toolbox of the row's container, a SWE-bench instance's or a task directory's."""
+    return task_toolbox(row) if row["data_source"] == task_dirs.DATA_SOURCE else swe_toolbox(row)
 
 
 def swe_bash(container: containers.Container, arguments: dict) -> ToolResult:
@@ -279,18 +355,22 @@ def swe_editor(container: containers.Container, arguments: dict) -> ToolResult:
 
 
 def check_swe_rows(rows: list[dict], tools: str, source: str) -> None:
-    """swebench rows need the swe toolbox and it needs them; each row's image must be on the Docker host. Checked at
-    load, before any model is."""
-    swe = [i for i, data_source in enumerate(task_rows.values(rows, "data_source")) if data_source == "swebench"]
-    if swe and tools != "swe" or tools == "swe" and len(swe) < len(rows):
-        raise ValueError(f"{source}: swebench rows run with --tools swe and --tools swe runs only swebench rows "
-                         f"({len(swe)} of {len(rows)} rows are swebench, --tools {tools})")
+    """swebench and task rows need the swe toolbox and it needs them; each swebench row's image must be on the Docker
+    host, and each task's is built now if it is not. Checked at load, before any model is."""
+    sources = list(task_rows.values(rows, "data_source"))
+    swe = [i for i, data_source in enumerate(sources) if data_source == "swebench"]
+    tasks = [i for i, data_source in enumerate(sources) if data_source == task_dirs.DATA_SOURCE]
+    if (swe or tasks) and tools != "swe" or tools == "swe" and len(swe) + len(tasks) < len(rows):
+        raise ValueError(f"{source}: swebench and task rows run with --tools swe and --tools swe runs only those "
+                         f"({len(swe)} swebench and {len(tasks)} task rows of {len(rows)}, --tools {tools})")
     if tools == "swe":
         swe_grading.check_images([json.loads(rows[i]["reward_model"]["ground_truth"]) for i in swe], source)
+        if tasks:
+            task_dirs.ensure_images([task_dirs.truth_of(rows[i]) for i in tasks])
 
 
 TOOLBOXES: dict[str, Callable[[dict], ToolBox]] = {"python": python_toolbox, "codev": codev_toolbox,
-                                                   "swe": swe_toolbox}
+                                                   "swe": container_toolbox}
 
 
 TOOL_SCHEMAS: dict[str, list[dict]] = {"python": [PYTHON_TOOL], "codev": [], "swe": SWE_TOOLS}  # shown in the prompt
