@@ -70,7 +70,7 @@ class Turn:
     ids_start: int
     messages_start: int
     ended: bool  # the reply ended with the end-of-turn token it sampled (else the template's closes it, mask 0)
-    finish: str
+    finish: str  # the reply's; "max_total_tokens" once a request continuing it found no room for a reply
 
 
 @dataclass
@@ -416,6 +416,9 @@ class AgentServer:
             prompt = segment.ids + new_ids
             room = self.max_total_tokens - len(prompt)
             if room < 1:
+                if not new_segment and segment.turns:  # the session ran out of tokens mid-episode, as the tool loop's
+                    with self.lock:
+                        segment.turns[-1].finish = "max_total_tokens"
                 raise BadRequest(f"the conversation is {len(prompt)} tokens, no room for a reply "
                                  f"within {self.max_total_tokens} (context_length_exceeded)",
                                  code="context_length_exceeded")

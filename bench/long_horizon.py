@@ -101,6 +101,7 @@ class ForcedEngine:
         self.tokenizer, self.turns = tokenizer, turns
         self.eot = tokenizer.convert_tokens_to_ids(chat.end_of_turn(tokenizer))
         self.calls: list[tuple[float, float]] = []  # (entered, returned): CPU seconds of the calling thread
+        self.emitted: list[list[int]] = []  # each call's reply ids
 
     def generate(self, prompts, sampling, seeds=None):
         entered = time.thread_time()
@@ -110,6 +111,7 @@ class ForcedEngine:
             ids = self.tokenizer(reply_text(turn, turn == self.turns), add_special_tokens=False)["input_ids"]
             ids = (ids + [self.eot])[: sampling.max_new_tokens]
             out.append(engines.Completion(ids, [-1.0] * len(ids), "stop" if ids[-1] == self.eot else "length"))
+            self.emitted.append(ids)
         self.calls.append((entered, time.thread_time()))
         return out
 
@@ -141,15 +143,16 @@ def long_row() -> dict:
             "reward_model": {"style": "rule", "ground_truth": "{}"}, "extra_info": {"index": 0}}
 
 
-def limits(args_turns: int) -> rollout.AgentLimits:
-    return rollout.AgentLimits(max_turns=args_turns + 1, max_total_tokens=131072, max_tool_response_tokens=4096)
+def limits(turns: int, max_total_tokens: int = 131072) -> rollout.AgentLimits:
+    return rollout.AgentLimits(max_turns=turns + 1, max_total_tokens=max_total_tokens, max_tool_response_tokens=4096)
 
 
-def tool_loop_trajectory(tokenizer, turns: int, outputs: list[str]) -> tuple[rollout.Sample, list[float]]:
+def tool_loop_trajectory(tokenizer, turns: int, outputs: list[str], max_total_tokens: int = 131072,
+                         engine: ForcedEngine | None = None) -> tuple[rollout.Sample, list[float]]:
     """One tool-loop trajectory; per turn k (1..turns), kiln's seconds from reply k to the call for reply k+1."""
-    engine = ForcedEngine(tokenizer, turns)
+    engine = engine or ForcedEngine(tokenizer, turns)
     (sample,), _ = rollout.multi_turn(engine, tokenizer, [long_row()], 1, engines.Sampling(max_new_tokens=256),
-                                      forced_toolbox(outputs), limits(turns))
+                                      forced_toolbox(outputs), limits(turns, max_total_tokens))
     return sample, [engine.calls[k][0] - engine.calls[k - 1][1] for k in range(1, len(engine.calls))]
 
 
@@ -166,12 +169,15 @@ class TimedServer(agent_server.AgentServer):
         return super()._prepare(request)
 
 
-def endpoint_trajectory(tokenizer, turns: int, outputs: list[str]) -> tuple[dict, list[float], list[float]]:
-    """One session through the endpoint driven by the OpenAI client; per turn k (1..turns+1): kiln's server-side
-    seconds and the client's round trip, each less the engine's time."""
-    engine = ForcedEngine(tokenizer, turns)
-    server = TimedServer(engine, tokenizer, engines.Sampling(max_new_tokens=256), max_total_tokens=131072)
-    running = True
+def endpoint_trajectory(tokenizer, turns: int, outputs: list[str], max_total_tokens: int = 131072,
+                        engine: ForcedEngine | None = None) -> tuple[agent_server.Segment, list[float], list[float],
+                                                                     str | None]:
+    """One session through the endpoint driven by the OpenAI client, which stops at a reply without a tool call or a
+    refusal; per request: kiln's server-side seconds and the client's round trip, each less the engine's time; and
+    the refusal's code (None without one)."""
+    engine = engine or ForcedEngine(tokenizer, turns)
+    server = TimedServer(engine, tokenizer, engines.Sampling(max_new_tokens=256), max_total_tokens=max_total_tokens)
+    running, refused = True, None
 
     def loop():
         while running:
@@ -185,20 +191,24 @@ def endpoint_trajectory(tokenizer, turns: int, outputs: list[str]) -> tuple[dict
             trips = []
             for turn in range(turns + 1):
                 began = time.perf_counter()
-                reply = client.chat.completions.create(model="kiln", messages=messages, tools=[BASH])
+                try:
+                    reply = client.chat.completions.create(model="kiln", messages=messages, tools=[BASH])
+                except openai.BadRequestError as e:
+                    refused = e.code
+                    break
                 trips.append(time.perf_counter() - began)
                 message = reply.choices[0].message
                 messages.append(message.model_dump(exclude_none=True))
-                if message.tool_calls:
-                    messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id,
-                                     "content": outputs[turn + 1]})
+                if not message.tool_calls:
+                    break
+                messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": outputs[turn + 1]})
             (segment,) = server.sessions["long"]
         finally:
             running = False
             thread.join()
     model = [returned - entered for entered, returned in engine.calls]
     served = [(done - taken) - m for (taken, done), m in zip(server.stamps, model)]
-    return segment, served, [trip - m for trip, m in zip(trips, model)]
+    return segment, served, [trip - m for trip, m in zip(trips, model)], refused
 
 
 def around(per_turn: list[list[float]], turn: int) -> float:
@@ -240,7 +250,7 @@ def per_turn_section(args: Args) -> dict:
     ratio_loop = print_path("tool loop", loop_turns, args.turns)
     print(f"{'check_tito at the end':>24}: {statistics.median(loop_tito) * 1000:.1f} ms")
     for _ in range(args.repeats):
-        segment, served, trips = endpoint_trajectory(tokenizer, args.turns, outputs)
+        segment, served, trips, _ = endpoint_trajectory(tokenizer, args.turns, outputs)
         served_turns.append(served[1:])  # request k+1 carries turn k's tool output
         trip_turns.append(trips[1:])
         began = time.thread_time()
