@@ -131,12 +131,12 @@ def test_max_total_tokens_at_the_endpoint_cuts_the_reply_then_refuses(built, too
 
 
 def test_a_template_that_is_not_local_is_rendered_whole(built):
-    """A template that numbers the turns across the conversation fails the locality probe: its suffixes are rendered
-    after the whole history, and check_tito places its turns exactly."""
+    """A template that numbers tool results by their place in the conversation fails the locality probe: its suffixes
+    are rendered after the whole history, and check_tito places its turns exactly."""
     _, tokenizer, _ = built
     numbered = type(tokenizer).from_pretrained(tokenizer.name_or_path)
     numbered.chat_template = tokenizer.chat_template.replace(
-        "{{ '<|im_start|>assistant\\n' }}", "{{ '<|im_start|>assistant ' + (messages | length | string) + '\\n' }}")
+        "{{ '\\n<tool_response>\\n' + render", "{{ '\\n<tool_response ' + (loop.index | string) + '>\\n' + render")
     assert numbered.chat_template != tokenizer.chat_template
     assert chat.renders_locally(tokenizer, [long_horizon.BASH]) and not chat.renders_locally(numbered, None)
     messages = long_horizon.long_row()["prompt"]
@@ -149,8 +149,9 @@ def test_a_template_that_is_not_local_is_rendered_whole(built):
     after = chat.render(numbered, history + new, None, True)
     cut = chat.render(numbered, history, None, False).rindex("<|im_end|>") + len("<|im_end|>")
     assert suffix == numbered(after[cut:], add_special_tokens=False)["input_ids"]
-    assert numbered.decode(suffix).endswith(f"assistant {len(history) + 1}\n")
+    assert f"<tool_response {len(history) + 1}>" in numbered.decode(suffix)
     ids, mask = chat.encode_conversation(numbered, history)
+    ids, mask = ids[:-1], mask[:-1]  # a trajectory ends on the last turn's end-of-turn token, not the glue after it
     prompt = chat.encode_prompt(numbered, messages[:2])
     sample = type("Traj", (), {"ids": ids, "prompt_ids": prompt, "loss_mask": mask[len(prompt):]})()
     assert chat.check_tito(numbered, sample, history) == {}
