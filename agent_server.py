@@ -29,6 +29,7 @@ the multi-turn loop. HTTP handler threads only queue.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import os
@@ -441,25 +442,30 @@ class AgentServer:
         if request.messages[-1]["role"] == "assistant":
             raise BadRequest("the last message is an assistant turn: continuing a reply is not supported")
         wire = request.wire
-        last_reply = max((i for i, m in enumerate(wire) if m["role"] == "assistant"), default=-1)
+        last_reply = next((i for i in reversed(range(len(wire))) if wire[i]["role"] == "assistant"), -1)
         with self.lock:
             segments = list(self.sessions.get(request.key, []))
         found = None  # (segment, turn index) whose reply the request continues, extensions of a last reply first
         for segment in reversed(segments):
             if segment.tools != request.tools:
                 continue
-            common = _common_prefix(wire, segment.wire)
             last = segment.turns[-1] if segment.turns else None
-            if last is not None and last.request_len == len(wire) == common:  # the same request again: a retry
+            if last is not None and last.request_len == len(wire) == _common_prefix(wire, segment.wire):  # a retry
                 with self.lock:
                     segment.rewind()
                 self.retries += 1
                 found = (segment, len(segment.turns) - 1) if segment.turns else (segment, None)
                 break
-            for t, turn in enumerate(segment.turns):
-                if turn.request_len == last_reply and common > last_reply and (
-                        found is None or (found[1] != len(found[0].turns) - 1 and t == len(segment.turns) - 1)):
-                    found = (segment, t)
+            # The one turn whose reply the request can continue (a segment's requests only grow), and that reply
+            # itself, are checked before the whole history is: a request costs one comparison of its history, not
+            # one per segment of its session.
+            t = bisect.bisect_left(segment.turns, last_reply, key=lambda turn: turn.request_len)
+            if (t == len(segment.turns) or segment.turns[t].request_len != last_reply
+                    or segment.wire[last_reply] != wire[last_reply]):
+                continue
+            if (found is None or (found[1] != len(found[0].turns) - 1 and t == len(segment.turns) - 1)) and (
+                    _common_prefix(wire, segment.wire) > last_reply):
+                found = (segment, t)
         if found is not None:
             segment, t = found
             if t is None:  # a retry of the segment's first request: its prompt again

@@ -217,6 +217,8 @@ def encode_text(tokenizer, text: str, plain: list[tuple[int, int]],
     template's tokens. The tokenizer splits at special tokens anyway, so outside those spans nothing changes."""
     encoded = tokenizer(text[start:], add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"], [(a + start, b + start) for a, b in encoded["offset_mapping"]]
+    if not plain:
+        return ids, offsets
     special = special_ids(tokenizer)
     in_plain = [any(lo <= a < hi for lo, hi in plain) for a, _ in offsets]
     if not any(i in special and inside for i, inside in zip(ids, in_plain)):
