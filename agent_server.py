@@ -414,7 +414,7 @@ class AgentServer:
         """The request's segment (continued, or a new one) and the ids to generate from; answers refusals at once."""
         try:
             segment, new_ids, new_messages, new_segment = self._continue(request)
-            prompt = segment.ids + new_ids
+            prompt = [*segment.prompt_ids, *segment.completion_ids, *new_ids]  # one copy: the engine's prompt
             room = self.max_total_tokens - len(prompt)
             if room < 1:
                 if not new_segment and segment.turns:  # the session ran out of tokens mid-episode, as the tool loop's
@@ -574,7 +574,10 @@ class AgentServer:
 
 
 def _common_prefix(a: list, b: list) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, compared in C
+        return n
+    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
 
 
 def _stop_cut(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, str, str] | None:

@@ -10,11 +10,12 @@ times itself, so that what is measured is kiln's own work and nothing of the mod
 - tool loop: rollout.multi_turn (kiln's own agent loop). A turn's overhead is the wall time from the engine's return
   of reply k to its call for reply k+1: parsing the reply, running the (instant) tool on the thread pool, cutting and
   tokenizing its output, the template's suffix ids, masks and bookkeeping, building the next prompt.
-- endpoint: agent_server.AgentServer on 127.0.0.1 driven by the real OpenAI client (the conversation sent whole each
-  turn, as agents do). Two numbers per turn: kiln's server side (from the request's arrival at the engine loop to its
-  recorded reply, less the engine: segment matching, the template's suffix ids, masks, bookkeeping) and the
-  round trip the client sees less the engine (HTTP, JSON both ways, the client's own work: grows with the
-  conversation the protocol sends each turn, whoever serves it).
+- endpoint: agent_server.AgentServer on 127.0.0.1 driven by an OpenAI-style client that sends the whole conversation
+  each turn, as agents do: plain HTTP and JSON (`raw_client`), and one trajectory through the OpenAI SDK. Per turn:
+  kiln's server side (from the request's arrival at the engine loop to its recorded reply, less the engine: segment
+  matching, the template's suffix ids, masks, bookkeeping) and the round trip the client sees less the engine (HTTP,
+  JSON both ways, the client's own work: grows with the conversation the protocol sends each turn, whoever serves
+  it; the SDK's request building grows most).
 
 Kiln's numbers are CPU seconds of the thread doing the work (time.thread_time: the rank's main thread, the endpoint's
 engine loop), so that other jobs on a shared machine do not inflate them; the round trip is wall time. Each turn's
@@ -33,6 +34,8 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,12 +172,40 @@ class TimedServer(agent_server.AgentServer):
         return super()._prepare(request)
 
 
+def raw_client(base_url: str, key: str):
+    """A chat-completions call as plain HTTP and JSON (what any OpenAI-style agent sends), without the OpenAI SDK's
+    own per-request work: the message it returns, or the refusal's code."""
+    def create(messages: list[dict]) -> tuple[dict | None, str | None]:
+        body = json.dumps({"model": "kiln", "messages": messages, "tools": [BASH]}).encode()
+        request = urllib.request.Request(f"{base_url}/chat/completions", data=body, headers={
+            "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request) as response:
+                return json.loads(response.read())["choices"][0]["message"], None
+        except urllib.error.HTTPError as e:
+            return None, json.loads(e.read())["error"]["code"]
+    return create
+
+
+def sdk_client(base_url: str, key: str):
+    """The same call through the OpenAI SDK."""
+    client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=120)
+
+    def create(messages: list[dict]) -> tuple[dict | None, str | None]:
+        try:
+            reply = client.chat.completions.create(model="kiln", messages=messages, tools=[BASH])
+        except openai.BadRequestError as e:
+            return None, e.code
+        return reply.choices[0].message.model_dump(exclude_none=True), None
+    return create
+
+
 def endpoint_trajectory(tokenizer, turns: int, outputs: list[str], max_total_tokens: int = 131072,
-                        engine: ForcedEngine | None = None) -> tuple[agent_server.Segment, list[float], list[float],
-                                                                     str | None]:
-    """One session through the endpoint driven by the OpenAI client, which stops at a reply without a tool call or a
-    refusal; per request: kiln's server-side seconds and the client's round trip, each less the engine's time; and
-    the refusal's code (None without one)."""
+                        engine: ForcedEngine | None = None, client=sdk_client
+                        ) -> tuple[agent_server.Segment, list[float], list[float], str | None]:
+    """One session through the endpoint driven by `client` (the OpenAI SDK, or raw_client), which stops at a reply
+    without a tool call or a refusal; per request: kiln's server-side seconds and the client's round trip, each less
+    the engine's time; and the refusal's code (None without one)."""
     engine = engine or ForcedEngine(tokenizer, turns)
     server = TimedServer(engine, tokenizer, engines.Sampling(max_new_tokens=256), max_total_tokens=max_total_tokens)
     running, refused = True, None
@@ -186,22 +217,20 @@ def endpoint_trajectory(tokenizer, turns: int, outputs: list[str], max_total_tok
     with server:
         thread.start()
         try:
-            client = openai.OpenAI(base_url=server.base_url, api_key="long", max_retries=0, timeout=120)
+            create = client(server.base_url, "long")
             messages = [m for m in long_row()["prompt"]]
             trips = []
             for turn in range(turns + 1):
                 began = time.perf_counter()
-                try:
-                    reply = client.chat.completions.create(model="kiln", messages=messages, tools=[BASH])
-                except openai.BadRequestError as e:
-                    refused = e.code
+                message, refused = create(messages)
+                if refused:
                     break
                 trips.append(time.perf_counter() - began)
-                message = reply.choices[0].message
-                messages.append(message.model_dump(exclude_none=True))
-                if not message.tool_calls:
+                messages.append(message)
+                if not message.get("tool_calls"):
                     break
-                messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": outputs[turn + 1]})
+                messages.append({"role": "tool", "tool_call_id": message["tool_calls"][0]["id"],
+                                 "content": outputs[turn + 1]})
             (segment,) = server.sessions["long"]
         finally:
             running = False
@@ -221,13 +250,17 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def print_path(name: str, per_turn: list[list[float]], turns: int) -> float:
+def print_path(name: str, per_turn: list[list[float]], turns: int) -> tuple[float, float]:
+    """Prints a path's per-turn overhead; returns turn 90 / turn 1, and the total over all turns / the total over the
+    first half (2 when the total is linear in the length, 4 when quadratic)."""
     cells = {k: around(per_turn, k) for k in CHECKPOINTS if k <= turns}
-    total = statistics.median(sum(run) for run in per_turn)
+    total = statistics.median(sum(run[:turns]) for run in per_turn)
+    half = statistics.median(sum(run[: turns // 2]) for run in per_turn)
     first, last = cells[min(cells)], cells[max(cells)]
     print(f"{name:>24}: " + ", ".join(f"turn {k} {v * 1000:6.2f} ms" for k, v in cells.items())
-          + f"; turn {max(cells)} / turn 1 {last / first:.2f}x; all turns {total:.2f} s")
-    return last / first
+          + f"; turn {max(cells)} / turn 1 {last / first:.2f}x; all turns {total:.2f} s, {total / half:.2f}x the "
+          f"first half's")
+    return last / first, total / half
 
 
 def per_turn_section(args: Args) -> dict:
@@ -247,10 +280,10 @@ def per_turn_section(args: Args) -> dict:
     tokens = len(sample.ids)
     print(f"tool loop: {args.turns + 1} assistant turns, {tokens} tokens, {sum(sample.loss_mask)} sampled; "
           f"peak RSS {peak_rss_mib():.0f} MiB")
-    ratio_loop = print_path("tool loop", loop_turns, args.turns)
+    ratio_loop, total_loop = print_path("tool loop", loop_turns, args.turns)
     print(f"{'check_tito at the end':>24}: {statistics.median(loop_tito) * 1000:.1f} ms")
     for _ in range(args.repeats):
-        segment, served, trips, _ = endpoint_trajectory(tokenizer, args.turns, outputs)
+        segment, served, trips, _ = endpoint_trajectory(tokenizer, args.turns, outputs, client=raw_client)
         served_turns.append(served[1:])  # request k+1 carries turn k's tool output
         trip_turns.append(trips[1:])
         began = time.thread_time()
@@ -260,11 +293,15 @@ def per_turn_section(args: Args) -> dict:
             raise RuntimeError(f"endpoint: check_tito found {findings}")
     print(f"endpoint: {len(segment.turns)} requests, {len(segment.ids)} tokens, {sum(segment.loss_mask)} sampled; "
           f"peak RSS {peak_rss_mib():.0f} MiB")
-    ratio_served = print_path("endpoint, kiln's side", served_turns, args.turns)
-    ratio_trip = print_path("endpoint, round trip", trip_turns, args.turns)
+    ratio_served, total_served = print_path("endpoint, kiln's side", served_turns, args.turns)
+    ratio_trip, _ = print_path("round trip, plain HTTP", trip_turns, args.turns)
+    _, _, sdk_trips, _ = endpoint_trajectory(tokenizer, args.turns, outputs, client=sdk_client)
+    ratio_sdk, _ = print_path("round trip, OpenAI SDK", [sdk_trips[1:]], args.turns)
     print(f"{'check_tito at the end':>24}: {statistics.median(served_tito) * 1000:.1f} ms")
     return {"turn90_over_turn1": {"tool_loop": round(ratio_loop, 3), "endpoint": round(ratio_served, 3)},
-            "endpoint_round_trip_turn90_over_turn1": round(ratio_trip, 3), "tokens": tokens,
+            "total_over_first_half": {"tool_loop": round(total_loop, 3), "endpoint": round(total_served, 3)},
+            "round_trip_turn90_over_turn1": {"plain_http": round(ratio_trip, 3), "openai_sdk": round(ratio_sdk, 3)},
+            "tokens": tokens,
             "peak_rss_mib": round(peak_rss_mib()), "turns": args.turns}
 
 
