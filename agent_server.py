@@ -588,10 +588,14 @@ def _stop_cut(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, str, st
     if not found:
         return None
     at, stop = min(found)
-    for k in range(1, len(ids) + 1):
-        if len(tokenizer.decode(ids[:k], skip_special_tokens=False)) >= at + len(stop):
-            return k, text[:at], stop
-    return len(ids), text[:at], stop
+    low, high = 1, len(ids)  # the first prefix whose decoding holds that stop string, by bisection: a prefix's
+    while low < high:  # decoding keeps what it holds as tokens are added (decoding every prefix is quadratic)
+        mid = (low + high) // 2
+        if tokenizer.decode(ids[:mid], skip_special_tokens=False).startswith(stop, at):
+            high = mid
+        else:
+            low = mid + 1
+    return low, text[:at], stop
 
 
 def _drain(q: queue.Queue) -> list:

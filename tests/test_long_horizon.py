@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+import agent_server  # noqa: E402
 import chat  # noqa: E402
 import engines  # noqa: E402
 import long_horizon  # noqa: E402
@@ -162,7 +163,8 @@ def test_a_template_that_is_not_local_is_rendered_whole(built):
 def test_stop_strings_found_on_the_tail_as_on_the_whole_reply(built):
     """engines.completes_stop decodes only the reply's tail: at every step it says what decoding the whole reply says,
     on random replies over the whole vocabulary (partial UTF-8 tokens, special tokens) and stop strings of one to
-    several characters, multi-byte ones included."""
+    several characters, multi-byte ones included; the endpoint finds the token that completed a reply's earliest stop
+    string by bisection."""
     _, tokenizer, _ = built
     rng = random.Random(0)
     stops = ["</code>", "ab", "\n\n", "é€", ")"]
@@ -176,4 +178,11 @@ def test_stop_strings_found_on_the_tail_as_on_the_whole_reply(built):
                         None)
             assert tail == whole
             found += whole is not None
+            # The endpoint's cut of a finished reply at its earliest stop string: the first token whose prefix holds it.
+            cut = agent_server._stop_cut(tokenizer, tokens, stop)
+            assert (cut is None) == (whole is None)
+            if cut is not None:
+                k, before, string = cut
+                prefix = [tokenizer.decode(tokens[:n], skip_special_tokens=False) for n in (k - 1, k)]
+                assert prefix[1].startswith(before + string) and not prefix[0].startswith(before + string)
     assert found > 10  # the replies do hit the stop strings
