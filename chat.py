@@ -344,7 +344,7 @@ def renders_locally(tokenizer, schemas: list[dict] | None) -> bool:
                     part, part_cut = _suffix_text(tokenizer, probe[:1] + probe[i + 1 - SUFFIX_WINDOW: i + 1], new,
                                                   schemas, eot, True)
                     local = local and whole[cut:] == part[part_cut:]
-        except Exception:  # a template that cannot render the probe's turns: never windowed  # noqa: BLE001
+        except Exception:  # a template that cannot render the probe's turns: never windowed
             local = False
         known[key] = local
     return known[key]
@@ -390,9 +390,21 @@ def assistant_places(tokenizer, messages: list[dict], tools: list[dict] | None, 
                      text: str) -> dict[int, tuple[int, int]]:
     """Where each assistant message's content begins and its end-of-turn token `eot` is in `text`, the template's
     rendering of `messages`: {message index: (begin, end)}. Each turn is placed from the previous one by rendering its
-    window (`template_suffix_ids`'s), so the work is linear in the conversation, and checked against `text`; a
-    template whose windows disagree with the whole rendering places every turn by rendering all the messages before
-    it."""
+    window (`template_suffix_ids`'s), so the work is linear in the conversation, and checked against `text`; where the
+    windows disagree with the whole rendering, every turn is placed by rendering all the messages before it."""
+    try:
+        places = _places_by_windows(tokenizer, messages, tools, eot, text)
+    except ValueError:  # a template that does not render a turn as an extension of the ones before it
+        places = None
+    if places is None:
+        places = {i: (len(render(tokenizer, messages[:i], tools, add_generation_prompt=True)),
+                      render(tokenizer, messages[: i + 1], tools, add_generation_prompt=False).rindex(eot))
+                  for i, m in enumerate(messages) if m["role"] == "assistant"}
+    return places
+
+
+def _places_by_windows(tokenizer, messages: list[dict], tools: list[dict] | None, eot: str,
+                       text: str) -> dict[int, tuple[int, int]] | None:
     places, previous = {}, None  # previous: (index, where its end-of-turn token is)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -410,9 +422,7 @@ def assistant_places(tokenizer, messages: list[dict], tools: list[dict] | None, 
         end = begin + closed.rindex(eot) - len(header)
         if not (closed.startswith(header) and text[begin:end] == closed[len(header): closed.rindex(eot)]
                 and text.startswith(eot, end)):
-            return {i: (len(render(tokenizer, messages[:i], tools, add_generation_prompt=True)),
-                        render(tokenizer, messages[: i + 1], tools, add_generation_prompt=False).rindex(eot))
-                    for i, m in enumerate(messages) if m["role"] == "assistant"}
+            return None
         places[i], previous = (begin, end), (i, end)
     return places
 
