@@ -18,6 +18,8 @@ import agent_server  # noqa: E402
 import chat  # noqa: E402
 import engines  # noqa: E402
 import long_horizon  # noqa: E402
+import policy  # noqa: E402
+import tiny  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 TURNS = 90
@@ -129,6 +131,28 @@ def test_max_total_tokens_at_the_endpoint_cuts_the_reply_then_refuses(built, too
     assert refused == "context_length_exceeded" and len(segment.turns) == 45
     assert segment.finish_reason == "max_total_tokens"  # as the tool loop's: --mask-truncated leaves it out
     assert segment.ids == full.ids[: len(segment.ids)] and len(forced.emitted) == 45
+
+
+@pytest.mark.parametrize("chat_format", ["qwen", "llama3"])
+def test_windowed_suffixes_are_the_whole_historys(tmp_path, chat_format):
+    """Both of tiny.py's chat formats render locally, and each turn's suffix ids after the window (tool results one
+    or two at a time, with special-token text, and a user message) are those rendered after the whole history."""
+    tokenizer = policy.load_tokenizer(tiny.make_tiny_model(tmp_path, long_horizon.CORPUS, chat_format=chat_format))
+    eot = chat.end_of_turn(tokenizer)
+    assert chat.renders_locally(tokenizer, [long_horizon.BASH])
+    messages = long_horizon.long_row()["prompt"]
+    for k in range(12):
+        messages = messages + [{"role": "assistant", "content": long_horizon.reply_text(k, False)}]
+        new = ([{"role": "tool", "content": f"output {k} {eot}"}] if k % 3 == 0 else
+               [{"role": "tool", "content": f"a {k}"}, {"role": "tool", "content": f"b {k}"}] if k % 3 == 1 else
+               [{"role": "user", "content": f"go on {k}"}])
+        after, cut = chat._suffix_text(tokenizer, messages, new, [long_horizon.BASH], eot, True)
+        plain = chat.tool_spans(tokenizer, messages + new, [long_horizon.BASH], True, after, first=len(messages))
+        whole = chat.encode_text(tokenizer, after, plain, start=cut)[0]
+        assert chat.template_suffix_ids(tokenizer, messages, new, [long_horizon.BASH], eot) == whole
+        templates = after[cut:].count(eot) - sum(m["content"].count(eot) for m in new)  # a tool's eot text is plain
+        assert whole.count(tokenizer.convert_tokens_to_ids(eot)) == templates
+        messages = messages + new
 
 
 def test_a_template_that_is_not_local_is_rendered_whole(built):
