@@ -7,8 +7,8 @@ that ~700 tokens are added per turn and 90 turns make ~64K tokens (the tiny toke
 with room for them). The engine is `ForcedEngine`: it answers each turn with the scripted reply's ids at once and
 times itself, so that what is measured is kiln's own work and nothing of the model's.
 
-- tool loop: rollout.multi_turn (kiln's own agent loop). A turn's overhead is the wall time from the engine's return
-  of reply k to its call for reply k+1: parsing the reply, running the (instant) tool on the thread pool, cutting and
+- tool loop: rollout.multi_turn (kiln's own agent loop). A turn's overhead is the time from the engine's return of
+  reply k to its call for reply k+1: parsing the reply, running the (instant) tool on the thread pool, cutting and
   tokenizing its output, the template's suffix ids, masks and bookkeeping, building the next prompt.
 - endpoint: agent_server.AgentServer on 127.0.0.1 driven by an OpenAI-style client that sends the whole conversation
   each turn, as agents do: plain HTTP and JSON (`raw_client`), and one trajectory through the OpenAI SDK. Per turn:
@@ -20,7 +20,8 @@ times itself, so that what is measured is kiln's own work and nothing of the mod
 Kiln's numbers are CPU seconds of the thread doing the work (time.thread_time: the rank's main thread, the endpoint's
 engine loop), so that other jobs on a shared machine do not inflate them; the round trip is wall time. Each turn's
 number is the median over --repeats trajectories and over 5 turns around it (turns 1-5 for turn 1, 28-32 for turn
-30, ...). The check_tito of the finished trajectory (run once, at its end) is timed apart.
+30, ...); the total over all turns is compared with the total over the first half (2x: linear). The check_tito of
+the finished trajectory (run once, at its end) is timed apart. Peak RSS is this process's, which runs both paths.
 
     .venv/bin/python bench/long_horizon.py [--turns 90 --tool-tokens 660 --repeats 3]
 """
@@ -306,8 +307,9 @@ def per_turn_section(args: Args) -> dict:
 
 
 def main(args: Args) -> dict:
-    """Each section adds its headline keys to RESULT. Other sections of issue 47 (tokens forwarded per token trained:
-    key `forwarded_per_trained`; sequence-parallel equality: key `sp_max_rel_err`) go here as their own functions."""
+    """Each section is a function that returns its headline keys for RESULT: per_turn_section here
+    (`turn90_over_turn1`, per path); issue 47's update side adds forwarded_tokens_section (`forwarded_per_trained`:
+    before, after) and sequence_parallel_section (`sp_max_rel_err`) the same way."""
     torch.set_num_threads(args.threads)
     result = per_turn_section(args)
     return result
