@@ -29,6 +29,7 @@ the multi-turn loop. HTTP handler threads only queue.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import os
@@ -70,7 +71,7 @@ class Turn:
     ids_start: int
     messages_start: int
     ended: bool  # the reply ended with the end-of-turn token it sampled (else the template's closes it, mask 0)
-    finish: str
+    finish: str  # the reply's; "max_total_tokens" once a request continuing it found no room for a reply
 
 
 @dataclass
@@ -137,6 +138,8 @@ class Request:
     sampling: tuple[float, float]  # (temperature, top_p) it asked for
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
+    return_token_ids: bool = False  # the reply carries the prompt's ids (vLLM's field of the same name)
+    wire: list[dict] = field(default_factory=list)  # the messages' wire_form, taken on the handler's thread
     reply: Future = field(default_factory=Future)  # (HTTP status, Reply or an error body)
 
 
@@ -150,11 +153,26 @@ class Reply:
     stop: str | None  # the stop string that ended it
     prompt_ids: list[int]
     token_ids: list[int]
+    with_prompt_ids: bool = False  # sent back only when asked: 64K ids are ~20 ms of JSON each way, every turn
 
     @property
     def message(self) -> dict:
         return {"role": "assistant", "content": self.content} | ({"tool_calls": self.tool_calls}
                                                                  if self.tool_calls else {})
+
+
+@dataclass
+class Prepared:
+    """A request ready for the engine: its segment (continued, or new), the template's ids and messages it adds, the
+    reply budget, and the ids to generate from (the segment's, then the new ones)."""
+
+    request: Request
+    segment: Segment
+    new_ids: list[int]
+    new_messages: list[dict]
+    new_segment: bool
+    budget: int
+    prompt: list[int]
 
 
 class BadRequest(ValueError):
@@ -240,7 +258,8 @@ def parse_request(key: str, body: dict, fixed: Sampling | None) -> Request:
         sampling = (float(temperature), float(top_p))
     options = body.get("stream_options") or {}
     return Request(key, messages, tools, max_tokens, stop, sampling, stream=bool(body.get("stream")),
-                   include_usage=bool(isinstance(options, dict) and options.get("include_usage")))
+                   include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
+                   return_token_ids=bool(body.get("return_token_ids")), wire=[wire_form(m) for m in messages])
 
 
 def anthropic_to_chat(body: dict) -> dict:
@@ -281,7 +300,7 @@ def anthropic_to_chat(body: dict) -> dict:
              for t in body.get("tools") or [] if isinstance(t, dict)]
     return {"messages": messages, "tools": tools or None, "max_tokens": body["max_tokens"],
             "stop": body.get("stop_sequences"), "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-            "stream": body.get("stream")}
+            "stream": body.get("stream"), "return_token_ids": body.get("return_token_ids")}
 
 
 class AgentServer:
@@ -305,7 +324,7 @@ class AgentServer:
         self.lock = threading.Lock()  # sessions and ended: read by handler threads, written by the main thread
         self.pending: queue.Queue[Request] = queue.Queue()
         self.waiting: list[Request] = []  # taken from the queue, not generated yet
-        self.generating: dict[int, tuple] = {}  # submitted to a continuous engine: id(request) -> _prepare's tuple
+        self.generating: dict[int, Prepared] = {}  # submitted to a continuous engine, by id(request)
         self.requests = self.generate_calls = self.retries = 0
         self.http = ThreadingHTTPServer((host, port), _Handler)
         self.http.daemon_threads = True
@@ -329,7 +348,7 @@ class AgentServer:
         if self.thread.is_alive():  # shutdown waits for serve_forever, which never started otherwise
             self.http.shutdown()
         self.http.server_close()
-        for request in self.waiting + _drain(self.pending) + [p[0] for p in self.generating.values()]:
+        for request in self.waiting + _drain(self.pending) + [p.request for p in self.generating.values()]:
             _answer(request, 503, _error("the endpoint shut down", "unavailable"))
         if self.generating:  # the engine must be empty for the next weights
             self.engine.abort()
@@ -369,7 +388,7 @@ class AgentServer:
             except queue.Empty:
                 pass
         self.waiting += _drain(self.pending)
-        running = [p[0] for p in self.generating.values()]
+        running = [p.request for p in self.generating.values()]
         batch, sessions = [], {r.key for r in running}
         for request in self.waiting:
             if request.sampling == (running or self.waiting)[0].sampling and request.key not in sessions:
@@ -379,8 +398,8 @@ class AgentServer:
         prepared = [p for p in (self._prepare(r) for r in batch) if p is not None]
         if engines.continuous(self.engine):
             for p in prepared:
-                self.engine.submit(id(p[0]), p[1].ids + p[2], self._sampling(p[0], p[-1]))
-                self.generating[id(p[0])] = p
+                self.engine.submit(id(p.request), p.prompt, self._sampling(p.request, p.budget))
+                self.generating[id(p.request)] = p
             if self.generating:
                 self._step_engine()
             return busy or bool(self.waiting) or bool(self.generating)
@@ -391,13 +410,17 @@ class AgentServer:
             self._generate(prepared)
         return busy
 
-    def _prepare(self, request: Request):
+    def _prepare(self, request: Request) -> Prepared | None:
         """The request's segment (continued, or a new one) and the ids to generate from; answers refusals at once."""
         try:
             segment, new_ids, new_messages, new_segment = self._continue(request)
-            room = self.max_total_tokens - len(segment.ids) - len(new_ids)
+            prompt = [*segment.prompt_ids, *segment.completion_ids, *new_ids]  # one copy: the engine's prompt
+            room = self.max_total_tokens - len(prompt)
             if room < 1:
-                raise BadRequest(f"the conversation is {len(segment.ids) + len(new_ids)} tokens, no room for a reply "
+                if not new_segment and segment.turns:  # the session ran out of tokens mid-episode, as the tool loop's
+                    with self.lock:
+                        segment.turns[-1].finish = "max_total_tokens"
+                raise BadRequest(f"the conversation is {len(prompt)} tokens, no room for a reply "
                                  f"within {self.max_total_tokens} (context_length_exceeded)",
                                  code="context_length_exceeded")
         except BadRequest as e:
@@ -410,7 +433,7 @@ class AgentServer:
         budget = min(request.max_tokens or self.sampling.max_new_tokens, room)
         if self.fixed_sampling:  # training: the trainer's reply budget holds whatever the agent asks
             budget = min(budget, self.sampling.max_new_tokens)
-        return request, segment, new_ids, new_messages, new_segment, budget
+        return Prepared(request, segment, new_ids, new_messages, new_segment, budget, prompt)
 
     def _continue(self, request: Request) -> tuple[Segment, list[int], list[dict], bool]:
         """The segment the request continues (a reply of any segment its messages extend, or the last reply of one
@@ -418,26 +441,31 @@ class AgentServer:
         A retry drops the reply it repeats the request of (nobody continued it) before it is answered again."""
         if request.messages[-1]["role"] == "assistant":
             raise BadRequest("the last message is an assistant turn: continuing a reply is not supported")
-        wire = [wire_form(m) for m in request.messages]
-        last_reply = max((i for i, m in enumerate(wire) if m["role"] == "assistant"), default=-1)
+        wire = request.wire
+        last_reply = next((i for i in reversed(range(len(wire))) if wire[i]["role"] == "assistant"), -1)
         with self.lock:
             segments = list(self.sessions.get(request.key, []))
         found = None  # (segment, turn index) whose reply the request continues, extensions of a last reply first
         for segment in reversed(segments):
             if segment.tools != request.tools:
                 continue
-            common = _common_prefix(wire, segment.wire)
             last = segment.turns[-1] if segment.turns else None
-            if last is not None and last.request_len == len(wire) == common:  # the same request again: a retry
+            if last is not None and last.request_len == len(wire) == _common_prefix(wire, segment.wire):  # a retry
                 with self.lock:
                     segment.rewind()
                 self.retries += 1
                 found = (segment, len(segment.turns) - 1) if segment.turns else (segment, None)
                 break
-            for t, turn in enumerate(segment.turns):
-                if turn.request_len == last_reply and common > last_reply and (
-                        found is None or (found[1] != len(found[0].turns) - 1 and t == len(segment.turns) - 1)):
-                    found = (segment, t)
+            # The one turn whose reply the request can continue (a segment's requests only grow), and that reply
+            # itself, are checked before the whole history is: a request costs one comparison of its history, not
+            # one per segment of its session.
+            t = bisect.bisect_left(segment.turns, last_reply, key=lambda turn: turn.request_len)
+            if (t == len(segment.turns) or segment.turns[t].request_len != last_reply
+                    or segment.wire[last_reply] != wire[last_reply]):
+                continue
+            if (found is None or (found[1] != len(found[0].turns) - 1 and t == len(segment.turns) - 1)) and (
+                    _common_prefix(wire, segment.wire) > last_reply):
+                found = (segment, t)
         if found is not None:
             segment, t = found
             if t is None:  # a retry of the segment's first request: its prompt again
@@ -484,39 +512,36 @@ class AgentServer:
         try:
             finished = self.engine.step()
         except Exception as e:  # the agents get an answer, the rank the error
-            for request, *_ in self.generating.values():
-                _answer(request, 500, _error(f"generation failed: {type(e).__name__}: {e}", "server_error"))
+            for p in self.generating.values():
+                _answer(p.request, 500, _error(f"generation failed: {type(e).__name__}: {e}", "server_error"))
             self.generating = {}
             self.engine.abort()
             raise
         self.generate_calls += 1
         for key, completion in finished:
-            request, segment, new_ids, new_messages, new_segment, budget = self.generating.pop(key)
+            p = self.generating.pop(key)
             self.requests += 1
-            _answer(request, 200, self._record(request, segment, new_ids, new_messages, new_segment, completion,
-                                               budget))
+            _answer(p.request, 200, self._record(p, completion))
 
-    def _generate(self, prepared: list) -> None:
+    def _generate(self, prepared: list[Prepared]) -> None:
         if not prepared:  # a tensor-parallel peer generates: this rank's share of the call is empty
             self.engine.generate([], self.sampling)
             return
-        sampling = self._sampling(prepared[0][0], max(p[-1] for p in prepared))
-        prompts = [segment.ids + new_ids for _, segment, new_ids, _, _, _ in prepared]
+        sampling = self._sampling(prepared[0].request, max(p.budget for p in prepared))
         try:
-            completions = self.engine.generate(prompts, sampling)
+            completions = self.engine.generate([p.prompt for p in prepared], sampling)
         except Exception as e:  # the agents get an answer, the rank the error
-            for request, *_ in prepared:
-                _answer(request, 500, _error(f"generation failed: {type(e).__name__}: {e}", "server_error"))
+            for p in prepared:
+                _answer(p.request, 500, _error(f"generation failed: {type(e).__name__}: {e}", "server_error"))
             raise
         self.generate_calls += 1
-        for (request, segment, new_ids, new_messages, new_segment, budget), completion in zip(prepared, completions):
+        for p, completion in zip(prepared, completions):
             self.requests += 1
-            _answer(request, 200, self._record(request, segment, new_ids, new_messages, new_segment, completion,
-                                               budget))
+            _answer(p.request, 200, self._record(p, completion))
 
-    def _record(self, request: Request, segment: Segment, new_ids: list[int], new_messages: list[dict],
-                new_segment: bool, completion, budget: int) -> Reply:
+    def _record(self, prepared: Prepared, completion) -> Reply:
         """Append the turn to its segment (a new segment to its session) and build the reply."""
+        request, segment, new_ids, budget = prepared.request, prepared.segment, prepared.new_ids, prepared.budget
         ids, logprobs = completion.token_ids[:budget], completion.logprobs[:budget]
         ended = bool(ids) and ids[-1] == self.eot_id
         stopped = ended or (completion.finish_reason == "stop" and len(ids) == len(completion.token_ids))
@@ -532,17 +557,16 @@ class AgentServer:
         content = chat.TOOL_CALL.sub("", text).strip() if calls else shown
         tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                        "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in calls]
-        prompt_ids = segment.ids + new_ids
-        reply = Reply(content, tool_calls, finish, stop, prompt_ids, ids)
+        reply = Reply(content, tool_calls, finish, stop, prepared.prompt, ids, request.return_token_ids)
         with self.lock:
-            if new_segment:
+            if prepared.new_segment:
                 self.sessions.setdefault(request.key, []).append(segment)
             turn = Turn(len(request.messages), len(segment.completion_ids), len(segment.messages), ended, finish)
             segment.turns.append(turn)
-            segment.messages += new_messages + [{"role": "assistant", "content": text}]
+            segment.messages += prepared.new_messages + [{"role": "assistant", "content": text}]
             if not ended:
                 segment.open_turns.append(len(segment.messages) - 1)
-            segment.wire = [wire_form(m) for m in request.messages] + [wire_form(reply.message)]
+            segment.wire = request.wire + [wire_form(reply.message)]
             segment.completion_ids += new_ids + ids
             segment.loss_mask += [0] * len(new_ids) + [1] * len(ids)
             segment.logprobs += [0.0] * len(new_ids) + list(logprobs)
@@ -550,7 +574,10 @@ class AgentServer:
 
 
 def _common_prefix(a: list, b: list) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, compared in C
+        return n
+    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
 
 
 def _stop_cut(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, str, str] | None:
@@ -561,10 +588,14 @@ def _stop_cut(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, str, st
     if not found:
         return None
     at, stop = min(found)
-    for k in range(1, len(ids) + 1):
-        if len(tokenizer.decode(ids[:k], skip_special_tokens=False)) >= at + len(stop):
-            return k, text[:at], stop
-    return len(ids), text[:at], stop
+    low, high = 1, len(ids)  # the first prefix whose decoding holds that stop string, by bisection: a prefix's
+    while low < high:  # decoding keeps what it holds as tokens are added (decoding every prefix is quadratic)
+        mid = (low + high) // 2
+        if tokenizer.decode(ids[:mid], skip_special_tokens=False).startswith(stop, at):
+            high = mid
+        else:
+            low = mid + 1
+    return low, text[:at], stop
 
 
 def _drain(q: queue.Queue) -> list:
@@ -592,9 +623,9 @@ ANTHROPIC_ERROR = {400: "invalid_request_error", 401: "authentication_error", 40
 
 
 def chat_completion(reply: Reply, model: str) -> dict:
-    """The reply as a chat.completion, with kiln's ids (prompt_token_ids, choices[].token_ids)."""
+    """The reply as a chat.completion, with kiln's ids (choices[].token_ids; prompt_token_ids when asked)."""
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": model, "prompt_token_ids": reply.prompt_ids,
+            "model": model, **_prompt_ids(reply),
             "choices": [{"index": 0, "message": reply.message, "finish_reason": reply.finish, "logprobs": None,
                          "token_ids": reply.token_ids}],
             "usage": _usage(reply)}
@@ -616,7 +647,7 @@ def chat_chunks(reply: Reply, model: str, include_usage: bool) -> list[dict]:
                                              "function": {"name": call["function"]["name"], "arguments": ""}}]}))
         chunks += [chunk({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
                    for piece in _pieces(call["function"]["arguments"])]
-    chunks.append(chunk({}, reply.finish, token_ids=reply.token_ids) | {"prompt_token_ids": reply.prompt_ids})
+    chunks.append(chunk({}, reply.finish, token_ids=reply.token_ids) | _prompt_ids(reply))
     if include_usage:
         chunks.append(head | {"choices": [], "usage": _usage(reply)})
     return chunks
@@ -629,7 +660,7 @@ def anthropic_message(reply: Reply, model: str) -> dict:
                 "input": json.loads(c["function"]["arguments"])} for c in reply.tool_calls]
     return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model,
             "content": blocks, "stop_reason": "stop_sequence" if reply.stop else ANTHROPIC_STOP[reply.finish],
-            "stop_sequence": reply.stop, "prompt_token_ids": reply.prompt_ids, "token_ids": reply.token_ids,
+            "stop_sequence": reply.stop, **_prompt_ids(reply), "token_ids": reply.token_ids,
             "usage": {"input_tokens": len(reply.prompt_ids), "output_tokens": len(reply.token_ids)}}
 
 
@@ -662,6 +693,10 @@ def anthropic_error(status: int, body: dict) -> dict:
                                        "message": body["error"]["message"]}}
 
 
+def _prompt_ids(reply: Reply) -> dict:
+    return {"prompt_token_ids": reply.prompt_ids} if reply.with_prompt_ids else {}
+
+
 def _usage(reply: Reply) -> dict:
     return {"prompt_tokens": len(reply.prompt_ids), "completion_tokens": len(reply.token_ids),
             "total_tokens": len(reply.prompt_ids) + len(reply.token_ids)}
@@ -673,6 +708,7 @@ def _pieces(text: str) -> list[str]:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # a reply's headers and body go out at once, not 40 ms apart (delayed ACKs)
 
     def log_message(self, format, *args) -> None:  # noqa: A002 -- the base class's name; requests are not logged
         return None

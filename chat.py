@@ -21,6 +21,7 @@ import hashlib
 import json
 import re
 import textwrap
+import weakref
 from importlib.metadata import version
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -30,6 +31,20 @@ OBSERVATION_OPEN, OBSERVATION_CLOSE = "<sandbox_output>", "</sandbox_output>"
 CODE_FENCE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n?(.*?)```", re.DOTALL)
 IMAGE_PAD = "<|image_pad|>"
 DECODE_CONTEXT = 8  # tokens decoded before each one: a decoder treats a text's first token or a split character apart
+SUFFIX_WINDOW = 2  # messages before the new ones that a turn's suffix is rendered after (besides the first message)
+# A conversation of every kind of turn, on which `renders_locally` compares a template's suffixes rendered after the
+# whole history and after its window.
+LOCALITY_PROBE = [
+    {"role": "system", "content": "probe system"}, {"role": "user", "content": "probe task"},
+    {"role": "assistant", "content": 'probe <tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'},
+    {"role": "tool", "content": "probe output 1"},
+    {"role": "assistant", "content": "probe call", "tool_calls": [
+        {"type": "function", "function": {"name": "bash", "arguments": {"command": "pwd"}}}]},
+    {"role": "tool", "content": "probe output 2"}, {"role": "tool", "content": "probe output 3"},
+    {"role": "assistant", "content": "probe reply"}, {"role": "user", "content": "probe follow-up"},
+    {"role": "assistant", "content": "probe answer"}, {"role": "tool", "content": "probe output 4"},
+    {"role": "assistant", "content": "probe end"}]
+_locality: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {tool signatures: renders_locally}
 
 
 def special_ids(tokenizer) -> set[int]:
@@ -202,6 +217,8 @@ def encode_text(tokenizer, text: str, plain: list[tuple[int, int]],
     template's tokens. The tokenizer splits at special tokens anyway, so outside those spans nothing changes."""
     encoded = tokenizer(text[start:], add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"], [(a + start, b + start) for a, b in encoded["offset_mapping"]]
+    if not plain:
+        return ids, offsets
     special = special_ids(tokenizer)
     in_plain = [any(lo <= a < hi for lo, hi in plain) for a, _ in offsets]
     if not any(i in special and inside for i, inside in zip(ids, in_plain)):
@@ -278,15 +295,59 @@ def template_suffix_ids(tokenizer, messages: list[dict], new_messages: list[dict
     """Ids the chat template appends after a trajectory that ends on its last assistant turn's end-of-turn token `eot`
     (default: end_of_turn's), for `new_messages` plus the next assistant header: the template's glue after that token,
     then the new ones (tool output tokenized as plain text). after_eot=False: the trajectory ends right before that
-    token (a code action stopped on </code>), so the ids start with it."""
+    token (a code action stopped on </code>), so the ids start with it. Rendered after the conversation's `window`:
+    a turn costs the same at turn 90 as at turn 2."""
     eot = eot or end_of_turn(tokenizer)
+    context = window(tokenizer, messages, schemas)
+    after, cut = _suffix_text(tokenizer, context, new_messages, schemas, eot, after_eot)
+    plain = tool_spans(tokenizer, context + new_messages, schemas, True, after, first=len(context))
+    return encode_text(tokenizer, after, plain, start=cut)[0]
+
+
+def _suffix_text(tokenizer, messages: list[dict], new_messages: list[dict], schemas: list[dict] | None, eot: str,
+                 after_eot: bool) -> tuple[str, int]:
+    """The rendering of `messages` + `new_messages` with the next assistant header, and where in it the trajectory
+    that ends on the last assistant turn of `messages` ends."""
     before = render(tokenizer, messages, schemas, add_generation_prompt=False)
     after = render(tokenizer, messages + new_messages, schemas, add_generation_prompt=True)
     if not after.startswith(before):
         raise ValueError("the chat template does not render the new messages as an extension of the conversation")
-    cut = before.rindex(eot) + (len(eot) if after_eot else 0)  # where the trajectory ends
-    plain = tool_spans(tokenizer, messages + new_messages, schemas, True, after, first=len(messages))
-    return encode_text(tokenizer, after, plain, start=cut)[0]
+    return after, before.rindex(eot) + (len(eot) if after_eot else 0)
+
+
+def window(tokenizer, messages: list[dict], schemas: list[dict] | None) -> list[dict]:
+    """`messages` cut to what the chat template needs to render what it appends after them: the first message (a
+    template asks whether a conversation opens with a system prompt) and the last SUFFIX_WINDOW, where the template
+    renders each message from its neighbours alone (`renders_locally`); else all of them."""
+    if len(messages) <= SUFFIX_WINDOW + 1 or not renders_locally(tokenizer, schemas):
+        return messages
+    return messages[:1] + messages[-SUFFIX_WINDOW:]
+
+
+def renders_locally(tokenizer, schemas: list[dict] | None) -> bool:
+    """Whether the chat template appends the same text after an assistant turn (for one tool result, two, or a user
+    message) when the conversation before it is rendered whole as when only its window is: probed on LOCALITY_PROBE
+    once per tokenizer and tool signatures. A template that numbers images or turns across the conversation, or
+    renders a message from far-away ones, is not local: its suffixes are rendered after the whole history.
+    check_tito, which renders the whole conversation, would show any drift."""
+    known = _locality.setdefault(tokenizer, {})
+    key = json.dumps(schemas, sort_keys=True)
+    if key not in known:
+        eot, probe, local = end_of_turn(tokenizer), LOCALITY_PROBE, True
+        news = ([{"role": "tool", "content": "new output"}],
+                [{"role": "tool", "content": "new output"}, {"role": "tool", "content": "more output"}],
+                [{"role": "user", "content": "new request"}])
+        try:
+            for i in (i for i, m in enumerate(probe) if m["role"] == "assistant" and i > SUFFIX_WINDOW):
+                for new in news:
+                    whole, cut = _suffix_text(tokenizer, probe[: i + 1], new, schemas, eot, True)
+                    part, part_cut = _suffix_text(tokenizer, probe[:1] + probe[i + 1 - SUFFIX_WINDOW: i + 1], new,
+                                                  schemas, eot, True)
+                    local = local and whole[cut:] == part[part_cut:]
+        except Exception:  # a template that cannot render the probe's turns: never windowed
+            local = False
+        known[key] = local
+    return known[key]
 
 
 def truncate_tool_text(tokenizer, text: str, max_tokens: int) -> tuple[str, bool]:
@@ -325,6 +386,47 @@ def decoded_offsets(tokenizer, ids: list[int], text: str) -> list[tuple[int, int
     return offsets
 
 
+def assistant_places(tokenizer, messages: list[dict], tools: list[dict] | None, eot: str,
+                     text: str) -> dict[int, tuple[int, int]]:
+    """Where each assistant message's content begins and its end-of-turn token `eot` is in `text`, the template's
+    rendering of `messages`: {message index: (begin, end)}. Each turn is placed from the previous one by rendering its
+    window (`template_suffix_ids`'s), so the work is linear in the conversation, and checked against `text`; where the
+    windows disagree with the whole rendering, every turn is placed by rendering all the messages before it."""
+    try:
+        places = _places_by_windows(tokenizer, messages, tools, eot, text)
+    except ValueError:  # a template that does not render a turn as an extension of the ones before it
+        places = None
+    if places is None:
+        places = {i: (len(render(tokenizer, messages[:i], tools, add_generation_prompt=True)),
+                      render(tokenizer, messages[: i + 1], tools, add_generation_prompt=False).rindex(eot))
+                  for i, m in enumerate(messages) if m["role"] == "assistant"}
+    return places
+
+
+def _places_by_windows(tokenizer, messages: list[dict], tools: list[dict] | None, eot: str,
+                       text: str) -> dict[int, tuple[int, int]] | None:
+    places, previous = {}, None  # previous: (index, where its end-of-turn token is)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        context = window(tokenizer, messages[:i], tools)
+        header = render(tokenizer, context, tools, add_generation_prompt=True)
+        closed = render(tokenizer, context + [message], tools, add_generation_prompt=False)
+        if previous is None:  # the first turn: what comes before it is rendered whole
+            begin = len(render(tokenizer, messages[:i], tools, add_generation_prompt=True))
+        else:
+            j, at = previous
+            glue, cut = _suffix_text(tokenizer, window(tokenizer, messages[: j + 1], tools), messages[j + 1: i], tools,
+                                     eot, True)
+            begin = at + len(eot) + len(glue) - cut
+        end = begin + closed.rindex(eot) - len(header)
+        if not (closed.startswith(header) and text[begin:end] == closed[len(header): closed.rindex(eot)]
+                and text.startswith(eot, end)):
+            return None
+        places[i], previous = (begin, end), (i, end)
+    return places
+
+
 def check_tito(tokenizer, sample, messages: list[dict], tools: list[dict] | None = None,
                eot: str | None = None, open_turns=()) -> dict[str, str]:
     """Drift between a trajectory (a rollout.Sample, or anything with its ids, prompt_ids and loss_mask) and the chat
@@ -336,7 +438,7 @@ def check_tito(tokenizer, sample, messages: list[dict], tools: list[dict] | None
     the mask is still checked, on the trajectory's own tokens. Returns the findings by kind, each with a readable
     detail: "ids" (another split of the text), "text" (other text) and "mask" (a loss mask drift); {} = no drift."""
     eot = eot or end_of_turn(tokenizer)
-    text = render(tokenizer, messages, tools, add_generation_prompt=False)
+    text = whole = render(tokenizer, messages, tools, add_generation_prompt=False)
     plain = tool_spans(tokenizer, messages, tools, False, text)
     # A trajectory that ends on an assistant turn ends on the policy's last token: a special token it stopped on (the
     # template's end-of-turn, or another such as <|endoftext|>), or the token before where the template would close
@@ -361,16 +463,16 @@ def check_tito(tokenizer, sample, messages: list[dict], tools: list[dict] | None
             findings["text"] = "text drift: the trajectory's ids do not decode to the template's rendering"
             return findings
     spans = []  # character spans of each assistant turn: content + the token that closed it if the policy sampled it
-    for i, m in enumerate(messages):
-        if m["role"] == "assistant":
-            begin = len(render(tokenizer, messages[:i], tools, add_generation_prompt=True))
-            end = render(tokenizer, messages[: i + 1], tools, add_generation_prompt=False).rindex(eot)
-            last = i == len(messages) - 1
-            unsampled = is_action_turn(messages, i) or i in open_turns or (last and stop is None)
-            spans.append((begin, end + (0 if unsampled else len(stop_text if last else eot))))
+    for i, (begin, end) in assistant_places(tokenizer, messages, tools, eot, whole).items():
+        last = i == len(messages) - 1
+        unsampled = is_action_turn(messages, i) or i in open_turns or (last and stop is None)
+        spans.append((begin, end + (0 if unsampled else len(stop_text if last else eot))))
     # The prompt is never trained, assistant turns in it (a conversation resumed from its messages) included.
-    want_mask = [int(k >= len(sample.prompt_ids) and any(b <= s and e <= c for b, c in spans))
-                 for k, (s, e) in enumerate(offsets)]
+    want_mask, span = [], 0  # one sweep: tokens and spans both run left to right
+    for k, (s, e) in enumerate(offsets):
+        while span < len(spans) and spans[span][1] < e:
+            span += 1
+        want_mask.append(int(k >= len(sample.prompt_ids) and span < len(spans) and spans[span][0] <= s))
     mask = [0] * len(sample.prompt_ids) + list(sample.loss_mask)
     wrong = [i for i, (a, b) in enumerate(zip(mask, want_mask)) if a != b]
     if wrong:

@@ -285,8 +285,8 @@ class HFEngine:
         for i, (request, t, lp) in enumerate(zip(requests, token.tolist(), logprob.tolist())):
             request.tokens.append(t)
             request.logprobs.append(lp)
-            stop = t in request.sampling.stop_token_ids or bool(request.sampling.stop) and any(
-                s in self.tokenizer.decode(request.tokens, skip_special_tokens=False) for s in request.sampling.stop)
+            stop = t in request.sampling.stop_token_ids or bool(request.sampling.stop) and completes_stop(
+                self.tokenizer, request.tokens, request.sampling.stop)
             if stop or len(request.tokens) == request.sampling.max_new_tokens:
                 reason = "stop" if stop else "length"
                 finished.append((request.key, Completion(request.tokens, request.logprobs, reason)))
@@ -440,10 +440,27 @@ class HFEngine:
 
     def _completed_stop_strings(self, tokens: torch.Tensor, stopped: torch.Tensor, stop: list[str]) -> list[int]:
         """The rows still going whose decoded tokens [rows, generated] now hold a stop string: it was completed by the
-        last token, or an earlier step would have stopped them."""
+        last token (an earlier one would have stopped them), so only the tail it can lie in is decoded."""
         live = (~stopped).nonzero().flatten().tolist()
-        texts = self.tokenizer.batch_decode(tokens[live].tolist(), skip_special_tokens=False)
+        texts = self.tokenizer.batch_decode(tokens[live, -stop_reach(stop):].tolist(), skip_special_tokens=False)
         return [row for row, text in zip(live, texts) if any(s in text for s in stop)]
+
+
+STOP_CONTEXT = 8  # tokens decoded before a stop string: a decoder treats a text's first token apart
+
+
+def stop_reach(stop: list[str]) -> int:
+    """How many of the last tokens a stop string completed by the last one lies in: each token writes at least a byte,
+    so at most the longest stop string's bytes, and STOP_CONTEXT more for the decoder's start."""
+    return max(len(s.encode()) for s in stop) + STOP_CONTEXT
+
+
+def completes_stop(tokenizer, tokens: list[int], stop: list[str]) -> bool:
+    """Whether the last of `tokens` completes one of the `stop` strings (checked at every step: an earlier one would
+    have ended the request). Only the tail it can lie in is decoded: a step costs the same at any reply length, where
+    decoding the whole reply each step is quadratic in it."""
+    text = tokenizer.decode(tokens[-stop_reach(stop):], skip_special_tokens=False)
+    return any(s in text for s in stop)
 
 
 def sample_from(probs: torch.Tensor, generators: list[torch.Generator] | None = None) -> torch.Tensor:
