@@ -419,7 +419,10 @@ class AgentServer:
             if room < 1:
                 if not new_segment and segment.turns:  # the session ran out of tokens mid-episode, as the tool loop's
                     with self.lock:
-                        segment.turns[-1].finish = "max_total_tokens"
+                        last = segment.turns[-1]
+                        last.finish = "max_total_tokens"
+                        if not last.ended:  # a reply left open at the end of the budget is half a turn: untrained
+                            segment.loss_mask[last.ids_start:] = [0] * (len(segment.loss_mask) - last.ids_start)
                 raise BadRequest(f"the conversation is {len(prompt)} tokens, no room for a reply "
                                  f"within {self.max_total_tokens} (context_length_exceeded)",
                                  code="context_length_exceeded")
@@ -554,6 +557,9 @@ class AgentServer:
         known = {t["function"]["name"] for t in request.tools or []}
         calls = [c for c in chat.parse_tool_calls(text, known) if isinstance(c, dict)] if ended else []
         finish = "tool_calls" if calls else ("stop" if stopped else "length")
+        # half a turn cut by the session's token budget (not the request's max_tokens): kept, not trained, and the
+        # segment ends there as the tool loop's does
+        out_of_room = not stopped and len(ids) >= self.max_total_tokens - len(prepared.prompt)
         content = chat.TOOL_CALL.sub("", text).strip() if calls else shown
         tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                        "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in calls]
@@ -561,14 +567,15 @@ class AgentServer:
         with self.lock:
             if prepared.new_segment:
                 self.sessions.setdefault(request.key, []).append(segment)
-            turn = Turn(len(request.messages), len(segment.completion_ids), len(segment.messages), ended, finish)
+            turn = Turn(len(request.messages), len(segment.completion_ids), len(segment.messages), ended,
+                        "max_total_tokens" if out_of_room else finish)
             segment.turns.append(turn)
             segment.messages += prepared.new_messages + [{"role": "assistant", "content": text}]
             if not ended:
                 segment.open_turns.append(len(segment.messages) - 1)
             segment.wire = request.wire + [wire_form(reply.message)]
             segment.completion_ids += new_ids + ids
-            segment.loss_mask += [0] * len(new_ids) + [1] * len(ids)
+            segment.loss_mask += [0] * len(new_ids) + [0 if out_of_room else 1] * len(ids)
             segment.logprobs += [0.0] * len(new_ids) + list(logprobs)
         return reply
 

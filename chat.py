@@ -434,7 +434,9 @@ def check_tito(tokenizer, sample, messages: list[dict], tools: list[dict] | None
     loss-mask positions that are not exactly the assistant turns' content plus the token that closed them where the
     policy sampled it: the end-of-turn token `eot` (default: end_of_turn's), or for the last turn any special token it
     stopped on. Not after a code action, nor after the assistant messages whose indices are in `open_turns`: replies
-    cut by a token budget or a stop string, closed by the template. When the ids are another split of the same text,
+    cut by a token budget or a stop string, closed by the template. A last reply cut by the trajectory's own budget
+    (the sample's finish_reason "max_total_tokens", no stop token) is half a turn, kept but not trained: it has no
+    span. When the ids are another split of the same text,
     the mask is still checked, on the trajectory's own tokens. Returns the findings by kind, each with a readable
     detail: "ids" (another split of the text), "text" (other text) and "mask" (a loss mask drift); {} = no drift."""
     eot = eot or end_of_turn(tokenizer)
@@ -462,9 +464,13 @@ def check_tito(tokenizer, sample, messages: list[dict], tools: list[dict] | None
         if offsets is None:
             findings["text"] = "text drift: the trajectory's ids do not decode to the template's rendering"
             return findings
+    half_turn = (ends_on_assistant and stop is None and getattr(sample, "finish_reason", "") == "max_total_tokens"
+                 and not is_code_action(_content_text(messages[-1]["content"])))  # (a whole action: its </code>)
     spans = []  # character spans of each assistant turn: content + the token that closed it if the policy sampled it
     for i, (begin, end) in assistant_places(tokenizer, messages, tools, eot, whole).items():
         last = i == len(messages) - 1
+        if last and half_turn:
+            continue
         unsampled = is_action_turn(messages, i) or i in open_turns or (last and stop is None)
         spans.append((begin, end + (0 if unsampled else len(stop_text if last else eot))))
     # The prompt is never trained, assistant turns in it (a conversation resumed from its messages) included.

@@ -538,6 +538,8 @@ def _take_reply(tokenizer, traj: Trajectory, c, limits: AgentLimits, eot_id: int
     traj.seconds = time.monotonic() - traj.started
     if not calls:  # a reply that filled the trajectory's room ran out of total tokens, whatever else was batched
         traj.finish_reason = "stop" if stopped else ("max_total_tokens" if len(ids) >= room else "length")
+        if traj.finish_reason == "max_total_tokens":  # half a turn, cut by the trajectory's budget: kept, not trained
+            traj.loss_mask[len(traj.loss_mask) - len(ids):] = [0] * len(ids)
     elif traj.turns >= limits.max_turns:
         traj.finish_reason = "max_turns"
     elif traj.seconds >= limits.max_seconds:

@@ -93,7 +93,8 @@ def boundaries(sample) -> list[int]:
 def test_max_total_tokens_mid_episode_ends_on_the_policys_turn(built, tool_loop):
     """A tool output that does not fit ends the trajectory after the reply that called it, unanswered (finish
     max_total_tokens: --mask-truncated leaves it out of the loss); a reply that does not fit is cut at the limit,
-    with the same finish. Nothing after the last sampled token is appended; check_tito stays clean."""
+    with the same finish, and kept untrained (half a turn). Nothing after the last sampled token is appended;
+    check_tito stays clean."""
     _, tokenizer, outputs = built
     full, engine = tool_loop
     start = boundaries(full)[44]  # where reply 46 begins
@@ -103,8 +104,12 @@ def test_max_total_tokens_mid_episode_ends_on_the_policys_turn(built, tool_loop)
         sample, _ = long_horizon.tool_loop_trajectory(tokenizer, TURNS, outputs, max_total_tokens=limit, engine=forced)
         assert sample.finish_reason == "max_total_tokens" and len(sample.ids) <= limit
         assert sample.info["turns"] == 46 and sample.info["messages"][-1]["role"] == "assistant"
-        assert sample.loss_mask[-1] == 1  # ends on the policy's own token: no tool output, no header after it
-        assert sampled(sample.completion_ids, sample.loss_mask) == [i for r in forced.emitted for i in r]
+        # ends on the policy's own token (no tool output, no header after it); a reply cut by the budget is half a
+        # turn: kept for check_tito, never trained
+        assert sample.completion_ids[-1] == forced.emitted[-1][-1]
+        assert sample.loss_mask[-1] == (1 if whole_reply else 0)
+        trained = forced.emitted if whole_reply else forced.emitted[:-1]
+        assert sampled(sample.completion_ids, sample.loss_mask) == [i for r in trained for i in r]
         assert forced.emitted[-1] == engine.emitted[45][: reply if whole_reply else 5]  # the turn's budget: the room
         assert sample.ids == full.ids[: len(sample.ids)]
         assert chat.check_tito(tokenizer, sample, sample.info["messages"], sample.info["tools"],
@@ -112,17 +117,19 @@ def test_max_total_tokens_mid_episode_ends_on_the_policys_turn(built, tool_loop)
 
 
 def test_max_total_tokens_at_the_endpoint_cuts_the_reply_then_refuses(built, tool_loop):
-    """The endpoint gives a reply only the room left (finish "length": the segment's finish_reason, which
-    --mask-truncated leaves out of the loss, the turn left open); a request with no room is refused with
-    context_length_exceeded, records nothing, and ends its segment with finish max_total_tokens."""
+    """The endpoint gives a reply only the room left (finish "length" on the wire, the turn left open; the segment
+    ends with finish max_total_tokens and the cut reply is kept but not trained, as in the tool loop); a request with
+    no room is refused with context_length_exceeded, records nothing, and ends its segment the same way."""
     _, tokenizer, outputs = built
     full, engine = tool_loop
     start = boundaries(full)[44]
     forced = long_horizon.ForcedEngine(tokenizer, TURNS)
     segment, _, _, refused = long_horizon.endpoint_trajectory(tokenizer, TURNS, outputs, max_total_tokens=start + 5,
                                                               engine=forced)
-    assert refused is None and len(segment.turns) == 46 and segment.finish_reason == "length"
+    assert refused is None and len(segment.turns) == 46 and segment.finish_reason == "max_total_tokens"
     assert len(segment.ids) == start + 5 and segment.ids == full.ids[: start + 5]
+    assert segment.loss_mask[-5:] == [0] * 5 and segment.loss_mask[-6] == 0  # the cut reply: half a turn, untrained
+    assert sampled(segment.completion_ids, segment.loss_mask) == [i for r in forced.emitted[:-1] for i in r]
     assert segment.open_turns == [len(segment.messages) - 1]
     assert chat.check_tito(tokenizer, segment, segment.messages, segment.tools, open_turns=segment.open_turns) == {}
     forced = long_horizon.ForcedEngine(tokenizer, TURNS)
