@@ -59,6 +59,7 @@ SSE_PIECE = 24  # characters of text (or tool arguments) per streamed delta
 AGENT_FIELDS = ("instance_id", "repo", "version", "base_commit", "image")  # of a swebench row's truth; no answers
 AGENT_EXTRA_INFO = ("index", "split", "difficulty", "repo", "version")  # extra_info can hold solutions: not those
 OPENED = ("first", "branch", "side", "rewrite")  # why a segment was opened; see the module docstring
+CUSTOM_TOOL_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
 
 
 @dataclass
@@ -282,6 +283,83 @@ def anthropic_to_chat(body: dict) -> dict:
     return {"messages": messages, "tools": tools or None, "max_tokens": body["max_tokens"],
             "stop": body.get("stop_sequences"), "temperature": body.get("temperature"), "top_p": body.get("top_p"),
             "stream": body.get("stream")}
+
+
+def responses_to_chat(body: dict) -> dict:
+    """An OpenAI Responses body as the chat completions body it means: `instructions` and the developer or system
+    messages that open `input` one system message; message items their role's messages (input_text/output_text parts
+    as text); function_call and custom_tool_call items the tool calls of one assistant turn with the message just
+    before them (a custom tool's input as the argument `input`); their outputs tool messages; reasoning items, which
+    kiln never sends, are left out. function and custom tools become functions (a custom tool takes one string,
+    `input`); hosted tools (web_search, ...) and namespaces, which nothing here runs, are refused. kiln keeps no
+    responses: previous_response_id and store: true are refused. BadRequest names the first problem."""
+    if body.get("previous_response_id") is not None:
+        raise BadRequest("previous_response_id: kiln keeps no responses; send the whole conversation as input")
+    if body.get("store") is True:
+        raise BadRequest("store: true: kiln keeps no responses; send store: false and the whole input each time")
+    items = body.get("input")
+    items = [{"type": "message", "role": "user", "content": items}] if isinstance(items, str) else items
+    if not isinstance(items, list) or not items or not all(isinstance(item, dict) for item in items):
+        raise BadRequest("input must be a string or a non-empty list of items")
+    messages = [{"role": "system", "content": text_of(body["instructions"])}] if body.get("instructions") else []
+    joins = False  # whether a call item joins the last message: an assistant turn only its own items followed
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "message":
+            if item.get("role") not in ("system", "developer", "user", "assistant"):
+                raise BadRequest(f"input[{i}]: a message's role must be system, developer, user or assistant")
+            role = "system" if item["role"] == "developer" else item["role"]
+            text = _item_text(item.get("content"))
+            if role == "system" and messages and all(m["role"] == "system" for m in messages):
+                messages[0]["content"] += "\n\n" + text  # what opens the input is one system prompt
+            else:
+                messages.append({"role": role, "content": text})
+            joins = role == "assistant"
+        elif kind in ("function_call", "custom_tool_call"):
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
+                raise BadRequest(f"input[{i}]: a {kind} needs name and call_id")
+            arguments = item.get("arguments") if kind == "function_call" else json.dumps({"input": item.get("input")})
+            if not joins:
+                messages.append({"role": "assistant", "content": ""})
+            messages[-1].setdefault("tool_calls", []).append(
+                {"id": item["call_id"], "type": "function", "function": {"name": item["name"],
+                                                                        "arguments": arguments or "{}"}})
+            joins = True
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": _item_text(item.get("output"))})
+            joins = False
+        elif kind != "reasoning":  # reasoning: kiln sends none; another server's are not the policy's tokens
+            raise BadRequest(f"input[{i}]: items of type {kind!r} are not supported (message, function_call, "
+                             "function_call_output, custom_tool_call, custom_tool_call_output, reasoning)")
+    tools = []
+    for t in body.get("tools") or []:
+        if not isinstance(t, dict):
+            raise BadRequest("tools must be a list of objects")
+        if t.get("type") == "function":
+            tools.append({"type": "function", "function": {"name": t.get("name"), "description": t.get(
+                "description", ""), "parameters": t.get("parameters") or {"type": "object", "properties": {}}}})
+        elif t.get("type") == "custom":
+            tools.append({"type": "function", "function": {"name": t.get("name"), "description": t.get(
+                "description", ""), "parameters": CUSTOM_TOOL_PARAMETERS}})
+        else:
+            raise BadRequest(f"tools: {t.get('type')!r} tools are not supported, only function and custom tools "
+                             "(codex: web_search=\"disabled\", --disable multi_agent)")
+    return {"messages": messages, "tools": tools or None, "max_tokens": body.get("max_output_tokens"),
+            "temperature": body.get("temperature"), "top_p": body.get("top_p"), "stream": body.get("stream")}
+
+
+def _item_text(content) -> str:
+    """A Responses content (a string, or input_text/output_text parts) as text."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") in (
+            "input_text", "output_text", "text"))
+    return text_of(content)
+
+
+def custom_tools(body: dict) -> set[str]:
+    """The names of a Responses body's custom tools (their calls go back as custom_tool_call items)."""
+    return {t.get("name") for t in body.get("tools") or [] if isinstance(t, dict) and t.get("type") == "custom"}
 
 
 class AgentServer:
@@ -657,6 +735,73 @@ def anthropic_events(reply: Reply, model: str) -> list[tuple[str, dict]]:
     return events
 
 
+def response_object(reply: Reply, model: str, custom: set[str], status: str | None = None) -> dict:
+    """The reply as a Responses API response: a message item (if any text), a function_call item per call (a
+    custom_tool_call for a custom tool), status incomplete when cut by the reply budget; with kiln's ids."""
+    output = [{"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "assistant",
+               "content": [{"type": "output_text", "text": reply.content, "annotations": []}]}
+              ] if reply.content or not reply.tool_calls else []
+    for call in reply.tool_calls:
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        output.append({"type": "custom_tool_call", "id": f"ctc_{uuid.uuid4().hex}", "status": "completed",
+                       "call_id": call["id"], "name": name, "input": _custom_input(arguments)}
+                      if name in custom else
+                      {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "status": "completed",
+                       "call_id": call["id"], "name": name, "arguments": arguments})
+    cut = reply.finish == "length"
+    return {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
+            "status": status or ("incomplete" if cut else "completed"), "model": model, "output": output,
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
+            "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "usage": {
+                "input_tokens": len(reply.prompt_ids), "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": len(reply.token_ids), "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": len(reply.prompt_ids) + len(reply.token_ids)},
+            "prompt_token_ids": reply.prompt_ids, "token_ids": reply.token_ids}
+
+
+def response_events(reply: Reply, model: str, custom: set[str]) -> list[tuple[str, dict]]:
+    """The reply as the Responses stream: response.created, then per output item output_item.added, its deltas
+    (content_part.added, output_text.delta and .done, content_part.done; or function_call_arguments.delta and .done;
+    or custom_tool_call_input.delta and .done) and output_item.done; then response.completed (response.incomplete
+    when cut by the reply budget). Each event carries its sequence_number."""
+    response = response_object(reply, model, custom)
+    events = [("response.created", {"response": response | {"status": "in_progress", "output": [],
+                                                             "incomplete_details": None, "usage": None}})]
+    for i, item in enumerate(response["output"]):
+        at = {"item_id": item["id"], "output_index": i}
+        if item["type"] == "message":
+            text, part = item["content"][0]["text"], {"type": "output_text", "text": "", "annotations": []}
+            events += [("response.output_item.added", {"output_index": i, "item": item | {
+                "status": "in_progress", "content": []}}),
+                       ("response.content_part.added", at | {"content_index": 0, "part": part})]
+            events += [("response.output_text.delta", at | {"content_index": 0, "delta": piece})
+                       for piece in _pieces(text)]
+            events += [("response.output_text.done", at | {"content_index": 0, "text": text}),
+                       ("response.content_part.done", at | {"content_index": 0, "part": part | {"text": text}})]
+        else:
+            field_, kind = ("arguments", "function_call_arguments") if item["type"] == "function_call" else (
+                "input", "custom_tool_call_input")
+            events.append(("response.output_item.added", {"output_index": i, "item": item | {
+                "status": "in_progress", field_: ""}}))
+            events += [(f"response.{kind}.delta", at | {"delta": piece}) for piece in _pieces(item[field_])]
+            events.append((f"response.{kind}.done", at | {field_: item[field_]}))
+        events.append(("response.output_item.done", {"output_index": i, "item": item}))
+    events.append(("response.incomplete" if response["status"] == "incomplete" else "response.completed",
+                   {"response": response}))
+    return [(name, {"type": name, "sequence_number": n} | data) for n, (name, data) in enumerate(events)]
+
+
+def _custom_input(arguments: str) -> str:
+    """A custom tool's input from the arguments the policy gave it ({"input": ...}; anything else as written)."""
+    parsed = json.loads(arguments)
+    return parsed["input"] if isinstance(parsed, dict) and isinstance(parsed.get("input"), str) else arguments
+
+
+def responses_error(status: int, body: dict) -> dict:
+    """An error as the Responses stream's `error` event."""
+    return {"type": "error", "code": body["error"]["code"], "message": body["error"]["message"], "param": None}
+
+
 def anthropic_error(status: int, body: dict) -> dict:
     return {"type": "error", "error": {"type": ANTHROPIC_ERROR.get(status, "api_error"),
                                        "message": body["error"]["message"]}}
@@ -691,9 +836,10 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         server: AgentServer = self.server.kiln
         path = self.path.split("?")[0].rstrip("/")
-        if path not in ("/v1/chat/completions", "/v1/messages"):
+        if path not in ("/v1/chat/completions", "/v1/messages", "/v1/responses"):
             return self._send(404, _error(f"no such path: {self.path}", "not_found"))
-        anthropic = path == "/v1/messages"
+        anthropic, responses = path == "/v1/messages", path == "/v1/responses"
+        custom: set[str] = set()
         auth = self.headers.get("Authorization", "")
         key = auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else self.headers.get("x-api-key", "")
         try:
@@ -703,6 +849,8 @@ class _Handler(BaseHTTPRequestHandler):
                                  "invalid_api_key")
             if not isinstance(body, dict):
                 raise BadRequest("the body must be a JSON object")
+            if responses:
+                custom, body = custom_tools(body), responses_to_chat(body)
             request = parse_request(key, anthropic_to_chat(body) if anthropic else body,
                                     server.sampling if server.fixed_sampling else None)
             server.submit(request)
@@ -714,6 +862,8 @@ class _Handler(BaseHTTPRequestHandler):
             status, reply = request.reply.result()
             if status != 200:
                 return self._error(status, reply, anthropic)
+            if responses:
+                return self._send(200, response_object(reply, server.model_name, custom))
             return self._send(200, anthropic_message(reply, server.model_name) if anthropic
                               else chat_completion(reply, server.model_name))
         try:  # an early refusal keeps its HTTP status; a long wait gets the stream's headers and keep-alives
@@ -732,9 +882,14 @@ class _Handler(BaseHTTPRequestHandler):
                         self._event("ping", {"type": "ping"})
                     else:
                         self._event(None, None)
-        if status != 200:  # after the headers: OpenAI's error chunk, Anthropic's error event
+        if status != 200:  # after the headers: OpenAI's error chunk, Anthropic's or the Responses' error event
+            if responses:
+                return self._event("error", responses_error(status, reply))
             return self._event("error", anthropic_error(status, reply)) if anthropic else self._event(None, reply)
-        if anthropic:
+        if responses:
+            for name, data in response_events(reply, server.model_name, custom):
+                self._event(name, data)
+        elif anthropic:
             for name, data in anthropic_events(reply, server.model_name):
                 self._event(name, data)
         else:
