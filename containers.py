@@ -317,11 +317,12 @@ def history_free_image(client: docker.DockerClient, image: str) -> str:
 
 class Container:
     """One running container from `image`; use as a context manager so it is removed even on exceptions. An agent's
-    (role "agent") runs from history_free_image(image) unless history_free is False."""
+    (role "agent") runs from history_free_image(image) unless history_free is False. `mounts`: host paths bound
+    read-only at container paths (an agent CLI and its runtime, the folder of the endpoint's unix socket)."""
 
     def __init__(self, client: docker.DockerClient, image: str, role: str, run: str = "",
                  limits: ContainerLimits = ContainerLimits(), workdir: str = "/testbed",
-                 history_free: bool | None = None):
+                 history_free: bool | None = None, mounts: dict[str, str] | None = None):
         if role == "agent" if history_free is None else history_free:
             image = history_free_image(client, image)
         try:
@@ -342,6 +343,7 @@ class Container:
                 image, ["sleep", str(limits.ttl)], detach=True, auto_remove=True, init=True, network_mode="none",
                 nano_cpus=int(limits.cpus * 1e9), mem_limit=limits.memory, memswap_limit=limits.memory,
                 pids_limit=limits.pids, tmpfs={"/tmp": f"size={limits.tmpfs}"}, working_dir=workdir,
+                volumes={host: {"bind": path, "mode": "ro"} for host, path in (mounts or {}).items()},
                 labels=labels), f"start {image}", undo, self._count_retry)
         except (docker.errors.APIError, requests.exceptions.RequestException) as e:
             if not transient(e):

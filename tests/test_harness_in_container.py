@@ -1,0 +1,141 @@
+"""codex, claude-code and qwen-code as whole SWE agents inside an offline instance's container (harness_agent.py, the
+real CLIs from npm), their only way out kiln's endpoint through a unix socket and relay.py: the container reaches
+nothing else; a scripted engine's gold fix through each CLI's own tools is graded resolved with mask 1 exactly on the
+sampled ids and no drift; no container outlives its agent. Needs the CLIs installed (`make .npm-tools/.kiln-installed`:
+npm install --prefix .npm-tools @openai/codex@0.171.0 @anthropic-ai/claude-code@2.1.332 @qwen-code/qwen-code@0.15.10)."""
+import base64
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+import agent_server  # noqa: E402
+import containers  # noqa: E402
+import engines  # noqa: E402
+import harness_agent  # noqa: E402
+import policy  # noqa: E402
+import rewards  # noqa: E402
+import rollout  # noqa: E402
+import tiny  # noqa: E402
+from test_agent_server import RuleEngine, Served  # noqa: E402
+from test_mini_swe_agent import left_behind, tagged  # noqa: E402
+from test_multiturn import CORPUS  # noqa: E402
+from test_swebench import M1359, docker_client, swe_rows  # noqa: E402,F401 -- fixtures
+import system_parts  # noqa: E402
+
+missing = [h for h, path in harness_agent.NEEDS.items() if not path.exists()]
+if missing:
+    system_parts.require("agent-clis", f"not installed: {', '.join(missing)} ({harness_agent.NPM_TOOLS})", module=True)
+pytestmark = pytest.mark.docker
+DRIVER = (f"{sys.executable} {ROOT / 'harness_agent.py'} --harness {{harness}} --base-url {{base_url}} "
+          "--api-key {api_key} --row {row_file} --result {result} --short")
+# What each CLI's shell tool is called and takes, and its file-writing tool (codex offers none without a model
+# catalog entry: it writes the patch with its shell).
+SHELL = {"codex": ("exec_command", "cmd"), "claude-code": ("Bash", "command"),
+         "qwen-code": ("run_shell_command", "command")}
+WRITE = {"claude-code": ("Write", "file_path", "content"), "qwen-code": ("write_file", "file_path", "content")}
+
+
+def call(name: str, arguments: dict) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def gold_script(harness: str, gold: str) -> list[tuple[str, str]]:
+    """RuleEngine rules that fix the row with the gold patch through the harness's own tools: its file tool writes the
+    patch (codex: its shell), its shell applies it, then a final message. The file tool gets the patch in base64:
+    claude-code sends a Write's content back with a blank line's trailing space removed (a rewritten history)."""
+    shell, argument = SHELL[harness]
+    apply = call(shell, {argument: "base64 -d /tmp/kiln-gold.b64 | git apply && echo KILN-APPLIED"})
+    if harness not in WRITE:
+        return [("[task-gold]", "I apply the fix.\n" + call(shell, {argument: (
+                    f"cat > /tmp/kiln-gold.patch <<'KILN_EOF'\n{gold}KILN_EOF\ngit apply /tmp/kiln-gold.patch && "
+                    "echo KILN-APPLIED")})),
+                ("KILN-APPLIED\n", "The fix is applied.")]
+    write, path, content = WRITE[harness]
+    encoded = base64.b64encode(gold.encode()).decode()
+    return [("[task-gold]", "I write the fix.\n" + call(write, {path: "/tmp/kiln-gold.b64", content: encoded})),
+            ("uccessfully", "I apply it.\n" + apply),
+            ("KILN-APPLIED\n", "The fix is applied.")]
+
+
+@pytest.mark.parametrize("harness", harness_agent.HARNESSES)
+def test_scripted_gold_fix_through_the_cli_in_the_container_is_rewarded_with_an_exact_mask(
+        harness, docker_client, swe_rows, tmp_path):
+    row = tagged(swe_rows[M1359], "task-gold")
+    gold = json.loads(row["reward_model"]["ground_truth"])["patch"]
+    engine = RuleEngine(policy.load_tokenizer(tiny.make_tiny_model(tmp_path / "tiny", CORPUS)),
+                        gold_script(harness, gold))
+    samples, metrics = rollout.external_agents(DRIVER.replace("{harness}", harness), engine, engine.tokenizer, [row],
+                                               1, engines.Sampling(max_new_tokens=4096), "swe",
+                                               rollout.AgentLimits(max_total_tokens=200_000, max_seconds=400),
+                                               check=True)
+    main = [s for s in samples if s.info["opened"] == "first"]
+    assert len(main) == 1 and samples[0].info["agent_status"] == "ok", [s.info["agent_status"] for s in samples]
+    (sample,) = main
+    turns = len(gold_script(harness, gold))
+    assert metrics["tools/tito_drift_frac"] == 0.0
+    assert [i for i, m in zip(sample.completion_ids, sample.loss_mask) if m] == [
+        i for ids in engine.emitted[:turns] for i in ids]  # the main thread: every sampled id, nothing else
+    assert "KILN-APPLIED" in sample.info["messages"][-2]["content"]  # the shell ran in the container
+    assert rewards.score(row, sample.text).score == 1.0  # its diff, graded in a fresh container
+    assert left_behind(docker_client, [sample.session]) == []
+
+
+PROBE = r"""python3 - <<'EOF'
+import json, socket, urllib.request
+interfaces = [line.split(":")[0].strip() for line in open("/proc/net/dev").readlines()[2:]]
+def refused(host, port):
+    try:
+        socket.create_connection((host, port), timeout=3)
+        return "connected"
+    except OSError as e:
+        return type(e).__name__
+def resolves(name):
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return None
+def writable(path):
+    try:
+        open(path + "/kiln-probe", "w").close()
+        return True
+    except OSError:
+        return False
+request = urllib.request.Request("http://127.0.0.1:8080/v1/chat/completions", data=json.dumps(
+    {"messages": [{"role": "user", "content": "kiln-probe"}]}).encode(),
+    headers={"Authorization": "Bearer probe-session", "Content-Type": "application/json"})
+reply = json.loads(urllib.request.urlopen(request, timeout=60).read())
+print("KILN-PROBE " + json.dumps({"interfaces": interfaces, "internet": refused("1.1.1.1", 443),
+    "host_endpoint": refused("172.17.0.1", 8080), "dns": resolves("github.com"),
+    "reply": reply["choices"][0]["message"]["content"], "link_writable": writable("/run/kiln"),
+    "tools_writable": writable("/opt/kiln/npm")}))
+EOF"""
+
+
+def test_the_container_reaches_nothing_but_the_endpoint(docker_client, swe_rows, tmp_path):
+    tokenizer = policy.load_tokenizer(tiny.make_tiny_model(tmp_path / "tiny", CORPUS))
+    engine = RuleEngine(tokenizer, [("kiln-probe", "KILN-ANSWER")])
+    instance = json.loads(swe_rows[M1359]["reward_model"]["ground_truth"])
+    with Served(engine, tokenizer) as served, tempfile.TemporaryDirectory() as work:
+        link = Path(work)
+        (link / "home").mkdir()
+        endpoint = harness_agent.link_endpoint(served.server.base_url, link)
+        try:
+            with containers.Container(docker_client, instance["image"], "agent", "probe",
+                                      mounts=harness_agent.mounts("claude-code", link)) as box:
+                ran = box.exec(harness_agent.launcher(PROBE), timeout=120)
+        finally:
+            endpoint.close()
+        record = served.session("probe-session")
+    assert ran.exit_code == 0, ran.output
+    found = json.loads(ran.output.split("KILN-PROBE ", 1)[1])
+    assert found["interfaces"] == ["lo"]
+    assert found["internet"] == found["host_endpoint"] == "OSError"  # ENETUNREACH: no route anywhere
+    assert found["dns"] is None
+    assert found["reply"] == "KILN-ANSWER" and record["segments"][0]["turns"] == 1  # the endpoint saw it
+    assert found["link_writable"] is False and found["tools_writable"] is False
