@@ -942,22 +942,31 @@ def agent_view(row: dict) -> dict:
     return view
 
 
-PLACEHOLDERS = ("base_url", "api_key", "row_json", "row_file", "result")
+PLACEHOLDERS = ("base_url", "api_key", "row_json", "row_file", "result", "harness")
 # Not passed on to agents: the trainer's secrets, and torchrun's variables (an agent using torch is not a rank).
 WITHHELD_ENV = re.compile(r"WANDB_.*|KILN_JUDGE_.*|RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_RANK|"
                           r"GROUP_WORLD_SIZE|ROLE_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_.*|TORCH_NCCL_.*")
 
 
-def check_agent_cmd(command: str) -> None:
-    """ValueError unless every placeholder of the command is one of PLACEHOLDERS (checked before anything loads)."""
+def placeholders(command: str) -> set[str]:
+    """The placeholder names of an --agent-cmd; ValueError on a malformed one."""
     try:
-        names = {name for _, name, _, _ in string.Formatter().parse(command) if name is not None}
+        return {name for _, name, _, _ in string.Formatter().parse(command) if name is not None}
     except ValueError as e:
         raise ValueError(f"--agent-cmd {command!r}: {e} (write literal braces as {{{{ and }}}})") from None
+
+
+def check_agent_cmd(command: str, harnesses: tuple[str, ...] = ()) -> None:
+    """ValueError unless every placeholder of the command is one of PLACEHOLDERS, and harnesses to choose from come
+    with a {harness} placeholder to take them (checked before anything loads)."""
+    names = placeholders(command)
     unknown = names - set(PLACEHOLDERS)
     if unknown:
         raise ValueError(f"--agent-cmd: unknown placeholder {{{sorted(unknown)[0]}}}; known: "
                          + ", ".join(f"{{{p}}}" for p in PLACEHOLDERS))
+    if harnesses and "harness" not in names:
+        raise ValueError(f"--agent-harnesses {' '.join(harnesses)}: the --agent-cmd has no {{harness}} placeholder to "
+                         "take them")
 
 
 @dataclass
@@ -967,6 +976,7 @@ class AgentProcess:
     group: int
     result: Path
     process: subprocess.Popen
+    harness: str = ""  # what {harness} was (mixed harnesses in one run)
     started: float = field(default_factory=time.monotonic)
     status: str = "running"  # "ok", "failed" (exit code != 0), "timeout" (killed at the wall limit)
     seconds: float = 0.0
@@ -992,23 +1002,24 @@ class AgentProcess:
             return ""
 
 
-def start_agent(command: str, base_url: str, row: dict, group: int, workdir: Path, log) -> AgentProcess:
-    """Run `command` (placeholders filled in, shell-quoted) with bash in a new process group, stdout and stderr to
-    `log`. Its environment is the trainer's less WITHHELD_ENV, plus OPENAI_BASE_URL, OPENAI_API_KEY, KILN_ROW_FILE and
-    KILN_RESULT_FILE."""
+def start_agent(command: str, base_url: str, row: dict, group: int, workdir: Path, log,
+                harness: str = "") -> AgentProcess:
+    """Run `command` (placeholders filled in, shell-quoted; {harness} is `harness`) with bash in a new process group,
+    stdout and stderr to `log`. Its environment is the trainer's less WITHHELD_ENV, plus OPENAI_BASE_URL,
+    OPENAI_API_KEY, KILN_ROW_FILE and KILN_RESULT_FILE."""
     key = f"kiln-{uuid.uuid4().hex}"
     row_file, result = workdir / f"{key}.row.json", workdir / f"{key}.result"
     row_json = json.dumps(agent_view(row))
     row_file.write_text(row_json)
     values = {"base_url": base_url, "api_key": key, "row_json": row_json, "row_file": str(row_file),
-              "result": str(result)}
+              "result": str(result), "harness": harness}
     line = command.format(**{k: shlex.quote(v) for k, v in values.items()})
     env = {k: v for k, v in os.environ.items() if not WITHHELD_ENV.fullmatch(k)} | {
         "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": key, "KILN_ROW_FILE": str(row_file),
         "KILN_RESULT_FILE": str(result)}
     process = subprocess.Popen(["bash", "-c", line], env=env, stdin=subprocess.DEVNULL, stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True)
-    return AgentProcess(key, row, group, result, process)
+    return AgentProcess(key, row, group, result, process, harness)
 
 
 def kill_group(process: subprocess.Popen) -> None:

@@ -56,6 +56,9 @@ SHORT_SYSTEM = ("You are a coding agent. Use your tools to inspect and edit the 
                 "without a tool call when you are done.")
 # Hosted and optional tools the endpoint cannot serve or the run must not use (codex 0.171.0 feature names).
 CODEX_DISABLED = ("multi_agent", "goals", "image_generation", "view_image")
+# claude-code's tools beyond reading, editing, searching and its shell: subagents, workflows, scheduling (about 18,000
+# tokens of schemas in 2.1.332); --short leaves them out.
+CLAUDE_ORCHESTRATION = ("Agent", "Workflow", "ScheduleWakeup", "ReportFindings", "ListAgents", "Skill")
 
 
 @dataclass
@@ -71,7 +74,8 @@ class Args:
     result: Path
     """where the patch goes ({result})"""
     short: bool = False
-    """a few-line system prompt instead of the CLI's own (claude-code, qwen-code; tiny models, tests)"""
+    """for tiny models and tests: a few-line system prompt instead of the CLI's own (claude-code, qwen-code), and
+    claude-code without its orchestration tools (CLAUDE_ORCHESTRATION)"""
     max_turns: int = 50
     """model turns before the CLI stops (claude-code --max-turns, qwen-code --max-session-turns; codex has none)"""
     max_tokens: int = 2048
@@ -86,7 +90,7 @@ def check_installed(harness: str) -> None:
     """FileNotFoundError naming the npm command that installs the harness (and Node for qwen-code)."""
     if not NEEDS[harness].exists():
         raise FileNotFoundError(f"{harness} is not installed at {NEEDS[harness]}: run `npm install --prefix "
-                                f"{NPM_TOOLS} {VERSIONS[harness]}` (or `make .npm-tools/.kiln-installed`)")
+                                f"{NPM_TOOLS} {VERSIONS[harness]}` (or `make .npm-tools/.kiln-installed-codex`)")
     if harness == "qwen-code" and shutil.which("node") is None:
         raise FileNotFoundError("qwen-code needs Node >= 20 on the host (it is mounted into the container): "
                                 "`make system` installs it")
@@ -142,12 +146,13 @@ def command(args: Args, problem: str) -> str:
                 f"/opt/kiln/codex/bin/codex exec --dangerously-bypass-approvals-and-sandbox --skip-git-repo-check "
                 f"--ephemeral --json {disabled} -C /testbed {task}")
     if args.harness == "claude-code":
+        disallowed = ("WebFetch", "WebSearch") + (CLAUDE_ORCHESTRATION if args.short else ())
         system = f" --system-prompt {shlex.quote(SHORT_SYSTEM)}" if args.short else ""
         return (f"export ANTHROPIC_BASE_URL={endpoint} ANTHROPIC_API_KEY={shlex.quote(args.api_key)} IS_SANDBOX=1 "
                 "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 DISABLE_TELEMETRY=1 DISABLE_AUTOUPDATER=1 "
                 f"DISABLE_ERROR_REPORTING=1 CLAUDE_CODE_MAX_OUTPUT_TOKENS={args.max_tokens}\n"
                 f"/opt/kiln/npm/node_modules/@anthropic-ai/claude-code/bin/claude.exe -p {task} --model kiln "
-                f"--dangerously-skip-permissions --disallowedTools WebFetch WebSearch --max-turns {args.max_turns}"
+                f"--dangerously-skip-permissions --disallowedTools {' '.join(disallowed)} --max-turns {args.max_turns}"
                 f"{system}")
     short = f" QWEN_SYSTEM_MD={HOME}/system.md" if args.short else ""
     return (f"export PATH=/opt/kiln/bin:$PATH OPENAI_BASE_URL={endpoint}/v1 OPENAI_API_KEY={shlex.quote(args.api_key)} "

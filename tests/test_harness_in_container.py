@@ -1,10 +1,12 @@
 """codex, claude-code and qwen-code as whole SWE agents inside an offline instance's container (harness_agent.py, the
 real CLIs from npm), their only way out kiln's endpoint through a unix socket and relay.py: the container reaches
 nothing else; a scripted engine's gold fix through each CLI's own tools is graded resolved with mask 1 exactly on the
-sampled ids and no drift; no container outlives its agent. Needs the CLIs installed (`make .npm-tools/.kiln-installed`:
-npm install --prefix .npm-tools @openai/codex@0.171.0 @anthropic-ai/claude-code@2.1.332 @qwen-code/qwen-code@0.15.10)."""
+sampled ids and no drift; a 2-rank GRPO step whose groups mix the three harnesses completes; no container outlives its
+agent. Needs the CLIs (`make .npm-tools/.kiln-installed-codex`: npm install --prefix .npm-tools @openai/codex@0.171.0
+@anthropic-ai/claude-code@2.1.332 @qwen-code/qwen-code@0.15.10)."""
 import base64
 import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -19,12 +21,15 @@ import containers  # noqa: E402
 import engines  # noqa: E402
 import harness_agent  # noqa: E402
 import policy  # noqa: E402
+import ranks  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
+import task_rows  # noqa: E402
 import tiny  # noqa: E402
 from test_agent_server import RuleEngine, Served  # noqa: E402
 from test_mini_swe_agent import left_behind, tagged  # noqa: E402
 from test_multiturn import CORPUS  # noqa: E402
+from test_swe_agent import orphans  # noqa: E402
 from test_swebench import M1359, docker_client, swe_rows  # noqa: E402,F401 -- fixtures
 import system_parts  # noqa: E402
 
@@ -139,3 +144,30 @@ def test_the_container_reaches_nothing_but_the_endpoint(docker_client, swe_rows,
     assert found["dns"] is None
     assert found["reply"] == "KILN-ANSWER" and record["segments"][0]["turns"] == 1  # the endpoint saw it
     assert found["link_writable"] is False and found["tools_writable"] is False
+
+
+@pytest.mark.slow  # 2 ranks, 4 CLIs in containers, prompts of 11,000-20,000 tokens through the tiny model: minutes
+def test_a_two_rank_grpo_step_mixing_the_three_harnesses_completes_and_leaves_no_container(docker_client, swe_rows,
+                                                                                          tmp_path):
+    rows = [swe_rows[i] for i in sorted(swe_rows) if i.startswith("marshmallow")]
+    task_rows.write_rows(rows, tmp_path / "swe.parquet")
+    model = tiny.make_tiny_model(tmp_path / "model", CORPUS, max_position_embeddings=65536)
+    agent_cmd = DRIVER + " --max-turns 2 --agent-seconds 400"
+    subprocess.run([*ranks.torchrun(2, ROOT / "train_grpo.py"), "--model", str(model),
+                    "--data", str(tmp_path / "swe.parquet"), "--output-dir", str(tmp_path / "out"),
+                    "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "16", "--total-steps", "1",
+                    "--save-every", "0", "--best-metric", "", "--tools", "swe", "--max-prompt-tokens", "16384",
+                    "--max-total-tokens", "65536", "--max-agent-seconds", "500", "--check-tito",
+                    "--agent-cmd", agent_cmd, "--agent-harnesses", *harness_agent.HARNESSES, "--agent-mix-groups",
+                    "--agent-keep-failed"],  # codex and claude-code end their run on a reply cut at 16 tokens
+                   check=True, timeout=1500, cwd=tmp_path)
+    step = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert step["step"] == 1 and step["agents/timeout_frac"] == 0, step
+    # trajectories 0-3 of the run take the harnesses in turn: codex, claude-code | qwen-code, codex
+    shares = {"codex": 0.5, "claude-code": 0.25, "qwen-code": 0.25}
+    for harness in harness_agent.HARNESSES:
+        assert step[f"agents/harness/{harness}/frac"] == shares[harness]
+        assert step[f"agents/harness/{harness}/segments_mean"] >= 1  # each reached the endpoint from its container
+        assert step[f"agents/harness/{harness}/score_mean"] == -1.0  # the untrained model fixes nothing
+    assert step["tools/tito_drift_frac"] == 0.0
+    assert orphans(docker_client) == []  # every agent's and grading's container is gone
