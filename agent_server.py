@@ -1,10 +1,12 @@
-"""External agents: a token-recording endpoint over a rank's engine that speaks OpenAI chat completions and the
-Anthropic Messages API, streaming or not, and the agent processes that talk to it.
+"""External agents: a token-recording endpoint over a rank's engine that speaks OpenAI chat completions, the OpenAI
+Responses API and the Anthropic Messages API, streaming or not, and the agent processes that talk to it.
 
 Any agent that speaks OpenAI chat completions (mini-swe-agent, qwen-code, a script) gets `GET /v1/models` and
-`POST /v1/chat/completions` (n=1, tools, `stream: true` with `stream_options.include_usage`); one that speaks
-Anthropic's (claude-code, the anthropic SDK) gets `POST /v1/messages` (text, tool_use and tool_result blocks, its SSE
-events). A streamed reply is generated whole, then sent as SSE chunks: the same ids as without streaming. Each request
+`POST /v1/chat/completions` (n=1, tools, `stream: true` with `stream_options.include_usage`); one that speaks the
+Responses API (codex) gets `POST /v1/responses` (message, function and custom tool call items and their outputs, the
+whole history in every request: no previous_response_id); one that speaks Anthropic's (claude-code, the anthropic SDK)
+gets `POST /v1/messages` (text, tool_use and tool_result blocks, its SSE events). All three are translated to one
+chat form and recorded alike. A streamed reply is generated whole, then sent as SSE chunks: the same ids as without streaming. Each request
 is keyed by its bearer token (or `x-api-key`): one session per agent.
 
 A session records what the policy sampled as segments, token-in-token-out. A request continues a segment when its

@@ -53,7 +53,7 @@ INFO_KEYS = {
     "agent_returncode": "the agent process's exit status",
     "opened": "when the segment's first request arrived (seconds since the session opened)",
     "open_turns": "assistant turns the agent left open (a reply it never sent back), which check_tito allows",
-    "harness": "the harness --agent-cmd's {harness} named for the trajectory (mixed harnesses in one run)",
+    "harness": "what --agent-cmd's {harness} was for the trajectory (mixed harnesses in one run)",
 }
 
 

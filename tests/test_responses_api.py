@@ -150,10 +150,11 @@ def test_codex_in_the_container_against_the_tiny_model_leaves_tito_clean_segment
               "--api-key {api_key} --row {row_file} --result {result}")
     samples, metrics = rollout.external_agents(driver, engine, tokenizer, [swe_rows[M1359]], 1, sampling, "swe",
                                                rollout.AgentLimits(max_total_tokens=65536, max_seconds=400),
-                                               check=True)
-    assert metrics["agents/failed_frac"] == metrics["agents/timeout_frac"] == 0
-    assert samples and metrics["agents/requests"] >= 1
+                                               check=True, keep_failed=True)
+    assert metrics["agents/timeout_frac"] == 0 and samples and metrics["agents/requests"] >= 1
     for s in samples:
         assert chat.check_tito(tokenizer, s, s.info["messages"], s.info["tools"], None, s.info["open_turns"]) == {}
         assert sum(s.loss_mask) >= 1 and s.info["tools"][0]["function"]["name"] == "exec_command"
+    # codex fails its turn on response.incomplete (a reply cut at 16 tokens) and goes on after a finished one
+    assert (samples[-1].finish_reason == "length") == (samples[-1].info["agent_status"] == "failed")
     assert left_behind(docker_client, {s.session for s in samples}) == []
