@@ -554,7 +554,8 @@ def test_mixed_harnesses_take_turns_per_group_or_per_trajectory_and_a_row_can_na
                                                    first_group=1, harnesses=("codex", "claude-code"), mix_groups=mix)
         runs[mix] = sorted((s.group, s.text, s.info["harness"]) for s in samples)
     # groups 1, 2, 3 (run-wide ids): by group codex takes the odd ones; by trajectory (ids 2-7) they alternate
-    assert runs[False] == [(1, "claude-code", "claude-code")] * 2 + [(2, "codex", "codex")] * 2 + [(3, "mine", "mine")] * 2
+    assert runs[False] == [(1, "claude-code", "claude-code")] * 2 + [(2, "codex", "codex")] * 2 + [
+        (3, "mine", "mine")] * 2
     assert runs[True] == [(1, "claude-code", "claude-code"), (1, "codex", "codex"), (2, "claude-code", "claude-code"),
                           (2, "codex", "codex"), (3, "mine", "mine"), (3, "mine", "mine")]
     assert metrics["agents/harness/codex/frac"] == metrics["agents/harness/mine/frac"] == 1 / 3
