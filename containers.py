@@ -230,23 +230,24 @@ def sweep(client: docker.DockerClient) -> list[str]:
     """Remove kiln containers left behind: those started on this host by a process that is gone, and those past
     their expiry wherever they came from. Containers of live kiln processes stay. Returns the removed names."""
     host, removed = socket.gethostname(), []
-    for container in client.containers.list(all=True, filters={"label": OWNER}):
-        labels = container.labels
+    # sparse: labels from the listing itself, not an inspect of each, which races with a removal in progress
+    for container in client.containers.list(all=True, sparse=True, filters={"label": OWNER}):
+        labels = container.attrs.get("Labels") or {}
         owner_host, _, pid = labels.get(OWNER, "").rpartition(":")
         expired = float(labels.get(EXPIRES, "inf")) < time.time()
         orphaned = owner_host == host and pid.isdigit() and not _alive(int(pid))
         if expired or orphaned:
             force_remove(container)
-            removed.append(container.name)
+            removed.append((container.attrs.get("Names") or [container.id])[0].lstrip("/"))
     return removed
 
 
 def remove_owned(client: docker.DockerClient) -> list[str]:
     """Remove every container this process started (on exit, Ctrl-C included). Returns the removed names."""
     removed = []
-    for container in client.containers.list(all=True, filters={"label": f"{OWNER}={owner_label()}"}):
+    for container in client.containers.list(all=True, sparse=True, filters={"label": f"{OWNER}={owner_label()}"}):
         force_remove(container)
-        removed.append(container.name)
+        removed.append((container.attrs.get("Names") or [container.id])[0].lstrip("/"))
     return removed
 
 
