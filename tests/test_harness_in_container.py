@@ -16,7 +16,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-import agent_server  # noqa: E402
 import containers  # noqa: E402
 import engines  # noqa: E402
 import harness_agent  # noqa: E402

@@ -10,13 +10,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import openai
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-import agent_server  # noqa: E402
 import chat  # noqa: E402
 import engines  # noqa: E402
 import harness_agent  # noqa: E402
