@@ -74,8 +74,8 @@ class Args:
     result: Path
     """where the patch goes ({result})"""
     short: bool = False
-    """for tiny models and tests: a few-line system prompt instead of the CLI's own (claude-code, qwen-code), and
-    claude-code without its orchestration tools (CLAUDE_ORCHESTRATION)"""
+    """for tiny models and tests: a few-line system prompt instead of the CLI's own (codex: with a model catalog
+    entry, which also offers its apply_patch tool), and claude-code without its orchestration tools"""
     max_turns: int = 50
     """model turns before the CLI stops (claude-code --max-turns, qwen-code --max-session-turns; codex has none)"""
     max_tokens: int = 2048
@@ -109,14 +109,26 @@ def mounts(harness: str, link: Path) -> dict[str, str]:
     return bound
 
 
+def codex_catalog(instructions: str) -> dict:
+    """A model catalog with an entry for `kiln` (codex 0.171.0's required fields): its system prompt, no websockets,
+    codex's apply_patch file tool offered (as a custom tool). Without one codex uses its fallback prompt and metadata,
+    which offer no apply_patch."""
+    return {"models": [{"slug": "kiln", "display_name": "kiln", "base_instructions": instructions,
+                        "prefer_websockets": False, "apply_patch_tool_type": "freeform", "shell_type": "shell_command",
+                        "support_verbosity": False, "supported_reasoning_levels": [], "visibility": "list",
+                        "truncation_policy": {"mode": "tokens", "limit": 10000}, "supported_in_api": True,
+                        "priority": 1, "experimental_supported_tools": []}]}
+
+
 def settings(harness: str, short: bool) -> dict[str, str]:
     """The CLI's settings files, by path relative to its home."""
     if harness == "codex":
+        catalog = f'model_catalog_json = "{HOME}/.codex/catalog.json"\n' if short else ""
         return {".codex/config.toml": f"""model = "kiln"
 model_provider = "kiln"
 web_search = "disabled"
 check_for_update_on_startup = false
-[model_providers.kiln]
+{catalog}[model_providers.kiln]
 name = "kiln"
 base_url = "http://127.0.0.1:{PORT}/v1"
 env_key = "KILN_API_KEY"
@@ -125,7 +137,7 @@ wire_api = "responses"
 plugins = false
 [analytics]
 enabled = false
-"""}
+"""} | ({".codex/catalog.json": json.dumps(codex_catalog(SHORT_SYSTEM))} if short else {})
     if harness == "claude-code":
         accepted = json.dumps({"hasCompletedOnboarding": True, "bypassPermissionsModeAccepted": True})
         return {".claude.json": accepted, ".claude/settings.json": accepted}

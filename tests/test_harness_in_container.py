@@ -38,8 +38,7 @@ if missing:
 pytestmark = pytest.mark.docker
 DRIVER = (f"{sys.executable} {ROOT / 'harness_agent.py'} --harness {{harness}} --base-url {{base_url}} "
           "--api-key {api_key} --row {row_file} --result {result} --short")
-# What each CLI's shell tool is called and takes, and its file-writing tool (codex offers none without a model
-# catalog entry: it writes the patch with its shell).
+# What each CLI's shell tool is called and takes, and its file-editing tool (codex: apply_patch, offered with --short).
 SHELL = {"codex": ("exec_command", "cmd"), "claude-code": ("Bash", "command"),
          "qwen-code": ("run_shell_command", "command")}
 WRITE = {"claude-code": ("Write", "file_path", "content"), "qwen-code": ("write_file", "file_path", "content")}
@@ -49,19 +48,32 @@ def call(name: str, arguments: dict) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
+def codex_patch(diff: str) -> str:
+    """A git diff in codex's apply_patch format: an Update File section per file, its hunks after bare @@ lines."""
+    lines = ["*** Begin Patch"]
+    for line in diff.splitlines():
+        if line.startswith("+++ "):
+            lines.append("*** Update File: " + line[len("+++ b/"):])
+        elif line.startswith("@@"):
+            lines.append("@@")
+        elif line[:1] in (" ", "-", "+") and not line.startswith("--- "):
+            lines.append(line)
+    return "\n".join(lines + ["*** End Patch"])
+
+
 def gold_script(harness: str, gold: str) -> list[tuple[str, str]]:
-    """RuleEngine rules that fix the row with the gold patch through the harness's own tools: its file tool writes the
-    patch (codex: its shell), its shell applies it, then a final message. The file tool gets the patch in base64:
-    claude-code sends a Write's content back with a blank line's trailing space removed (a rewritten history)."""
+    """RuleEngine rules that fix the row with the gold patch through the harness's own tools: its file tool (codex:
+    apply_patch) edits the repository or writes the patch, its shell checks or applies it, then a final message. A
+    written patch goes in base64: claude-code sends a Write's content back with a blank line's trailing space removed
+    (a rewritten history)."""
     shell, argument = SHELL[harness]
-    apply = call(shell, {argument: "base64 -d /tmp/kiln-gold.b64 | git apply && echo KILN-APPLIED"})
-    if harness not in WRITE:
-        return [("[task-gold]", "I apply the fix.\n" + call(shell, {argument: (
-                    f"cat > /tmp/kiln-gold.patch <<'KILN_EOF'\n{gold}KILN_EOF\ngit apply /tmp/kiln-gold.patch && "
-                    "echo KILN-APPLIED")})),
+    if harness == "codex":
+        return [("[task-gold]", "I fix it.\n" + call("apply_patch", {"input": codex_patch(gold)})),
+                ("Success. Updated", "I check it.\n" + call(shell, {argument: "git diff --stat && echo KILN-APPLIED"})),
                 ("KILN-APPLIED\n", "The fix is applied.")]
     write, path, content = WRITE[harness]
     encoded = base64.b64encode(gold.encode()).decode()
+    apply = call(shell, {argument: "base64 -d /tmp/kiln-gold.b64 | git apply && echo KILN-APPLIED"})
     return [("[task-gold]", "I write the fix.\n" + call(write, {path: "/tmp/kiln-gold.b64", content: encoded})),
             ("uccessfully", "I apply it.\n" + apply),
             ("KILN-APPLIED\n", "The fix is applied.")]
