@@ -24,13 +24,14 @@ $(STAMP): requirements-cpu.txt constraints.txt
 system:
 	./setup_system.sh
 
-# The agent CLIs the tests drive through kiln's endpoint (npm; qwen-code 0.15.10 is the newest that runs on Node 20).
+# The agent CLIs the tests drive through kiln's endpoint (npm; qwen-code 0.15.10 is the newest that runs on Node 20;
+# codex is a static binary that needs no Node). The stamp names the set, so a checkout without codex gets it.
 # Without npm the suite still runs: the CLIs' tests skip and its summary says `make system`.
-NPM_TOOLS := .npm-tools/.kiln-installed
+NPM_TOOLS := .npm-tools/.kiln-installed-codex
 $(NPM_TOOLS):
 	@if ! command -v npm >/dev/null; then echo "no npm: the agent CLIs' tests will skip (make system installs Node)"; \
 	else npm install --no-audit --no-fund --loglevel=error --prefix .npm-tools @qwen-code/qwen-code@0.15.10 \
-		@anthropic-ai/claude-code@2.1.332 && touch $(NPM_TOOLS); fi
+		@anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0 && touch $(NPM_TOOLS); fi
 
 # The offline SWE-bench instances `make system` builds; the SWE tests build any that are missing there.
 export KILN_SWE_DIR ?= $(CURDIR)/runs/swe-instances

@@ -1,10 +1,12 @@
-"""External agents: a token-recording endpoint over a rank's engine that speaks OpenAI chat completions and the
-Anthropic Messages API, streaming or not, and the agent processes that talk to it.
+"""External agents: a token-recording endpoint over a rank's engine that speaks OpenAI chat completions, the OpenAI
+Responses API and the Anthropic Messages API, streaming or not, and the agent processes that talk to it.
 
 Any agent that speaks OpenAI chat completions (mini-swe-agent, qwen-code, a script) gets `GET /v1/models` and
-`POST /v1/chat/completions` (n=1, tools, `stream: true` with `stream_options.include_usage`); one that speaks
-Anthropic's (claude-code, the anthropic SDK) gets `POST /v1/messages` (text, tool_use and tool_result blocks, its SSE
-events). A streamed reply is generated whole, then sent as SSE chunks: the same ids as without streaming. Each request
+`POST /v1/chat/completions` (n=1, tools, `stream: true` with `stream_options.include_usage`); one that speaks the
+Responses API (codex) gets `POST /v1/responses` (message, function and custom tool call items and their outputs, the
+whole history in every request: no previous_response_id); one that speaks Anthropic's (claude-code, the anthropic SDK)
+gets `POST /v1/messages` (text, tool_use and tool_result blocks, its SSE events). All three are translated to one
+chat form and recorded alike. A streamed reply is generated whole, then sent as SSE chunks: the same ids as without streaming. Each request
 is keyed by its bearer token (or `x-api-key`): one session per agent.
 
 A session records what the policy sampled as segments, token-in-token-out. A request continues a segment when its
@@ -60,6 +62,7 @@ SSE_PIECE = 24  # characters of text (or tool arguments) per streamed delta
 AGENT_FIELDS = ("instance_id", "repo", "version", "base_commit", "image")  # of a swebench row's truth; no answers
 AGENT_EXTRA_INFO = ("index", "split", "difficulty", "repo", "version")  # extra_info can hold solutions: not those
 OPENED = ("first", "branch", "side", "rewrite")  # why a segment was opened; see the module docstring
+CUSTOM_TOOL_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
 
 
 @dataclass
@@ -301,6 +304,83 @@ def anthropic_to_chat(body: dict) -> dict:
     return {"messages": messages, "tools": tools or None, "max_tokens": body["max_tokens"],
             "stop": body.get("stop_sequences"), "temperature": body.get("temperature"), "top_p": body.get("top_p"),
             "stream": body.get("stream"), "return_token_ids": body.get("return_token_ids")}
+
+
+def responses_to_chat(body: dict) -> dict:
+    """An OpenAI Responses body as the chat completions body it means: `instructions` and the developer or system
+    messages that open `input` one system message; message items their role's messages (input_text/output_text parts
+    as text); function_call and custom_tool_call items the tool calls of one assistant turn with the message just
+    before them (a custom tool's input as the argument `input`); their outputs tool messages; reasoning items, which
+    kiln never sends, are left out. function and custom tools become functions (a custom tool takes one string,
+    `input`); hosted tools (web_search, ...) and namespaces, which nothing here runs, are refused. kiln keeps no
+    responses: previous_response_id and store: true are refused. BadRequest names the first problem."""
+    if body.get("previous_response_id") is not None:
+        raise BadRequest("previous_response_id: kiln keeps no responses; send the whole conversation as input")
+    if body.get("store") is True:
+        raise BadRequest("store: true: kiln keeps no responses; send store: false and the whole input each time")
+    items = body.get("input")
+    items = [{"type": "message", "role": "user", "content": items}] if isinstance(items, str) else items
+    if not isinstance(items, list) or not items or not all(isinstance(item, dict) for item in items):
+        raise BadRequest("input must be a string or a non-empty list of items")
+    messages = [{"role": "system", "content": text_of(body["instructions"])}] if body.get("instructions") else []
+    joins = False  # whether a call item joins the last message: an assistant turn only its own items followed
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "message":
+            if item.get("role") not in ("system", "developer", "user", "assistant"):
+                raise BadRequest(f"input[{i}]: a message's role must be system, developer, user or assistant")
+            role = "system" if item["role"] == "developer" else item["role"]
+            text = _item_text(item.get("content"))
+            if role == "system" and messages and all(m["role"] == "system" for m in messages):
+                messages[0]["content"] += "\n\n" + text  # what opens the input is one system prompt
+            else:
+                messages.append({"role": role, "content": text})
+            joins = role == "assistant"
+        elif kind in ("function_call", "custom_tool_call"):
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
+                raise BadRequest(f"input[{i}]: a {kind} needs name and call_id")
+            arguments = item.get("arguments") if kind == "function_call" else json.dumps({"input": item.get("input")})
+            if not joins:
+                messages.append({"role": "assistant", "content": ""})
+            messages[-1].setdefault("tool_calls", []).append(
+                {"id": item["call_id"], "type": "function", "function": {"name": item["name"],
+                                                                        "arguments": arguments or "{}"}})
+            joins = True
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": _item_text(item.get("output"))})
+            joins = False
+        elif kind != "reasoning":  # reasoning: kiln sends none; another server's are not the policy's tokens
+            raise BadRequest(f"input[{i}]: items of type {kind!r} are not supported (message, function_call, "
+                             "function_call_output, custom_tool_call, custom_tool_call_output, reasoning)")
+    tools = []
+    for t in body.get("tools") or []:
+        if not isinstance(t, dict):
+            raise BadRequest("tools must be a list of objects")
+        if t.get("type") == "function":
+            tools.append({"type": "function", "function": {"name": t.get("name"), "description": t.get(
+                "description", ""), "parameters": t.get("parameters") or {"type": "object", "properties": {}}}})
+        elif t.get("type") == "custom":
+            tools.append({"type": "function", "function": {"name": t.get("name"), "description": t.get(
+                "description", ""), "parameters": CUSTOM_TOOL_PARAMETERS}})
+        else:
+            raise BadRequest(f"tools: {t.get('type')!r} tools are not supported, only function and custom tools "
+                             "(codex: web_search=\"disabled\", --disable multi_agent)")
+    return {"messages": messages, "tools": tools or None, "max_tokens": body.get("max_output_tokens"),
+            "temperature": body.get("temperature"), "top_p": body.get("top_p"), "stream": body.get("stream")}
+
+
+def _item_text(content) -> str:
+    """A Responses content (a string, or input_text/output_text parts) as text."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") in (
+            "input_text", "output_text", "text"))
+    return text_of(content)
+
+
+def custom_tools(body: dict) -> set[str]:
+    """The names of a Responses body's custom tools (their calls go back as custom_tool_call items)."""
+    return {t.get("name") for t in body.get("tools") or [] if isinstance(t, dict) and t.get("type") == "custom"}
 
 
 class AgentServer:
@@ -695,6 +775,73 @@ def anthropic_events(reply: Reply, model: str) -> list[tuple[str, dict]]:
     return events
 
 
+def response_object(reply: Reply, model: str, custom: set[str], status: str | None = None) -> dict:
+    """The reply as a Responses API response: a message item (if any text), a function_call item per call (a
+    custom_tool_call for a custom tool), status incomplete when cut by the reply budget; with kiln's ids."""
+    output = [{"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "assistant",
+               "content": [{"type": "output_text", "text": reply.content, "annotations": []}]}
+              ] if reply.content or not reply.tool_calls else []
+    for call in reply.tool_calls:
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        output.append({"type": "custom_tool_call", "id": f"ctc_{uuid.uuid4().hex}", "status": "completed",
+                       "call_id": call["id"], "name": name, "input": _custom_input(arguments)}
+                      if name in custom else
+                      {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "status": "completed",
+                       "call_id": call["id"], "name": name, "arguments": arguments})
+    cut = reply.finish == "length"
+    return {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
+            "status": status or ("incomplete" if cut else "completed"), "model": model, "output": output,
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
+            "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "usage": {
+                "input_tokens": len(reply.prompt_ids), "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": len(reply.token_ids), "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": len(reply.prompt_ids) + len(reply.token_ids)},
+            "prompt_token_ids": reply.prompt_ids, "token_ids": reply.token_ids}
+
+
+def response_events(reply: Reply, model: str, custom: set[str]) -> list[tuple[str, dict]]:
+    """The reply as the Responses stream: response.created, then per output item output_item.added, its deltas
+    (content_part.added, output_text.delta and .done, content_part.done; or function_call_arguments.delta and .done;
+    or custom_tool_call_input.delta and .done) and output_item.done; then response.completed (response.incomplete
+    when cut by the reply budget). Each event carries its sequence_number."""
+    response = response_object(reply, model, custom)
+    events = [("response.created", {"response": response | {"status": "in_progress", "output": [],
+                                                             "incomplete_details": None, "usage": None}})]
+    for i, item in enumerate(response["output"]):
+        at = {"item_id": item["id"], "output_index": i}
+        if item["type"] == "message":
+            text, part = item["content"][0]["text"], {"type": "output_text", "text": "", "annotations": []}
+            events += [("response.output_item.added", {"output_index": i, "item": item | {
+                "status": "in_progress", "content": []}}),
+                       ("response.content_part.added", at | {"content_index": 0, "part": part})]
+            events += [("response.output_text.delta", at | {"content_index": 0, "delta": piece})
+                       for piece in _pieces(text)]
+            events += [("response.output_text.done", at | {"content_index": 0, "text": text}),
+                       ("response.content_part.done", at | {"content_index": 0, "part": part | {"text": text}})]
+        else:
+            field_, kind = ("arguments", "function_call_arguments") if item["type"] == "function_call" else (
+                "input", "custom_tool_call_input")
+            events.append(("response.output_item.added", {"output_index": i, "item": item | {
+                "status": "in_progress", field_: ""}}))
+            events += [(f"response.{kind}.delta", at | {"delta": piece}) for piece in _pieces(item[field_])]
+            events.append((f"response.{kind}.done", at | {field_: item[field_]}))
+        events.append(("response.output_item.done", {"output_index": i, "item": item}))
+    events.append(("response.incomplete" if response["status"] == "incomplete" else "response.completed",
+                   {"response": response}))
+    return [(name, {"type": name, "sequence_number": n} | data) for n, (name, data) in enumerate(events)]
+
+
+def _custom_input(arguments: str) -> str:
+    """A custom tool's input from the arguments the policy gave it ({"input": ...}; anything else as written)."""
+    parsed = json.loads(arguments)
+    return parsed["input"] if isinstance(parsed, dict) and isinstance(parsed.get("input"), str) else arguments
+
+
+def responses_error(status: int, body: dict) -> dict:
+    """An error as the Responses stream's `error` event."""
+    return {"type": "error", "code": body["error"]["code"], "message": body["error"]["message"], "param": None}
+
+
 def anthropic_error(status: int, body: dict) -> dict:
     return {"type": "error", "error": {"type": ANTHROPIC_ERROR.get(status, "api_error"),
                                        "message": body["error"]["message"]}}
@@ -734,9 +881,10 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         server: AgentServer = self.server.kiln
         path = self.path.split("?")[0].rstrip("/")
-        if path not in ("/v1/chat/completions", "/v1/messages"):
+        if path not in ("/v1/chat/completions", "/v1/messages", "/v1/responses"):
             return self._send(404, _error(f"no such path: {self.path}", "not_found"))
-        anthropic = path == "/v1/messages"
+        anthropic, responses = path == "/v1/messages", path == "/v1/responses"
+        custom: set[str] = set()
         auth = self.headers.get("Authorization", "")
         key = auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else self.headers.get("x-api-key", "")
         try:
@@ -746,6 +894,8 @@ class _Handler(BaseHTTPRequestHandler):
                                  "invalid_api_key")
             if not isinstance(body, dict):
                 raise BadRequest("the body must be a JSON object")
+            if responses:
+                custom, body = custom_tools(body), responses_to_chat(body)
             request = parse_request(key, anthropic_to_chat(body) if anthropic else body,
                                     server.sampling if server.fixed_sampling else None)
             server.submit(request)
@@ -757,6 +907,8 @@ class _Handler(BaseHTTPRequestHandler):
             status, reply = request.reply.result()
             if status != 200:
                 return self._error(status, reply, anthropic)
+            if responses:
+                return self._send(200, response_object(reply, server.model_name, custom))
             return self._send(200, anthropic_message(reply, server.model_name) if anthropic
                               else chat_completion(reply, server.model_name))
         try:  # an early refusal keeps its HTTP status; a long wait gets the stream's headers and keep-alives
@@ -775,9 +927,14 @@ class _Handler(BaseHTTPRequestHandler):
                         self._event("ping", {"type": "ping"})
                     else:
                         self._event(None, None)
-        if status != 200:  # after the headers: OpenAI's error chunk, Anthropic's error event
+        if status != 200:  # after the headers: OpenAI's error chunk, Anthropic's or the Responses' error event
+            if responses:
+                return self._event("error", responses_error(status, reply))
             return self._event("error", anthropic_error(status, reply)) if anthropic else self._event(None, reply)
-        if anthropic:
+        if responses:
+            for name, data in response_events(reply, server.model_name, custom):
+                self._event(name, data)
+        elif anthropic:
             for name, data in anthropic_events(reply, server.model_name):
                 self._event(name, data)
         else:
@@ -830,22 +987,31 @@ def agent_view(row: dict) -> dict:
     return view
 
 
-PLACEHOLDERS = ("base_url", "api_key", "row_json", "row_file", "result")
+PLACEHOLDERS = ("base_url", "api_key", "row_json", "row_file", "result", "harness")
 # Not passed on to agents: the trainer's secrets, and torchrun's variables (an agent using torch is not a rank).
 WITHHELD_ENV = re.compile(r"WANDB_.*|KILN_JUDGE_.*|RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_RANK|"
                           r"GROUP_WORLD_SIZE|ROLE_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_.*|TORCH_NCCL_.*")
 
 
-def check_agent_cmd(command: str) -> None:
-    """ValueError unless every placeholder of the command is one of PLACEHOLDERS (checked before anything loads)."""
+def placeholders(command: str) -> set[str]:
+    """The placeholder names of an --agent-cmd; ValueError on a malformed one."""
     try:
-        names = {name for _, name, _, _ in string.Formatter().parse(command) if name is not None}
+        return {name for _, name, _, _ in string.Formatter().parse(command) if name is not None}
     except ValueError as e:
         raise ValueError(f"--agent-cmd {command!r}: {e} (write literal braces as {{{{ and }}}})") from None
+
+
+def check_agent_cmd(command: str, harnesses: tuple[str, ...] = ()) -> None:
+    """ValueError unless every placeholder of the command is one of PLACEHOLDERS, and harnesses to choose from come
+    with a {harness} placeholder to take them (checked before anything loads)."""
+    names = placeholders(command)
     unknown = names - set(PLACEHOLDERS)
     if unknown:
         raise ValueError(f"--agent-cmd: unknown placeholder {{{sorted(unknown)[0]}}}; known: "
                          + ", ".join(f"{{{p}}}" for p in PLACEHOLDERS))
+    if harnesses and "harness" not in names:
+        raise ValueError(f"--agent-harnesses {' '.join(harnesses)}: the --agent-cmd has no {{harness}} placeholder to "
+                         "take them")
 
 
 @dataclass
@@ -855,6 +1021,7 @@ class AgentProcess:
     group: int
     result: Path
     process: subprocess.Popen
+    harness: str = ""  # what {harness} was (mixed harnesses in one run)
     started: float = field(default_factory=time.monotonic)
     status: str = "running"  # "ok", "failed" (exit code != 0), "timeout" (killed at the wall limit)
     seconds: float = 0.0
@@ -880,23 +1047,24 @@ class AgentProcess:
             return ""
 
 
-def start_agent(command: str, base_url: str, row: dict, group: int, workdir: Path, log) -> AgentProcess:
-    """Run `command` (placeholders filled in, shell-quoted) with bash in a new process group, stdout and stderr to
-    `log`. Its environment is the trainer's less WITHHELD_ENV, plus OPENAI_BASE_URL, OPENAI_API_KEY, KILN_ROW_FILE and
-    KILN_RESULT_FILE."""
+def start_agent(command: str, base_url: str, row: dict, group: int, workdir: Path, log,
+                harness: str = "") -> AgentProcess:
+    """Run `command` (placeholders filled in, shell-quoted; {harness} is `harness`) with bash in a new process group,
+    stdout and stderr to `log`. Its environment is the trainer's less WITHHELD_ENV, plus OPENAI_BASE_URL,
+    OPENAI_API_KEY, KILN_ROW_FILE and KILN_RESULT_FILE."""
     key = f"kiln-{uuid.uuid4().hex}"
     row_file, result = workdir / f"{key}.row.json", workdir / f"{key}.result"
     row_json = json.dumps(agent_view(row))
     row_file.write_text(row_json)
     values = {"base_url": base_url, "api_key": key, "row_json": row_json, "row_file": str(row_file),
-              "result": str(result)}
+              "result": str(result), "harness": harness}
     line = command.format(**{k: shlex.quote(v) for k, v in values.items()})
     env = {k: v for k, v in os.environ.items() if not WITHHELD_ENV.fullmatch(k)} | {
         "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": key, "KILN_ROW_FILE": str(row_file),
         "KILN_RESULT_FILE": str(result)}
     process = subprocess.Popen(["bash", "-c", line], env=env, stdin=subprocess.DEVNULL, stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True)
-    return AgentProcess(key, row, group, result, process)
+    return AgentProcess(key, row, group, result, process, harness)
 
 
 def kill_group(process: subprocess.Popen) -> None:

@@ -230,23 +230,24 @@ def sweep(client: docker.DockerClient) -> list[str]:
     """Remove kiln containers left behind: those started on this host by a process that is gone, and those past
     their expiry wherever they came from. Containers of live kiln processes stay. Returns the removed names."""
     host, removed = socket.gethostname(), []
-    for container in client.containers.list(all=True, filters={"label": OWNER}):
-        labels = container.labels
+    # sparse: labels from the listing itself, not an inspect of each, which races with a removal in progress
+    for container in client.containers.list(all=True, sparse=True, filters={"label": OWNER}):
+        labels = container.attrs.get("Labels") or {}
         owner_host, _, pid = labels.get(OWNER, "").rpartition(":")
         expired = float(labels.get(EXPIRES, "inf")) < time.time()
         orphaned = owner_host == host and pid.isdigit() and not _alive(int(pid))
         if expired or orphaned:
             force_remove(container)
-            removed.append(container.name)
+            removed.append((container.attrs.get("Names") or [container.id])[0].lstrip("/"))
     return removed
 
 
 def remove_owned(client: docker.DockerClient) -> list[str]:
     """Remove every container this process started (on exit, Ctrl-C included). Returns the removed names."""
     removed = []
-    for container in client.containers.list(all=True, filters={"label": f"{OWNER}={owner_label()}"}):
+    for container in client.containers.list(all=True, sparse=True, filters={"label": f"{OWNER}={owner_label()}"}):
         force_remove(container)
-        removed.append(container.name)
+        removed.append((container.attrs.get("Names") or [container.id])[0].lstrip("/"))
     return removed
 
 
@@ -317,11 +318,13 @@ def history_free_image(client: docker.DockerClient, image: str) -> str:
 
 class Container:
     """One running container from `image`; use as a context manager so it is removed even on exceptions. An agent's
-    (role "agent") runs from history_free_image(image) unless history_free is False."""
+    (role "agent") runs from history_free_image(image) unless history_free is False. `mounts`: host paths bound
+    read-only at container paths (an agent CLI and its runtime, the folder of the endpoint's unix socket)."""
 
     def __init__(self, client: docker.DockerClient, image: str, role: str, run: str = "",
                  limits: ContainerLimits = ContainerLimits(), workdir: str = "/testbed",
-                 history_free: bool | None = None, user: str = "", environment: dict | None = None):
+                 history_free: bool | None = None, user: str = "", environment: dict | None = None,
+                 mounts: dict[str, str] | None = None):
         if role == "agent" if history_free is None else history_free:
             image = history_free_image(client, image)
         try:
@@ -342,6 +345,7 @@ class Container:
                 image, ["sleep", str(limits.ttl)], detach=True, auto_remove=True, init=True, network_mode="none",
                 nano_cpus=int(limits.cpus * 1e9), mem_limit=limits.memory, memswap_limit=limits.memory,
                 pids_limit=limits.pids, tmpfs={"/tmp": f"size={limits.tmpfs}"}, working_dir=workdir,
+                volumes={host: {"bind": path, "mode": "ro"} for host, path in (mounts or {}).items()},
                 labels=labels, user=user or None, environment=environment), f"start {image}", undo,
                 self._count_retry)
         except (docker.errors.APIError, requests.exceptions.RequestException) as e:

@@ -12,7 +12,7 @@ import functools
 import math
 import random
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -254,7 +254,7 @@ def check_args(args, world: int) -> None:
             raise ValueError(f"--rollout-rs {args.rollout_rs} needs --rollout-rs-threshold")
         losses.rs_bounds(args.rollout_rs, args.rollout_rs_threshold)
     if getattr(args, "agent_cmd", None) is not None:
-        agent_server.check_agent_cmd(args.agent_cmd)
+        agent_server.check_agent_cmd(args.agent_cmd, args.agent_harnesses)
 
 
 def check_paths(args) -> None:
@@ -499,7 +499,8 @@ def run_rollouts(run, rows: list[dict], group_size: int, sampling: engines.Sampl
         return rollout.collect(run.engine, run.tokenizer, rows, group_size, sampling, args.tools, run.limits,
                                **common, **image_counting(args.model), in_flight=in_flight, version=run.step)
     return rollout.external_agents(agent_cmd, run.engine, run.tokenizer, rows, group_size, sampling, args.tools,
-                                   run.limits, keep_failed=args.agent_keep_failed or evaluation, **common)
+                                   run.limits, keep_failed=args.agent_keep_failed or evaluation,
+                                   harnesses=args.agent_harnesses, mix_groups=args.agent_mix_groups, **common)
 
 
 def corrects_rollouts(args) -> bool:
@@ -592,10 +593,20 @@ def reward_metrics(run, samples: list[rollout.Sample], rollout_metrics: dict) ->
     # samples whose task tests left no reward file: no score, left out of the batch; a count that should stay 0
     metrics["critic/score/infra_dropped"] = float(collectives.sum_over_ranks(
         sum("infra_error" in s.reward_info for s in samples)))
+    metrics |= harness_scores(collectives.gather_objects([(s.info["harness"], s.reward) for s in samples if (
+        s.info.get("harness") and s.segment == 0 and math.isfinite(s.reward))]))  # a session once
     if run.args.tools == "swe":  # the swebench samples' verdicts (task rows have their scores above)
         swe = collectives.gather_objects([s.reward_info for s in samples if s.row["data_source"] == "swebench"])
         metrics |= swe_grading.swe_metrics(swe) if swe else {}
     return metrics
+
+
+def harness_scores(scored: list[tuple[str, float]]) -> dict:
+    """agents/harness/<name>/score_mean: the mean reward of each harness's sessions (mixed harnesses in one run)."""
+    by_harness = defaultdict(list)
+    for harness, score in scored:
+        by_harness[harness].append(score)
+    return {f"agents/harness/{h}/score_mean": sum(v) / len(v) for h, v in sorted(by_harness.items())}
 
 
 def judge_metrics(run, samples: list[rollout.Sample]) -> dict:

@@ -53,6 +53,7 @@ INFO_KEYS = {
     "agent_returncode": "the agent process's exit status",
     "opened": "when the segment's first request arrived (seconds since the session opened)",
     "open_turns": "assistant turns the agent left open (a reply it never sent back), which check_tito allows",
+    "harness": "what --agent-cmd's {harness} was for the trajectory (mixed harnesses in one run)",
 }
 
 
@@ -616,10 +617,36 @@ def _generate(engine: Engine, prompts: list[list[int]], sampling: Sampling, imag
 # its session becomes a Sample, trained on the ids the policy sampled and rewarded on the result the agent left.
 
 
+def pick_harness(row: dict, group: int, trajectory: int, harnesses: Sequence[str], mix_groups: bool) -> str:
+    """A trajectory's harness (what --agent-cmd's {harness} becomes): the row's extra_info.harness, else `harnesses`
+    in turn by the run-wide group id, one per GRPO group (so a group's advantages compare runs of one harness) or,
+    with mix_groups, by the run-wide trajectory id; "" when neither names one."""
+    if row["extra_info"].get("harness"):
+        return row["extra_info"]["harness"]
+    if not harnesses:
+        return ""
+    return harnesses[(trajectory if mix_groups else group) % len(harnesses)]
+
+
+def harness_metrics(runs: list[tuple[str, str, float, int]]) -> dict:
+    """agents/harness/<name>/...: each harness's share of the trajectories, failed and timed-out fractions, seconds and
+    segments per run, over (harness, status, seconds, segments) of every rank's agents."""
+    metrics = {}
+    for harness in sorted({h for h, *_ in runs if h}):
+        mine = [r for r in runs if r[0] == harness]
+        metrics |= {f"agents/harness/{harness}/frac": len(mine) / len(runs),
+                    f"agents/harness/{harness}/failed_frac": sum(r[1] == "failed" for r in mine) / len(mine),
+                    f"agents/harness/{harness}/timeout_frac": sum(r[1] == "timeout" for r in mine) / len(mine),
+                    f"agents/harness/{harness}/seconds_mean": sum(r[2] for r in mine) / len(mine),
+                    f"agents/harness/{harness}/segments_mean": sum(r[3] for r in mine) / len(mine)}
+    return metrics
+
+
 def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict], group_size: int, sampling: Sampling,
                     tools: str = "none", limits: AgentLimits | None = None, first_group: int = 0,
                     check: bool = False, eot: str | None = None,
-                    keep_failed: bool = False, train_side_queries: bool = False) -> tuple[list[Sample], dict]:
+                    keep_failed: bool = False, train_side_queries: bool = False, harnesses: Sequence[str] = (),
+                    mix_groups: bool = False) -> tuple[list[Sample], dict]:
     """`group_size` runs of `agent_cmd` (agent_server.start_agent's placeholders) per row, all at once, each killed
     (its process group) past limits.max_seconds; the rank's engine serves them (agent_server.AgentServer, sampling
     fixed to `sampling`, replies within limits.max_total_tokens, each request as it arrives) until this rank's
@@ -627,15 +654,23 @@ def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict],
     file (what the reward grades; for swebench rows its patch). An agent that exits non-zero or is killed ends its
     session: its samples are dropped, or kept with keep_failed. `tools` names the rows' kind only (the agent brings
     its own tools). check: check_tito on every sample (tools/tito_drift_frac). Side segments (agent_server: another
-    system prompt or other tools) are recorded and train only with train_side_queries."""
+    system prompt or other tools) are recorded and train only with train_side_queries. `harnesses`, mix_groups: what
+    {harness} becomes per trajectory (pick_harness); agents/harness/ metrics over every rank."""
     limits = limits or AgentLimits()
+    groups = [first_group + i // group_size for i in range(len(rows) * group_size)]
+    chosen = [pick_harness(rows[i // group_size], g, g * group_size + i % group_size, harnesses, mix_groups)
+              for i, g in enumerate(groups)]
+    if "harness" in agent_server.placeholders(agent_cmd) and "" in chosen:
+        row = rows[chosen.index("") // group_size]
+        raise ValueError(f"--agent-cmd takes {{harness}}, but row {task_rows.row_id(row)} has no extra_info.harness "
+                         "and no --agent-harnesses are given")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kiln-agents-") as workdir, \
             open(Path(workdir) / "agents.log", "wb") as log, \
             agent_server.AgentServer(engine, tokenizer, sampling, eot, limits.max_total_tokens,
                                      train_side_queries=train_side_queries) as server:
         agents = [agent_server.start_agent(agent_cmd, server.base_url, rows[i // group_size],
-                                           first_group + i // group_size, Path(workdir), log)
+                                           first_group + i // group_size, Path(workdir), log, chosen[i])
                   for i in range(len(rows) * group_size)]
         try:
             while server.step(busy=any([agent.poll(limits.max_seconds) for agent in agents])):
@@ -662,7 +697,8 @@ def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict],
                 finish_reason=segment.finish_reason, session=agent.key, segment=k, segments=len(trained),
                 info={"messages": segment.messages, "tools": segment.tools, "agent_status": agent.status,
                       "agent_returncode": agent.process.returncode, "agent_seconds": agent.seconds,
-                      "opened": segment.opened, "open_turns": segment.open_turns}))
+                      "opened": segment.opened, "open_turns": segment.open_turns} | (
+                    {"harness": agent.harness} if agent.harness else {})))
     n = max(1, len(agents))
     seconds = time.perf_counter() - start
     metrics = {
@@ -674,7 +710,8 @@ def external_agents(agent_cmd: str, engine: Engine, tokenizer, rows: list[dict],
         "agents/requests": float(server.requests),
         "agents/generate_calls": float(server.generate_calls),
         "agents/seconds_mean": sum(agent.seconds for agent in agents) / n,
-    }
+    } | harness_metrics(collectives.gather_objects([(agent.harness, agent.status, agent.seconds, len(recorded))
+                                                    for agent, recorded in zip(agents, segments)]))
     if any(agent.status != "ok" for agent in agents):
         tqdm.write(f"rank {collectives.rank()}: {sum(agent.status != 'ok' for agent in agents)} of {len(agents)} agents failed or "
                    f"timed out ({'kept' if keep_failed else 'dropped'}); the end of their output:\n{failures}")

@@ -4,7 +4,7 @@
 #   - docker.io + a running dockerd: the SWE-bench tests grade patches in containers
 #   - debootstrap: builds the offline SWE-bench instance images (no Docker Hub needed)
 #   - chromium + chromium-driver: the run board's tests drive a real headless browser
-#   - Node 20 + npm, then the agent CLIs (qwen-code, claude-code) into .npm-tools
+#   - Node 20 + npm, then the agent CLIs (qwen-code, claude-code, codex) into .npm-tools
 #   - the offline SWE-bench instances (swe_instances.py) into runs/swe-instances, where `make test` looks
 # Without them `make test` still runs: the tests that need a missing part skip, and its summary names the part.
 set -euo pipefail
@@ -50,7 +50,7 @@ fi
 [ -z "$SUDO" ] || $SUDO chmod 666 /var/run/docker.sock  # the tests talk to the daemon as this user
 step dockerd
 
-make venv .npm-tools/.kiln-installed
+make venv .npm-tools/.kiln-installed-codex
 step "venv+npm"
 
 out="$PWD/runs/swe-instances"

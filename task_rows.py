@@ -127,6 +127,8 @@ def validate_row(row: dict, where: str = "row") -> dict:
     need(extra_info.get("split"), str, "extra_info.split")
     if "difficulty" in extra_info:
         need(extra_info["difficulty"], str, "extra_info.difficulty")
+    if "harness" in extra_info:  # an external agent's harness for this row (--agent-cmd's {harness})
+        need(extra_info["harness"], str, "extra_info.harness")
     return {**row, "extra_info": extra_info}
 
 

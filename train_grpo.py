@@ -108,6 +108,11 @@ class Args(rl_run.SharedArgs):
     answer); killed past --max-agent-seconds; replies within --max-total-tokens (docs/agents.md)"""
     agent_keep_failed: bool = False
     """with --agent-cmd: also train on the sessions of agents that exit non-zero or are killed (default: dropped)"""
+    agent_harnesses: tuple[str, ...] = ()
+    """with --agent-cmd: what its {harness} placeholder becomes, in turn per GRPO group (e.g. codex claude-code
+    qwen-code with harness_agent.py); a row's extra_info.harness wins (docs/agents.md)"""
+    agent_mix_groups: bool = False
+    """with --agent-harnesses: take them in turn per trajectory, so that one group mixes harnesses"""
     partial_rollouts: bool = False
     """agent rollouts across steps (--tools; partial_rollouts.py): each rank keeps twice its groups in flight, a step's
     rollouts end once it holds its groups complete (never split), and the other trajectories pause between turns

@@ -18,7 +18,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # Their order is by the durations of a `make test` run on 2 cores (bench/RESULTS.md); files not listed keep pytest's
 # order.
 LONGEST_FIRST = ["test_demo.py", "test_demo_agent.py", "test_swebench.py", "test_swe_agent.py", "test_swe_instances.py",
-                 "test_ppo.py", "test_grpo.py", "test_mini_swe_agent.py", "test_qwen_code.py", "test_policy.py",
+                 "test_ppo.py", "test_grpo.py", "test_mini_swe_agent.py", "test_harness_in_container.py", "test_policy.py",
                  "test_agent_server.py", "test_reward_grading.py", "test_readme.py", "test_adversarial.py",
                  "test_data_prep.py"]
 

@@ -12,7 +12,7 @@ BRING_IN = "make system"
 PARTS = {  # part -> what it is, as the summary line names it
     "docker": "a running Docker daemon (docker.io), for the SWE-bench containers",
     "browser": "headless chromium + chromium-driver, for the run board's tests",
-    "agent-clis": "the agent CLIs qwen-code and claude-code (Node 20 + npm, installed into .npm-tools)",
+    "agent-clis": "the agent CLIs qwen-code, claude-code and codex (Node 20 + npm, installed into .npm-tools)",
     "sandbox": "root (or unprivileged user namespaces), for the reward sandbox's full isolation",
 }
 MARKER = "missing system part"

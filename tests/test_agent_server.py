@@ -537,6 +537,40 @@ def test_agents_that_crash_or_hang_end_their_sessions_and_never_block(tokenizer,
     assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
 
 
+HARNESS_AGENT = """import json, os, sys
+import openai
+client = openai.OpenAI(base_url=os.environ["OPENAI_BASE_URL"], api_key=os.environ["OPENAI_API_KEY"], max_retries=0)
+client.chat.completions.create(model="kiln", messages=json.load(open(sys.argv[1]))["prompt"])
+open(sys.argv[2], "w").write(sys.argv[3])
+"""
+
+
+def test_mixed_harnesses_take_turns_per_group_or_per_trajectory_and_a_row_can_name_its_own(tokenizer, tmp_path):
+    script = tmp_path / "agent.py"
+    script.write_text(HARNESS_AGENT)
+    command = f"{sys.executable} {script} {{row_file}} {{result}} {{harness}}"
+    rows = [{"data_source": "toy", "prompt": [{"role": "user", "content": f"task-{i}"}], "extra_info": {"index": i},
+             "reward_model": {"ground_truth": "x"}} for i in range(3)]
+    rows[2]["extra_info"]["harness"] = "mine"
+    engine = ScriptedEngine(tokenizer, {f"task-{i}": ["ok"] * 4 for i in range(3)})
+    runs = {}
+    for mix in (False, True):
+        samples, metrics = rollout.external_agents(command, engine, tokenizer, rows, 2, engines.Sampling(),
+                                                   first_group=1, harnesses=("codex", "claude-code"), mix_groups=mix)
+        runs[mix] = sorted((s.group, s.text, s.info["harness"]) for s in samples)
+    # groups 1, 2, 3 (run-wide ids): by group codex takes the odd ones; by trajectory (ids 2-7) they alternate
+    assert runs[False] == [(1, "claude-code", "claude-code")] * 2 + [(2, "codex", "codex")] * 2 + [
+        (3, "mine", "mine")] * 2
+    assert runs[True] == [(1, "claude-code", "claude-code"), (1, "codex", "codex"), (2, "claude-code", "claude-code"),
+                          (2, "codex", "codex"), (3, "mine", "mine"), (3, "mine", "mine")]
+    assert metrics["agents/harness/codex/frac"] == metrics["agents/harness/mine/frac"] == 1 / 3
+    assert metrics["agents/harness/codex/failed_frac"] == 0 and metrics["agents/harness/codex/segments_mean"] == 1
+    with pytest.raises(ValueError, match="task-0|toy/0"):  # {harness} with nothing to fill it: refused before a start
+        rollout.external_agents(command, engine, tokenizer, rows[:1], 1, engines.Sampling())
+    with pytest.raises(ValueError, match="no {harness} placeholder"):
+        agent_server.check_agent_cmd("agent {base_url}", ("codex",))
+
+
 def test_agents_see_no_answers_and_get_their_placeholders(tmp_path, monkeypatch):
     row = {"data_source": "swebench",
            "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "bug"}],
