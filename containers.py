@@ -191,10 +191,12 @@ class ExecResult:
     truncated: bool
 
 
-def connect() -> docker.DockerClient:
-    """A client for the daemon that DOCKER_HOST (or the default socket) names; DockerUnavailable if none answers."""
+def connect(base_url: str | None = None) -> docker.DockerClient:
+    """A client for the daemon at `base_url` (default: what DOCKER_HOST, or the default socket, names);
+    DockerUnavailable if none answers."""
     try:
-        client = docker.from_env(timeout=API_TIMEOUT, max_pool_size=64)  # a rank's tool calls run at once
+        client = (docker.DockerClient(base_url=base_url, timeout=API_TIMEOUT, max_pool_size=64) if base_url else
+                  docker.from_env(timeout=API_TIMEOUT, max_pool_size=64))  # a rank's tool calls run at once
         for adapter in client.api.adapters.values():
             adapter.max_retries = CountedRetry(**ADAPTER_RETRY)
         client.ping()
@@ -383,7 +385,7 @@ class Container:
         try:
             self._container = retry_transient(lambda: client.containers.run(
                 image, ["bash", "-c", SHELL, "kiln-shell", str(limits.ttl), GUARD], detach=True, auto_remove=True,
-                stdin_open=True, network_mode="none", log_config={"Type": "none"},
+                stdin_open=True, stop_signal="SIGKILL", network_mode="none", log_config={"Type": "none"},
                 nano_cpus=int(limits.cpus * 1e9), mem_limit=limits.memory, memswap_limit=limits.memory,
                 pids_limit=limits.pids, tmpfs={"/tmp": f"size={limits.tmpfs}"}, working_dir=workdir,
                 labels=labels | (extra_labels or {})), f"start {image}", undo, self._count_retry)
@@ -394,6 +396,7 @@ class Container:
             raise ContainerStartFailed(f"could not start a container from {image} after {self.retries} retries: "
                                        f"{type(e).__name__}: {e}") from e
         self._shell: _Shell | None = None
+        self.failed = ""  # the InfraFailure that ended it: later calls raise it again at once
         self.on_remove = None  # called once when it is removed (ContainerPool frees its slot)
         if shell:
             try:  # without it, commands go through `docker exec`
@@ -415,6 +418,8 @@ class Container:
         cap = self.limits.output_cap if cap is None else cap
         if not 0 < timeout < API_TIMEOUT - 60:
             raise ValueError(f"command timeout {timeout}s must be in (0, {API_TIMEOUT - 60})")
+        if self.failed:
+            raise InfraFailure(self.failed)
         shell = self._shell
         if shell is not None and not direct:
             return self._shell_exec(shell, command, timeout, cap, workdir or self.workdir)
@@ -461,11 +466,12 @@ class Container:
     def _infra_errors(self, what: str):
         """Daemon errors under `what` as InfraFailure when the daemon does not answer or the container is gone or
         stopped; other errors as they are."""
+        if self.failed:
+            raise InfraFailure(self.failed)
         try:
             yield
         except requests.exceptions.RequestException as e:
-            raise InfraFailure(f"{self.name}: the Docker daemon did not answer ({what}: {type(e).__name__}: "
-                               f"{e})") from e
+            self._fail(f"the Docker daemon did not answer ({what}: {type(e).__name__}: {e})")
         except docker.errors.APIError as e:
             self._check_alive(f"{what}: {e}")
             raise
@@ -475,12 +481,15 @@ class Container:
         try:
             self._container.reload()
         except docker.errors.NotFound:
-            raise InfraFailure(f"{self.name}: the container is gone ({what})") from None
+            self._fail(f"the container is gone ({what})")
         except (docker.errors.APIError, requests.exceptions.RequestException) as e:
-            raise InfraFailure(f"{self.name}: the Docker daemon did not answer ({what}; then "
-                               f"{type(e).__name__}: {e})") from None
+            self._fail(f"the Docker daemon did not answer ({what}; then {type(e).__name__}: {e})")
         if self._container.status != "running":
-            raise InfraFailure(f"{self.name}: the container is {self._container.status} ({what})")
+            self._fail(f"the container is {self._container.status} ({what})")
+
+    def _fail(self, why: str) -> None:
+        self.failed = f"{self.name}: {why}"
+        raise InfraFailure(self.failed) from None
 
     def _read_capped(self, exec_id: str, cap: int) -> tuple[bytes, bool]:
         """A direct exec's output as it streams (its first and last cap/2 bytes when longer, saying how much was cut),
