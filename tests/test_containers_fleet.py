@@ -50,6 +50,14 @@ def tokenizer(tmp_path_factory):
     return policy.load_tokenizer(tiny.make_tiny_model(tmp_path_factory.mktemp("tiny"), CORPUS))
 
 
+def running(container, command: str) -> bool:
+    """Whether `command` runs in the container (False once it is not running)."""
+    try:
+        return any(command in " ".join(process) for process in container.top()["Processes"])
+    except docker.errors.APIError:
+        return False
+
+
 def by_run(client, run: str) -> list:
     return client.containers.list(all=True, filters={"label": f"{containers.RUN}={run}"})
 
@@ -114,7 +122,7 @@ def test_infra_a_killed_container_drops_its_trajectory_and_counts_it(docker_clie
     def kill_the_sleeper():  # `docker kill` from outside, as an OOM killer or an operator would
         for _ in range(600):
             for container in own_containers(docker_client):
-                if any("sleep 120" in " ".join(process) for process in container.top()["Processes"]):
+                if running(container, "sleep 120"):
                     docker_client.api.kill(container.id)
                     killed.append(container.name)
                     return
@@ -195,13 +203,13 @@ class PrivateDaemon:
              str(self.dir / "exec"), "--pidfile", str(self.dir / "docker.pid"), "--bridge", "none",
              "--iptables=false", "--ip-masq=false", "--ip6tables=false"],
             stdout=subprocess.DEVNULL, stderr=open(self.dir / "dockerd.log", "ab"))
-        client = docker.DockerClient(base_url=self.url, timeout=120)
         for _ in range(300):
-            try:
-                client.ping()
-                return containers.connect(self.url)
-            except docker.errors.DockerException:
-                time.sleep(0.1)
+            if self.process.poll() is None and (self.dir / "docker.sock").exists():
+                try:
+                    return containers.connect(self.url)
+                except containers.DockerUnavailable:
+                    pass
+            time.sleep(0.2)
         pytest.fail(f"the private dockerd did not start: {(self.dir / 'dockerd.log').read_text()[-2000:]}")
 
     def stop(self) -> None:  # `systemctl stop docker` sends SIGTERM
@@ -234,7 +242,7 @@ def test_dockerd_stopped_mid_rollout_drops_the_trajectory_and_the_run_goes_on_af
 
         def stop_during_the_command():
             for _ in range(600):
-                if any("sleep 120" in " ".join(p) for c in client.containers.list() for p in c.top()["Processes"]):
+                if any(running(container, "sleep 120") for container in client.containers.list()):
                     daemon.stop()
                     return
                 time.sleep(0.2)
@@ -244,7 +252,9 @@ def test_dockerd_stopped_mid_rollout_drops_the_trajectory_and_the_run_goes_on_af
                                               engines.Sampling(max_new_tokens=400), toolbox, LIMITS)
         stopper.join()
         assert daemon.process.poll() is not None  # it was stopped under the trajectory
-        assert samples[0].finish_reason == "infra" and "daemon did not answer" in samples[0].info["infra_failed"]
+        # the daemon's shutdown kills the container, then the daemon stops answering: either is what the sample says
+        reason = samples[0].info["infra_failed"]
+        assert samples[0].finish_reason == "infra" and ("daemon did not answer" in reason or "container is" in reason)
         assert metrics["swe/infra_failed"] == 1
         daemon.start()
         samples, metrics = rollout.multi_turn(engine, tokenizer, [tagged(row, "task-after")], 1,
