@@ -2,7 +2,7 @@
 
 One fresh container per trajectory (and one per grading) from an instance image: no network, a cpu quota, a memory
 limit without swap, a pids limit and a sized tmpfs /tmp. Every container carries kiln labels (owner pid and host, an
-expiry time), its PID 1 is `sleep TTL` with auto-remove, and `sweep()` at start-up removes the containers of kiln
+expiry time), its PID 1 (SHELL) exits at the TTL and it is auto-removed, and `sweep()` at start-up removes the containers of kiln
 processes that died, so nothing outlives a killed trainer. Every command runs under `timeout -s KILL` with its output
 capped (head and tail kept); files go in and out as tar archives; containers end with `remove(force=True)` (SIGKILL),
 never `stop` (15 s when PID 1 ignores SIGTERM).
@@ -175,7 +175,7 @@ class ContainerLimits:
     tmpfs: str = "512m"
     """size of the tmpfs mounted at /tmp (command output is staged there)"""
     ttl: int = 3600
-    """seconds the container lives at most, even if kiln is killed (PID 1 is `sleep ttl`, auto-removed)"""
+    """seconds the container lives at most, even if kiln is killed (PID 1 exits then; auto-removed)"""
     timeout: float = 60.0
     """default per-command wall seconds before SIGKILL"""
     output_cap: int = 100_000
@@ -618,12 +618,15 @@ class ContainerPool:
         self._live = self._peak = 0
         self._stats = {"hits": 0, "misses": 0, "waits": [], "starts": [], "discarded": 0}
 
-    def prestart(self, wanted: list[tuple[str, str]], limits: ContainerLimits) -> None:
-        """Start a container for each (image, run label) in the background, for a later `take`."""
+    def prestart(self, wanted: list[tuple[str, str]], limits: ContainerLimits) -> list[Future]:
+        """Start a container for each (image, run label) in the background, for a later `take`; their futures, in
+        the order they start (those past the live cap wait for a slot)."""
+        futures = []
         for image, run in wanted:
-            future = self._starter.submit(self._start, image, run, limits, True)
+            futures.append(self._starter.submit(self._start, image, run, limits, True))
             with self._lock:
-                self._waiting[(image, limits)].append(future)
+                self._waiting[(image, limits)].append(futures[-1])
+        return futures
 
     def take(self, image: str, run: str, limits: ContainerLimits) -> Container:
         """A running container of `image` for one trajectory: a pre-started one (waiting for it if it is still
