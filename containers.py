@@ -118,26 +118,35 @@ exit $rc"""
 # Seconds a direct exec's stream may stay open after its command ended (a process that left its process group still
 # holding the output): then it is cut off.
 DIRECT_GRACE = 5.0
-# PID 1 of every container: $1 = TTL seconds, $2 = GUARD. It reads one request per line from its stdin (the attach
-# stream): timeout, output cap, then the working directory and the command in base64; runs the command under GUARD
-# and answers `kiln-reply <exit code> <truncated 0/1> <bytes>` and the output. It exits at the TTL (the container is
-# then auto-removed), waiting or not. As PID 1 it reaps whatever a command leaves behind, and no signal sent from
-# inside the container reaches it.
-SHELL = r"""deadline=$((SECONDS + $1)) guard=$2
+# PID 1 of every container: $1 = TTL seconds. It reads one request per line from its stdin (the attach stream):
+# timeout, output cap, then the working directory and the command in base64; runs the command as GUARD does (inline,
+# to spare a dozen processes a call) and answers `kiln-reply <exit code> <truncated 0/1> <bytes>` and the output. It
+# exits at the TTL (the container is then auto-removed), waiting or not. As PID 1 it reaps whatever a command leaves
+# behind, and no signal sent from inside the container reaches it.
+SHELL = r"""deadline=$((SECONDS + $1)) out=/tmp/.kiln-output
 exec 2>/dev/null
 while left=$((deadline - SECONDS)); [ "$left" -gt 0 ]; do
   IFS=' ' read -r -t "$left" seconds cap dir command
   status=$?
   [ $status -gt 128 ] && exit 0
   [ $status -ne 0 ] && { sleep "$left"; exit 0; }
-  reply=$(mktemp /tmp/.kiln-reply.XXXXXX) notes=$(mktemp /tmp/.kiln-notes.XXXXXX)
-  dir=$(printf %s "$dir" | base64 -d) command=$(printf %s "$command" | base64 -d)
-  (cd -- "$dir" 2>&1 || exit 126; exec bash -c "$guard" guard "$seconds" "$cap" "$command") >"$reply" 2>"$notes"
+  dir=$(base64 -d <<<"$dir") command=$(base64 -d <<<"$command")
+  (cd -- "$dir" || exit 126; exec timeout -s KILL "$seconds" bash -c "$command") </dev/null >"$out" 2>&1 &
+  group=$!
+  wait $group
   rc=$?
-  grep -q truncated "$notes" && truncated=1 || truncated=0
-  printf 'kiln-reply %s %s %s\n' "$rc" "$truncated" "$(stat -c %s "$reply")"
-  cat "$reply"
-  rm -f "$reply" "$notes"
+  for ((i = 0; i < 100; i++)); do kill -9 -- -$group 2>/dev/null || break; done
+  size=$(stat -c %s "$out")
+  if [ "$size" -gt "$cap" ]; then
+    half=$((cap / 2))
+    printf -v cut '\n[... %s bytes cut ...]\n' $((size - 2 * half))
+    printf 'kiln-reply %s 1 %s\n' "$rc" $((2 * half + ${#cut}))
+    head -c "$half" "$out"; printf %s "$cut"; tail -c "$half" "$out"
+  else
+    printf 'kiln-reply %s 0 %s\n' "$rc" "$size"
+    cat "$out"
+  fi
+  rm -f "$out"
 done"""
 # Seconds past a command's timeout that the host waits for SHELL's reply before it asks whether the container lives.
 SHELL_GRACE = 30.0
@@ -384,7 +393,7 @@ class Container:
                 force_remove(container)
         try:
             self._container = retry_transient(lambda: client.containers.run(
-                image, ["bash", "-c", SHELL, "kiln-shell", str(limits.ttl), GUARD], detach=True, auto_remove=True,
+                image, ["bash", "-c", SHELL, "kiln-shell", str(limits.ttl)], detach=True, auto_remove=True,
                 stdin_open=True, stop_signal="SIGKILL", network_mode="none", log_config={"Type": "none"},
                 nano_cpus=int(limits.cpus * 1e9), mem_limit=limits.memory, memswap_limit=limits.memory,
                 pids_limit=limits.pids, tmpfs={"/tmp": f"size={limits.tmpfs}"}, working_dir=workdir,

@@ -33,7 +33,9 @@ import tyro
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import containers  # noqa: E402
 
-COMMANDS = ("git status --porcelain", "ls src", "python3 -c 'print(1)'")  # an agent's first, cheapest turns
+# The first call is `pwd`: what it measures is the fleet (the container's start or the pool, the way in), not the
+# command's own CPU; the later ones are an agent's first, cheapest turns.
+COMMANDS = ("pwd", "git status --porcelain", "ls src", "python3 -c 'print(1)'")
 RUN = "bench"  # the kiln.run label of the bench's containers
 
 
@@ -43,7 +45,7 @@ class Args:
     """how many trajectories start at once, one round (or two: without and with the pool) each"""
     pool_only: bool = False
     """skip the rounds without the pool"""
-    execs: int = 3
+    execs: int = 4
     """tiny commands per trajectory (cycling through COMMANDS); the first is the one timed from the start"""
     image: str = "kiln-swe/sweb.eval.x86_64.marshmallow-code_1776_marshmallow-1359:offline"
     """the instance image (agent containers run from its history-free copy, made before the rounds)"""
