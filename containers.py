@@ -2,8 +2,8 @@
 
 One fresh container per trajectory (and one per grading) from an instance image: no network, a cpu quota, a memory
 limit without swap, a pids limit and a sized tmpfs /tmp. Every container carries kiln labels (owner pid and host, an
-expiry time), its PID 1 (SHELL) exits at the TTL and it is auto-removed, and `sweep()` at start-up removes the containers of kiln
-processes that died, so nothing outlives a killed trainer. Every command runs under `timeout -s KILL` with its output
+expiry time), its PID 1 (SHELL) exits at the TTL and it is auto-removed, and `sweep()` at start-up removes the
+containers of kiln processes that died, so nothing outlives a killed trainer. Every command runs under `timeout -s KILL` with its output
 capped (head and tail kept); files go in and out as tar archives; containers end with `remove(force=True)` (SIGKILL),
 never `stop` (15 s when PID 1 ignores SIGTERM).
 

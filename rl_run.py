@@ -525,7 +525,7 @@ def run_rollouts(run, rows: list[dict], group_size: int, sampling: engines.Sampl
                                            version=run.step)
         if args.tools == "swe" and not evaluation:  # the pool's caps and queue over the step; the next step's start
             metrics |= containers.shared_pool().metrics()
-            if run.step + 1 < args.total_steps:
+            if run.step + 1 < getattr(run, "total_steps", args.total_steps):  # PPO's Run holds its own
                 prestart_next_step(run)
         return samples, metrics
     return rollout.external_agents(agent_cmd, run.engine, run.tokenizer, rows, group_size, sampling, args.tools,

@@ -318,7 +318,8 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
     metrics = {
         "rollout/seconds": seconds,
         "rollout/tokens_per_s": generated / max(seconds, 1e-9),
-        "rollout/truncated_frac": sum(traj.finish_reason not in ("stop", "submit") for traj in trajectories) / n,
+        "rollout/truncated_frac": sum(traj.finish_reason not in ("stop", "submit", "infra")
+                                      for traj in trajectories) / n,
         "tools/turns_mean": sum(traj.turns for traj in trajectories) / n,
         "tools/calls_mean": sum(traj.tool_calls for traj in trajectories) / n,
         "tools/errors_mean": sum(traj.tool_errors for traj in trajectories) / n,
