@@ -42,7 +42,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import docker
@@ -621,7 +621,6 @@ class ContainerPool:
         self.max_live, self.max_starting = limits.max_live or host_live_cap(), limits.max_starting
         self._live_slots = threading.Semaphore(self.max_live)
         self._start_slots = threading.Semaphore(self.max_starting)
-        self._starter = ThreadPoolExecutor(self.max_starting, thread_name_prefix="kiln-pool")
         self._waiting: defaultdict[tuple, deque[Future]] = defaultdict(deque)  # pre-started, by (image, limits)
         self._lock = threading.Lock()
         self._live = self._peak = 0
@@ -632,17 +631,30 @@ class ContainerPool:
         the order they start (those past the live cap wait for a slot)."""
         futures = []
         for image, run in wanted:
-            futures.append(self._starter.submit(self._start, image, run, limits, True))
+            future = Future()
+            # a daemon thread each: one waiting for a slot must not hold up the interpreter's exit
+            threading.Thread(target=self._fulfil, args=(future, image, run, limits), daemon=True,
+                             name="kiln-prestart").start()
             with self._lock:
-                self._waiting[(image, limits)].append(futures[-1])
+                self._waiting[(image, limits)].append(future)
+            futures.append(future)
         return futures
+
+    def _fulfil(self, future: Future, image: str, run: str, limits: ContainerLimits) -> None:
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(self._start(image, run, limits, True))
+        except BaseException as e:  # noqa: B036 -- handed to whoever takes it
+            future.set_exception(e)
 
     def take(self, image: str, run: str, limits: ContainerLimits) -> Container:
         """A running container of `image` for one trajectory: a pre-started one (waiting for it if it is still
         starting) or, if none is there or it failed, one started now. Its owner removes it (`remove`)."""
         with self._lock:
-            waiting = self._waiting.get((image, limits))
-            future = waiting.popleft() if waiting else None
+            waiting = self._waiting.get((image, limits)) or deque()
+            future = next((f for f in waiting if f.done()), waiting[0] if waiting else None)  # a running one first
+            if future is not None:
+                waiting.remove(future)
         if future is not None:
             try:
                 box = future.result()

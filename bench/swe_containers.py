@@ -150,8 +150,8 @@ def one_round(client, args: Args, n: int, use_pool: bool) -> dict:
         if use_pool:  # what the trainer does while the previous step trains
             begin = time.perf_counter()
             futures = pool.prestart([(args.image, RUN)] * n, limits)
-            for future in futures[:pool.max_live]:  # past the cap they wait for trajectories to end
-                future.exception()
+            while sum(future.done() for future in futures) < min(n, pool.max_live):  # past the cap they wait for
+                time.sleep(0.05)  # trajectories to end
             fill = time.perf_counter() - begin
         begin = time.perf_counter()
         with ThreadPoolExecutor(n) as threads:
@@ -183,6 +183,7 @@ def seconds(value: float | None) -> str:
 def main(args: Args) -> None:
     client = containers.connect()
     containers.sweep(client)
+    containers.remove_owned_at_exit(client)  # an interrupted bench leaves nothing either
     begin = time.perf_counter()
     image = containers.history_free_image(client, args.image)
     print(f"history-free copy of {args.image}: {image} ({time.perf_counter() - begin:.1f} s, cached once made)")
