@@ -27,7 +27,6 @@ docker SDK lives there.
 from __future__ import annotations
 
 import atexit
-import base64
 import contextlib
 import dataclasses
 import functools
@@ -119,8 +118,10 @@ exit $rc"""
 # holding the output): then it is cut off.
 DIRECT_GRACE = 5.0
 # PID 1 of every container: $1 = TTL seconds. It reads one request per line from its stdin (the attach stream):
-# timeout, output cap, then the working directory and the command in base64; runs the command as GUARD does (inline,
-# to spare a dozen processes a call) and answers `kiln-reply <exit code> <truncated 0/1> <bytes>` and the output. It
+# timeout, output cap, then the working directory and the command as bash $'\xHH...' words (`_escaped`: eval turns
+# them back into their bytes, and nothing in them is special to bash); runs the command as GUARD does (inline, to
+# spare a dozen processes a call: four remain) and answers `kiln-reply <exit code> <truncated 0/1> <bytes>` and the
+# output. It
 # exits at the TTL (the container is then auto-removed), waiting or not. As PID 1 it reaps whatever a command leaves
 # behind, and no signal sent from inside the container reaches it.
 SHELL = r"""deadline=$((SECONDS + $1)) out=/tmp/.kiln-output
@@ -130,7 +131,7 @@ while left=$((deadline - SECONDS)); [ "$left" -gt 0 ]; do
   status=$?
   [ $status -gt 128 ] && exit 0
   [ $status -ne 0 ] && { sleep "$left"; exit 0; }
-  dir=$(base64 -d <<<"$dir") command=$(base64 -d <<<"$command")
+  eval "dir=$dir command=$command"
   (cd -- "$dir" || exit 126; exec timeout -s KILL "$seconds" bash -c "$command") </dev/null >"$out" 2>&1 &
   group=$!
   wait $group
@@ -146,7 +147,7 @@ while left=$((deadline - SECONDS)); [ "$left" -gt 0 ]; do
     printf 'kiln-reply %s 0 %s\n' "$rc" "$size"
     cat "$out"
   fi
-  rm -f "$out"
+  : >"$out"
 done"""
 # Seconds past a command's timeout that the host waits for SHELL's reply before it asks whether the container lives.
 SHELL_GRACE = 30.0
@@ -439,7 +440,9 @@ class Container:
         """One command through SHELL. A reply that does not come (SHELL_GRACE after the timeout), a closed stream or
         a garbled reply while the container runs is the agent's doing (a command read or wrote PID 1's stream): the
         call fails and later ones go through `docker exec`."""
-        encoded = " ".join(base64.b64encode(text.encode()).decode() for text in (workdir, command))
+        if "\0" in command + workdir:
+            raise ValueError("a command or working directory cannot hold a NUL byte")
+        encoded = f"{_escaped(workdir)} {_escaped(command)}"
         start = time.monotonic()
         try:
             exit_code, truncated, out = shell.call(f"{timeout} {cap} {encoded}\n".encode(),
@@ -745,6 +748,11 @@ def shared_pool() -> ContainerPool:
     if not _POOL:
         configure_pool(PoolLimits())
     return _POOL[0]
+
+
+def _escaped(text: str) -> str:
+    """`text` as one bash word of \\xHH escapes in $'...', every byte escaped: SHELL's eval gives back its bytes."""
+    return "$'" + "".join(f"\\x{byte:02x}" for byte in text.encode()) + "'"
 
 
 class _Shell:
