@@ -189,8 +189,9 @@ def tiny_rootfs(path: Path) -> Path:
 
 
 class PrivateDaemon:
-    """A dockerd of the test's own (socket, data and exec roots, pid file; no bridge, no iptables), so that stopping
-    it disturbs no other test."""
+    """A dockerd of the test's own (socket, data and exec roots, pid file; no bridge, no iptables) in a network
+    namespace of its own, so that stopping it disturbs no other test. (The namespace matters: a dockerd started with
+    `--bridge none` deletes the host's docker0, the shared daemon's bridge.)"""
 
     def __init__(self):
         self.dir = Path(tempfile.mkdtemp(prefix="kd"))  # short: a unix socket path has at most 107 bytes
@@ -199,7 +200,7 @@ class PrivateDaemon:
 
     def start(self) -> docker.DockerClient:
         self.process = subprocess.Popen(
-            ["dockerd", "--host", self.url, "--data-root", str(self.dir / "root"), "--exec-root",
+            ["unshare", "--net", "dockerd", "--host", self.url, "--data-root", str(self.dir / "root"), "--exec-root",
              str(self.dir / "exec"), "--pidfile", str(self.dir / "docker.pid"), "--bridge", "none",
              "--iptables=false", "--ip-masq=false", "--ip6tables=false"],
             stdout=subprocess.DEVNULL, stderr=open(self.dir / "dockerd.log", "ab"))
@@ -225,8 +226,8 @@ class PrivateDaemon:
 @pytest.mark.slow  # starts a dockerd twice and waits out the client's retries on a stopped one: about a minute
 def test_dockerd_stopped_mid_rollout_drops_the_trajectory_and_the_run_goes_on_after_its_restart(
         swe_rows, tokenizer, tmp_path):
-    if not shutil.which("dockerd") or os.geteuid() != 0:
-        pytest.skip("needs dockerd and root to start a private daemon")
+    if not (shutil.which("dockerd") and shutil.which("unshare")) or os.geteuid() != 0:
+        pytest.skip("needs dockerd, unshare and root to start a private daemon")
     daemon = PrivateDaemon()
     try:
         client = daemon.start()
