@@ -191,7 +191,8 @@ def swe_toolbox(row: dict, limits: containers.ContainerLimits = SWE_CONTAINER,
     truth = json.loads(row["reward_model"]["ground_truth"])
     start = time.perf_counter()
     container = (pool or containers.shared_pool()).take(truth["image"], truth["instance_id"], limits)
-    info = {"container_seconds": time.perf_counter() - start, "container_wait": time.perf_counter() - start}
+    waited = time.perf_counter() - start
+    info = {"container_seconds": waited, "container_wait": waited}
 
     def timed(tool: Callable[[dict], ToolResult]) -> Callable[[dict], ToolResult]:
         def run(arguments: dict) -> ToolResult:
