@@ -296,7 +296,8 @@ def test_sigkill_of_a_two_rank_trainer_with_prestarted_containers_leaves_nothing
         # step's agents, or waiting for the next step's.
         for _ in range(3000):
             held = ours()
-            if (tmp_path / "out" / "metrics.jsonl").exists() and any(c.get(containers.PRESTARTED) for c in held):
+            logged = tmp_path / "out" / "metrics.jsonl"
+            if logged.exists() and logged.read_text().strip() and any(c.get(containers.PRESTARTED) for c in held):
                 break
             assert launch.poll() is None, launch.stderr.read().decode()[-3000:]
             time.sleep(0.1)
