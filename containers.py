@@ -2,8 +2,8 @@
 
 One fresh container per trajectory (and one per grading) from an instance image: no network, a cpu quota, a memory
 limit without swap, a pids limit and a sized tmpfs /tmp. Every container carries kiln labels (owner pid and host, an
-expiry time), its PID 1 is `sleep TTL` with auto-remove, and `sweep()` at start-up removes the containers of kiln
-processes that died, so nothing outlives a killed trainer. Every command runs under `timeout -s KILL` with its output
+expiry time), its PID 1 (SHELL) exits at the TTL and it is auto-removed, and `sweep()` at start-up removes the
+containers of kiln processes that died, so nothing outlives a killed trainer. Every command runs under `timeout -s KILL` with its output
 capped (head and tail kept); files go in and out as tar archives; containers end with `remove(force=True)` (SIGKILL),
 never `stop` (15 s when PID 1 ignores SIGTERM).
 
@@ -14,23 +14,34 @@ inside the SDK's HTTP adapter, and starting a container and creating an exec by 
 backoff; every retry is counted (`docker_retries`), and a container that cannot start after them raises
 ContainerStartFailed.
 
+PID 1 of every container is SHELL, a long-lived bash that the host reaches through the container's attach stream:
+a command is one line written to it and one framed reply read back, with no daemon round trip (a `docker exec` costs
+tens of milliseconds of daemon CPU each, seconds when a hundred agents call at once). PID 1 cannot be signalled from
+inside the container, so an agent cannot kill its own container; the shell also ends it at its TTL. `ContainerPool`
+starts containers ahead of their trajectories (the next step's, while this one trains), through a bounded start queue
+and a cap on live containers. A daemon or container that fails under a trajectory raises InfraFailure: never a reward.
+
 This is its own module, not part of sandbox.py: sandbox's zygote runs `python -I -S` without site-packages, and the
 docker SDK lives there.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
+import dataclasses
 import functools
 import io
 import os
 import signal
 import socket
+import struct
 import sys
 import tarfile
 import threading
 import time
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import docker
@@ -44,6 +55,7 @@ RUN = "kiln.run"
 ROLE = "kiln.role"  # "agent" or "grade"
 EXPIRES = "kiln.expires"  # unix time after which any sweep removes the container
 START = "kiln.start"  # unique per Container: what a failed start attempt left behind is found and removed by it
+PRESTARTED = "kiln.prestarted"  # on a container ContainerPool started ahead of its trajectory
 HISTORY_FREE_OF = "kiln.history_free_of"  # on a history-free image: the image it was made from
 HISTORY_FREE_REPO = "kiln-history-free"
 # What dockerd answers under load (SkyRL#9, rllm#269): a timeout, a dropped connection, a 5xx, a conflict (409) or an
@@ -105,6 +117,40 @@ exit $rc"""
 # Seconds a direct exec's stream may stay open after its command ended (a process that left its process group still
 # holding the output): then it is cut off.
 DIRECT_GRACE = 5.0
+# PID 1 of every container: $1 = TTL seconds. It reads one request per line from its stdin (the attach stream):
+# timeout, output cap, then the working directory and the command as bash $'\xHH...' words (`_escaped`: eval turns
+# them back into their bytes, and nothing in them is special to bash); runs the command as GUARD does (inline, to
+# spare a dozen processes a call: four remain) and answers `kiln-reply <exit code> <truncated 0/1> <bytes>` and the
+# output. It
+# exits at the TTL (the container is then auto-removed), waiting or not. As PID 1 it reaps whatever a command leaves
+# behind, and no signal sent from inside the container reaches it.
+SHELL = r"""deadline=$((SECONDS + $1)) out=/tmp/.kiln-output
+exec 2>/dev/null
+while left=$((deadline - SECONDS)); [ "$left" -gt 0 ]; do
+  IFS=' ' read -r -t "$left" seconds cap dir command
+  status=$?
+  [ $status -gt 128 ] && exit 0
+  [ $status -ne 0 ] && { sleep "$left"; exit 0; }
+  eval "dir=$dir command=$command"
+  (cd -- "$dir" || exit 126; exec timeout -s KILL "$seconds" bash -c "$command") </dev/null >"$out" 2>&1 &
+  group=$!
+  wait $group
+  rc=$?
+  for ((i = 0; i < 100; i++)); do kill -9 -- -$group 2>/dev/null || break; done
+  size=$(stat -c %s "$out")
+  if [ "$size" -gt "$cap" ]; then
+    half=$((cap / 2))
+    printf -v cut '\n[... %s bytes cut ...]\n' $((size - 2 * half))
+    printf 'kiln-reply %s 1 %s\n' "$rc" $((2 * half + ${#cut}))
+    head -c "$half" "$out"; printf %s "$cut"; tail -c "$half" "$out"
+  else
+    printf 'kiln-reply %s 0 %s\n' "$rc" "$size"
+    cat "$out"
+  fi
+  : >"$out"
+done"""
+# Seconds past a command's timeout that the host waits for SHELL's reply before it asks whether the container lives.
+SHELL_GRACE = 30.0
 
 
 class DockerUnavailable(RuntimeError):
@@ -115,8 +161,13 @@ class ImageMissing(RuntimeError):
     """The instance image is not on this Docker host."""
 
 
-class ContainerStartFailed(RuntimeError):
-    """The daemon would not start a container, even after retries: an infrastructure failure, never the agent's."""
+class InfraFailure(RuntimeError):
+    """The infrastructure failed under a trajectory (its container died or vanished, the daemon stopped answering):
+    never the agent's doing, never a reward. The message says what happened."""
+
+
+class ContainerStartFailed(InfraFailure):
+    """The daemon would not start a container, even after retries, or not within the start budget."""
 
 
 class DiffError(RuntimeError):
@@ -134,7 +185,7 @@ class ContainerLimits:
     tmpfs: str = "512m"
     """size of the tmpfs mounted at /tmp (command output is staged there)"""
     ttl: int = 3600
-    """seconds the container lives at most, even if kiln is killed (PID 1 is `sleep ttl`, auto-removed)"""
+    """seconds the container lives at most, even if kiln is killed (PID 1 exits then; auto-removed)"""
     timeout: float = 60.0
     """default per-command wall seconds before SIGKILL"""
     output_cap: int = 100_000
@@ -150,10 +201,12 @@ class ExecResult:
     truncated: bool
 
 
-def connect() -> docker.DockerClient:
-    """A client for the daemon that DOCKER_HOST (or the default socket) names; DockerUnavailable if none answers."""
+def connect(base_url: str | None = None) -> docker.DockerClient:
+    """A client for the daemon at `base_url` (default: what DOCKER_HOST, or the default socket, names);
+    DockerUnavailable if none answers."""
     try:
-        client = docker.from_env(timeout=API_TIMEOUT, max_pool_size=64)  # a rank's tool calls run at once
+        client = (docker.DockerClient(base_url=base_url, timeout=API_TIMEOUT, max_pool_size=64) if base_url else
+                  docker.from_env(timeout=API_TIMEOUT, max_pool_size=64))  # a rank's tool calls run at once
         for adapter in client.api.adapters.values():
             adapter.max_retries = CountedRetry(**ADAPTER_RETRY)
         client.ping()
@@ -318,13 +371,16 @@ def history_free_image(client: docker.DockerClient, image: str) -> str:
 
 class Container:
     """One running container from `image`; use as a context manager so it is removed even on exceptions. An agent's
-    (role "agent") runs from history_free_image(image) unless history_free is False. `mounts`: host paths bound
-    read-only at container paths (an agent CLI and its runtime, the folder of the endpoint's unix socket)."""
+    (role "agent") runs from history_free_image(image) unless history_free is False. `shell`: commands go through
+    SHELL on the attach stream (else each is a `docker exec`). Calls raise InfraFailure when the container or the
+    daemon fails under them. `user` and `environment`: the container's (PID 1 and the commands it runs); `mounts`:
+    host paths bound read-only at container paths (an agent CLI and its runtime, the folder of the endpoint's unix
+    socket)."""
 
     def __init__(self, client: docker.DockerClient, image: str, role: str, run: str = "",
                  limits: ContainerLimits = ContainerLimits(), workdir: str = "/testbed",
-                 history_free: bool | None = None, user: str = "", environment: dict | None = None,
-                 mounts: dict[str, str] | None = None):
+                 history_free: bool | None = None, shell: bool = True, extra_labels: dict | None = None,
+                 user: str = "", environment: dict | None = None, mounts: dict[str, str] | None = None):
         if role == "agent" if history_free is None else history_free:
             image = history_free_image(client, image)
         try:
@@ -342,18 +398,27 @@ class Container:
                 force_remove(container)
         try:
             self._container = retry_transient(lambda: client.containers.run(
-                image, ["sleep", str(limits.ttl)], detach=True, auto_remove=True, init=True, network_mode="none",
+                image, ["bash", "-c", SHELL, "kiln-shell", str(limits.ttl)], detach=True, auto_remove=True,
+                stdin_open=True, stop_signal="SIGKILL", network_mode="none", log_config={"Type": "none"},
                 nano_cpus=int(limits.cpus * 1e9), mem_limit=limits.memory, memswap_limit=limits.memory,
                 pids_limit=limits.pids, tmpfs={"/tmp": f"size={limits.tmpfs}"}, working_dir=workdir,
                 volumes={host: {"bind": path, "mode": "ro"} for host, path in (mounts or {}).items()},
-                labels=labels, user=user or None, environment=environment), f"start {image}", undo,
-                self._count_retry)
+                user=user or None, environment=environment, labels=labels | (extra_labels or {})), f"start {image}",
+                undo, self._count_retry)
         except (docker.errors.APIError, requests.exceptions.RequestException) as e:
             if not transient(e):
                 raise
             _count("start_failures")
             raise ContainerStartFailed(f"could not start a container from {image} after {self.retries} retries: "
                                        f"{type(e).__name__}: {e}") from e
+        self._shell: _Shell | None = None
+        self.failed = ""  # the InfraFailure that ended it: later calls raise it again at once
+        self.on_remove = None  # called once when it is removed (ContainerPool frees its slot)
+        if shell:
+            try:  # without it, commands go through `docker exec`
+                self._shell = _Shell(client.api, self._container.id)
+            except (docker.errors.APIError, requests.exceptions.RequestException, OSError):
+                pass
 
     @property
     def name(self) -> str:
@@ -365,16 +430,48 @@ class Container:
         """Run `command` with bash, SIGKILLed after `timeout` seconds, output capped; whatever it started in the
         background is killed when it ends (only files persist between commands). `direct`: the output leaves the
         container as it is written, never through a file in it that the command could read or rewrite (grading).
-        `user` and `environment`: the command's, instead of the container's."""
+        Through the shell unless `direct` (or it has none) or the command has its own `user` or `environment`
+        (instead of the container's); InfraFailure when the container or daemon fails."""
         timeout = self.limits.timeout if timeout is None else timeout
         cap = self.limits.output_cap if cap is None else cap
         if not 0 < timeout < API_TIMEOUT - 60:
             raise ValueError(f"command timeout {timeout}s must be in (0, {API_TIMEOUT - 60})")
+        if self.failed:
+            raise InfraFailure(self.failed)
+        shell = self._shell
+        if shell is not None and not direct and not user and not environment:
+            return self._shell_exec(shell, command, timeout, cap, workdir or self.workdir)
+        with self._infra_errors("exec"):
+            return self._daemon_exec(command, timeout, cap, workdir or self.workdir, direct, user, environment)
+
+    def _shell_exec(self, shell: _Shell, command: str, timeout: float, cap: int, workdir: str) -> ExecResult:
+        """One command through SHELL. A reply that does not come (SHELL_GRACE after the timeout), a closed stream or
+        a garbled reply while the container runs is the agent's doing (a command read or wrote PID 1's stream): the
+        call fails and later ones go through `docker exec`."""
+        if "\0" in command + workdir:
+            raise ValueError("a command or working directory cannot hold a NUL byte")
+        encoded = f"{_escaped(workdir)} {_escaped(command)}"
+        start = time.monotonic()
+        try:
+            exit_code, truncated, out = shell.call(f"{timeout} {cap} {encoded}\n".encode(),
+                                                   start + timeout + SHELL_GRACE)
+        except (OSError, ValueError) as e:
+            self._check_alive(f"no reply to a command ({type(e).__name__}: {e})")
+            self._shell = None
+            shell.close()
+            return ExecResult(-1, f"[the command's reply was lost ({type(e).__name__}); later commands run in a new "
+                                  "process]", timed_out=False, truncated=False)
+        timed_out = exit_code == 137 and time.monotonic() - start >= timeout
+        return ExecResult(exit_code, out.decode(errors="replace"), timed_out=timed_out, truncated=truncated)
+
+    def _daemon_exec(self, command: str, timeout: float, cap: int, workdir: str, direct: bool, user: str = "",
+                     environment: dict | None = None) -> ExecResult:
+        """One command as a `docker exec` (as `user`, with `environment` added, when given)."""
         api = self._container.client.api
         guard = [GUARD_DIRECT, "guard", str(timeout)] if direct else [GUARD, "guard", str(timeout), str(cap)]
         exec_id = retry_transient(lambda: api.exec_create(
             self._container.id, ["bash", "-c", *guard, command],
-            workdir=workdir or self.workdir, user=user, environment=environment)["Id"], f"exec in {self.name}",
+            workdir=workdir, user=user, environment=environment)["Id"], f"exec in {self.name}",
             on_retry=self._count_retry)
         start = time.monotonic()
         if direct:
@@ -386,6 +483,35 @@ class Container:
         # 137 is SIGKILL: the timeout's when the full time has passed, otherwise the kernel's (out of memory)
         timed_out = exit_code == 137 and time.monotonic() - start >= timeout
         return ExecResult(exit_code, (out or b"").decode(errors="replace"), timed_out=timed_out, truncated=truncated)
+
+    @contextlib.contextmanager
+    def _infra_errors(self, what: str):
+        """Daemon errors under `what` as InfraFailure when the daemon does not answer or the container is gone or
+        stopped; other errors as they are."""
+        if self.failed:
+            raise InfraFailure(self.failed)
+        try:
+            yield
+        except requests.exceptions.RequestException as e:
+            self._fail(f"the Docker daemon did not answer ({what}: {type(e).__name__}: {e})")
+        except docker.errors.APIError as e:
+            self._check_alive(f"{what}: {e}")
+            raise
+
+    def _check_alive(self, what: str) -> None:
+        """InfraFailure naming `what` unless the container is still running and the daemon answers."""
+        try:
+            self._container.reload()
+        except docker.errors.NotFound:
+            self._fail(f"the container is gone ({what})")
+        except (docker.errors.APIError, requests.exceptions.RequestException) as e:
+            self._fail(f"the Docker daemon did not answer ({what}; then {type(e).__name__}: {e})")
+        if self._container.status != "running":
+            self._fail(f"the container is {self._container.status} ({what})")
+
+    def _fail(self, why: str) -> None:
+        self.failed = f"{self.name}: {why}"
+        raise InfraFailure(self.failed) from None
 
     def _read_capped(self, exec_id: str, cap: int) -> tuple[bytes, bool]:
         """A direct exec's output as it streams (its first and last cap/2 bytes when longer, saying how much was cut),
@@ -436,32 +562,266 @@ class Container:
             info = tarfile.TarInfo(name)
             info.size, info.mode, info.mtime = len(data), mode, int(time.time())
             tar.addfile(info, io.BytesIO(data))
-        if not self._container.put_archive(directory or "/", buffer.getvalue()):
+        with self._infra_errors(f"writing {path}"):
+            written = self._container.put_archive(directory or "/", buffer.getvalue())
+        if not written:
             raise OSError(f"{self.name}: could not write {path}")
 
     def put_tree(self, directory: str, tar: bytes) -> None:
         """Unpack the tar archive `tar` into the existing `directory` of the container (not the tmpfs /tmp)."""
-        if not self._container.put_archive(directory, tar):
+        with self._infra_errors(f"unpacking into {directory}"):
+            written = self._container.put_archive(directory, tar)
+        if not written:
             raise OSError(f"{self.name}: could not unpack an archive into {directory}")
 
     def get_file(self, path: str) -> bytes:
         """The bytes of the regular file at `path` in the container (not under the tmpfs /tmp; see put_file)."""
-        stream, _ = self._container.get_archive(path)
-        with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
+        with self._infra_errors(f"reading {path}"):
+            stream, _ = self._container.get_archive(path)
+            archive = b"".join(stream)
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
             member = tar.next()
             if member is None or not member.isfile():
                 raise OSError(f"{self.name}: {path} is not a regular file")
             return tar.extractfile(member).read()
 
     def remove(self) -> None:
-        """SIGKILL and delete, never `stop` (it waits for PID 1 to exit)."""
-        force_remove(self._container)
+        """SIGKILL and delete, never `stop` (it waits for PID 1 to exit). A daemon that does not answer leaves it to
+        its TTL and the next start's sweep."""
+        if self._shell is not None:
+            self._shell.close()
+        on_remove, self.on_remove = self.on_remove, None
+        try:
+            force_remove(self._container)
+        except requests.exceptions.RequestException:
+            pass
+        finally:
+            if on_remove is not None:
+                on_remove()
 
     def __enter__(self) -> Container:
         return self
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    max_live: int = 0
+    """most containers of this process alive at once (0: host_live_cap(), this process's share of the host)"""
+    max_starting: int = 8
+    """container starts in flight at once (the daemon serialises much of a start: more only queue inside it)"""
+    start_budget: float = 600.0
+    """seconds a trajectory waits for a container (for a free slot, then its start) before ContainerStartFailed"""
+
+
+AGENT_MEMORY = 128 << 20  # what an idle agent container costs the host, roughly (its shell, the shim, page cache)
+AGENTS_PER_CORE = 64  # idle agent containers per core; what they run costs more, and is the agents' own time
+POOL_MAX_WAIT = 1800  # seconds a pre-started container waits for its trajectory at most (its TTL is longer by this)
+
+
+def host_live_cap() -> int:
+    """Live containers this process may hold: the host's memory over AGENT_MEMORY and its cores times
+    AGENTS_PER_CORE, whichever is less, shared among the local ranks (torchrun's LOCAL_WORLD_SIZE)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cap = min(memory // AGENT_MEMORY, AGENTS_PER_CORE * len(os.sched_getaffinity(0)))
+    return max(1, cap // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+class ContainerPool:
+    """Agent containers for trajectories, started ahead of them (`prestart`) or when asked (`take`), each used by one
+    trajectory only. Every start waits for a live slot (at most `max_live` containers of the pool alive) and a start
+    slot (at most `max_starting` starting), both within `start_budget` seconds, else ContainerStartFailed. A
+    pre-started container waits at most POOL_MAX_WAIT for its trajectory; its TTL is that much longer. `metrics()`:
+    the caps, the live peak, the queue waits, hits and misses."""
+
+    def __init__(self, client: docker.DockerClient, limits: PoolLimits = PoolLimits(), shell: bool = True):
+        self.client, self.shell, self.budget = client, shell, limits.start_budget
+        self.max_live, self.max_starting = limits.max_live or host_live_cap(), limits.max_starting
+        self._live_slots = threading.Semaphore(self.max_live)
+        self._start_slots = threading.Semaphore(self.max_starting)
+        self._waiting: defaultdict[tuple, deque[Future]] = defaultdict(deque)  # pre-started, by (image, limits)
+        self._lock = threading.Lock()
+        self._live = self._peak = 0
+        self._stats = {"hits": 0, "misses": 0, "waits": [], "starts": [], "discarded": 0}
+
+    def prestart(self, wanted: list[tuple[str, str]], limits: ContainerLimits) -> list[Future]:
+        """Start a container for each (image, run label) in the background, for a later `take`; their futures, in
+        the order they start (those past the live cap wait for a slot)."""
+        futures = []
+        for image, run in wanted:
+            future = Future()
+            # a daemon thread each: one waiting for a slot must not hold up the interpreter's exit
+            threading.Thread(target=self._fulfil, args=(future, image, run, limits), daemon=True,
+                             name="kiln-prestart").start()
+            with self._lock:
+                self._waiting[(image, limits)].append(future)
+            futures.append(future)
+        return futures
+
+    def _fulfil(self, future: Future, image: str, run: str, limits: ContainerLimits) -> None:
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(self._start(image, run, limits, True))
+        except BaseException as e:  # noqa: B036 -- handed to whoever takes it
+            future.set_exception(e)
+
+    def take(self, image: str, run: str, limits: ContainerLimits) -> Container:
+        """A running container of `image` for one trajectory: a pre-started one (waiting for it if it is still
+        starting) or, if none is there or it failed, one started now. Its owner removes it (`remove`)."""
+        with self._lock:
+            waiting = self._waiting.get((image, limits)) or deque()
+            future = next((f for f in waiting if f.done()), waiting[0] if waiting else None)  # a running one first
+            if future is not None:
+                waiting.remove(future)
+        if future is not None:
+            try:
+                box = future.result()
+                if time.monotonic() - box.started < POOL_MAX_WAIT:
+                    self._note("hits")
+                    return box
+                box.remove()
+            except InfraFailure:
+                pass
+            self._note("discarded")
+        self._note("misses")
+        return self._start(image, run, limits, False)
+
+    def _start(self, image: str, run: str, limits: ContainerLimits, ahead: bool) -> Container:
+        begin = time.monotonic()
+        if not self._live_slots.acquire(timeout=self.budget):
+            raise ContainerStartFailed(f"{image}: no live container slot freed in {self.budget:.0f} s (--swe-max-live "
+                                       f"{self.max_live}, all held)")
+        try:
+            if not self._start_slots.acquire(timeout=max(0.0, begin + self.budget - time.monotonic())):
+                raise ContainerStartFailed(f"{image}: no start slot in {self.budget:.0f} s (--swe-max-starting "
+                                           f"{self.max_starting})")
+            waited = time.monotonic() - begin
+            try:
+                lifetime = dataclasses.replace(limits, ttl=limits.ttl + POOL_MAX_WAIT) if ahead else limits
+                box = Container(self.client, image, role="agent", run=run, limits=lifetime, shell=self.shell,
+                                extra_labels={PRESTARTED: "1"} if ahead else None)
+            finally:
+                self._start_slots.release()
+        except BaseException:
+            self._live_slots.release()
+            raise
+        box.started, box.on_remove = time.monotonic(), self._release
+        with self._lock:
+            self._live += 1
+            self._peak = max(self._peak, self._live)
+            self._stats["waits"].append(waited)
+            self._stats["starts"].append(time.monotonic() - begin - waited)
+        return box
+
+    def _release(self) -> None:
+        with self._lock:
+            self._live -= 1
+        self._live_slots.release()
+
+    def _note(self, what: str) -> None:
+        with self._lock:
+            self._stats[what] += 1
+
+    def metrics(self, reset: bool = True) -> dict:
+        """swe/pool_* since the last reset: live cap and peak, start slots, hits (a pre-started container was there),
+        misses, discarded (a pre-started one failed or waited too long), queue wait and start seconds (mean, max)."""
+        with self._lock:
+            stats, waits, starts = self._stats, self._stats["waits"], self._stats["starts"]
+            metrics = {"swe/pool_live_cap": float(self.max_live), "swe/pool_start_slots": float(self.max_starting),
+                       "swe/pool_live_peak": float(self._peak), "swe/pool_hits": float(stats["hits"]),
+                       "swe/pool_misses": float(stats["misses"]), "swe/pool_discarded": float(stats["discarded"]),
+                       "swe/pool_queue_wait_mean_s": sum(waits) / max(1, len(waits)),
+                       "swe/pool_queue_wait_max_s": max(waits, default=0.0),
+                       "swe/pool_start_mean_s": sum(starts) / max(1, len(starts)),
+                       "swe/pool_start_max_s": max(starts, default=0.0)}
+            if reset:
+                self._stats = {"hits": 0, "misses": 0, "waits": [], "starts": [], "discarded": 0}
+                self._peak = self._live
+        return metrics
+
+    def close(self) -> None:
+        """Remove the pre-started containers no trajectory took (the taken ones are their owners')."""
+        with self._lock:
+            futures = [future for waiting in self._waiting.values() for future in waiting]
+            self._waiting.clear()
+        for future in futures:
+            with contextlib.suppress(InfraFailure):
+                future.result().remove()
+
+
+_POOL: list[ContainerPool] = []
+
+
+def configure_pool(limits: PoolLimits) -> ContainerPool:
+    """This process's pool (shared_pool) with `limits`, made now; call before the first shared_pool()."""
+    _POOL[:] = [ContainerPool(shared_client(), limits)]
+    return _POOL[0]
+
+
+def shared_pool() -> ContainerPool:
+    """One pool per process for the agents' containers (PoolLimits() unless configure_pool ran)."""
+    if not _POOL:
+        configure_pool(PoolLimits())
+    return _POOL[0]
+
+
+def _escaped(text: str) -> str:
+    """`text` as one bash word of \\xHH escapes in $'...', every byte escaped: SHELL's eval gives back its bytes."""
+    return "$'" + "".join(f"\\x{byte:02x}" for byte in text.encode()) + "'"
+
+
+class _Shell:
+    """The host's end of a container's SHELL: its attach stream (stdin in; stdout as the daemon's frames of an
+    8-byte header and a payload), one request at a time."""
+
+    def __init__(self, api, container_id: str):
+        self._socket = api.attach_socket(container_id, params={"stdin": 1, "stdout": 1, "stream": 1})
+        self._raw = getattr(self._socket, "_sock", self._socket)
+        self._received, self._payload = bytearray(), bytearray()  # frames not yet whole; stdout not yet read
+        self._lock = threading.Lock()
+
+    def call(self, request: bytes, deadline: float) -> tuple[int, bool, bytes]:
+        """Send one request line; (exit code, truncated, output) of its reply. TimeoutError past `deadline`,
+        ConnectionError when the stream ends, ValueError for a reply that is not SHELL's."""
+        with self._lock:
+            self._raw.settimeout(max(deadline - time.monotonic(), 0.001))
+            self._raw.sendall(request)
+            while b"\n" not in self._payload:
+                self._receive(deadline)
+            header, _, rest = bytes(self._payload).partition(b"\n")
+            kind, exit_code, truncated, size = header.split(b" ")  # ValueError unless four fields
+            if kind != b"kiln-reply":
+                raise ValueError(f"not a reply: {header[:80]!r}")
+            self._payload[:] = rest
+            while len(self._payload) < int(size):
+                self._receive(deadline)
+            out = bytes(self._payload[:int(size)])
+            del self._payload[:int(size)]
+            return int(exit_code), truncated == b"1", out
+
+    def _receive(self, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no reply in time")
+        self._raw.settimeout(left)
+        chunk = self._raw.recv(1 << 16)
+        if not chunk:
+            raise ConnectionError("the attach stream ended")
+        self._received += chunk
+        while len(self._received) >= 8:
+            stream, size = struct.unpack(">BxxxL", self._received[:8])
+            if len(self._received) < 8 + size:
+                break
+            if stream == 1:
+                self._payload += self._received[8:8 + size]
+            del self._received[:8 + size]
+
+    def close(self) -> None:
+        for end in (self._socket, self._raw):
+            with contextlib.suppress(OSError):
+                end.close()
 
 
 def container_diff(container: Container, base_commit: str, max_bytes: int = 20_000_000) -> bytes:

@@ -213,20 +213,20 @@ def task_reward(row: dict, completion: str, context: ScoreContext) -> Reward:
     """A task directory (task_dirs): the task's tests' reward, as they scored the agent's own container at the end
     of its trajectory (context.sample_info["task_verdict"], from tools.task_toolbox), or else the completion run as
     a script in a fresh container of the task and then the tests (`python rewards.py score`). No reward file (an
-    infrastructure failure) is no score: NaN with info["infra_error"], left out and counted, never a 0."""
+    infrastructure failure) is no score: NaN with info["infra_failed"], left out and counted, never a 0."""
     verdict = context.sample_info.get("task_verdict")
     if verdict is None:
         verdict = dataclasses.asdict(task_dirs.grade_script(task_dirs.truth_of(row), completion))
     info = {k: verdict[k] for k in ("rewards", "error", "output", "seconds", "strays_after_tests")}
     if verdict["score"] is None:
-        return Reward(math.nan, info | {"infra_error": verdict["infra_error"]})
+        return Reward(math.nan, info | {"infra_failed": verdict["infra_error"]})
     return Reward(verdict["score"], info)
 
 
 def ungraded(info: dict) -> bool:
     """Whether a reward's info says it has no score through no fault of the sample (the judge failed, or the task's
     tests left no reward file): it is left out and counted, never trained on or counted as 0."""
-    return judge_failed(info) or "infra_error" in info
+    return judge_failed(info) or "infra_failed" in info
 
 
 # ------------------------------------------------------------------------- vl_agent: CodeV's code-with-images reward
@@ -635,10 +635,10 @@ def main(args: ScoreArgs) -> dict:
             print(f"{len(failed)} samples not graded (the judge failed), left out of the report; first: "
                   f"{failed[0][0]}: {failed[0][1].info['judge_error']}")
         judge.close()
-    infra = [(t, r) for t, r in zip(task_ids, results) if "infra_error" in r.info]
+    infra = [(t, r) for t, r in zip(task_ids, results) if "infra_failed" in r.info]
     if infra:
         print(f"{len(infra)} samples not graded (the task's tests left no reward: an infrastructure failure), left "
-              f"out of the report; first: {infra[0][0]}: {infra[0][1].info['infra_error']}")
+              f"out of the report; first: {infra[0][0]}: {infra[0][1].info['infra_failed']}")
     graded = [(t, r, s) for t, r, s in zip(task_ids, results, steps) if not ungraded(r.info)]
     if not graded:
         raise RuntimeError("no sample could be graded")

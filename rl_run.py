@@ -189,6 +189,16 @@ class SharedArgs:
     nonfinite_rewards: Literal["stop", "drop"] = "stop"
     """a NaN or infinite reward from the reward function (a bug: one would make every parameter NaN): stop the run
     naming the task, or drop the sample from the batch and count it (critic/score/nonfinite_dropped)"""
+    swe_prestart: bool = True
+    """with --tools swe: start the containers of the next step's trajectories while this step trains (containers.
+    ContainerPool), so that an agent's first command finds its container running"""
+    swe_max_live: int = 0
+    """with --tools swe: most agent containers alive at once per rank (0: from the host's memory and cores, shared
+    among the local ranks; containers.host_live_cap)"""
+    swe_max_starting: int = 8
+    """with --tools swe: container starts in flight at once per rank"""
+    swe_start_budget: float = 600.0
+    """with --tools swe: seconds a trajectory waits for its container before it is left out (swe/start_failures)"""
 
 
 @dataclass(kw_only=True)
@@ -432,10 +442,23 @@ def rollout_engine(vllm_engine: engines.Engine | None, model: torch.nn.Module, t
 
 
 def start_tools(args) -> None:
-    """With --tools swe: containers of dead kiln processes go now; this process's go when it ends, however it ends."""
+    """With --tools swe: containers of dead kiln processes go now; this process's go when it ends, however it ends;
+    the container pool gets the run's caps."""
     if args.tools == "swe":
         containers.sweep(containers.shared_client())
         containers.remove_owned_at_exit(containers.shared_client())
+        containers.configure_pool(containers.PoolLimits(args.swe_max_live, args.swe_max_starting,
+                                                        args.swe_start_budget))
+
+
+def prestart_next_step(run) -> None:
+    """With --tools swe and --swe-prestart: the containers of the next step's trajectories (its rows are known: the
+    seeded epoch order at run.data_pos) start now in the background, while this step scores and trains."""
+    args = run.args
+    if args.tools == "swe" and args.swe_prestart and getattr(args, "agent_cmd", None) is None:
+        per_rank = args.prompts_per_step // run.world
+        rows = task_rows.in_epoch_order(run.rows, run.data_pos + run.rank * per_rank, per_rank, args.seed)
+        tools.prestart_swe(rows, args.group_size)
 
 
 def train(run, train_step: Callable, save: Callable, total_steps: int, desc: str) -> None:
@@ -446,6 +469,7 @@ def train(run, train_step: Callable, save: Callable, total_steps: int, desc: str
     if run.step == 0 and run.eval_rows:
         run.log.metrics(runlog.announced_eval(evaluate, run) | {"step": 0})
     bar = tqdm(total=total_steps, initial=run.step, desc=desc, disable=run.rank != 0)
+    prestart_next_step(run)
     while run.step < total_steps:
         metrics = train_step(run)
         run.step += 1
@@ -496,8 +520,14 @@ def run_rollouts(run, rows: list[dict], group_size: int, sampling: engines.Sampl
     common = dict(first_group=first_group, check=args.check_tito, eot=args.end_of_turn)
     agent_cmd = getattr(args, "agent_cmd", None)  # PPO trains kiln's own loops only
     if agent_cmd is None:
-        return rollout.collect(run.engine, run.tokenizer, rows, group_size, sampling, args.tools, run.limits,
-                               **common, **image_counting(args.model), in_flight=in_flight, version=run.step)
+        samples, metrics = rollout.collect(run.engine, run.tokenizer, rows, group_size, sampling, args.tools,
+                                           run.limits, **common, **image_counting(args.model), in_flight=in_flight,
+                                           version=run.step)
+        if args.tools == "swe" and not evaluation:  # the pool's caps and queue over the step; the next step's start
+            metrics |= containers.shared_pool().metrics()
+            if run.step + 1 < getattr(run, "total_steps", args.total_steps):  # PPO's Run holds its own
+                prestart_next_step(run)
+        return samples, metrics
     return rollout.external_agents(agent_cmd, run.engine, run.tokenizer, rows, group_size, sampling, args.tools,
                                    run.limits, keep_failed=args.agent_keep_failed or evaluation,
                                    harnesses=args.agent_harnesses, mix_groups=args.agent_mix_groups, **common)
@@ -561,9 +591,15 @@ def distill(run, old_logprobs: torch.Tensor | None, samples: list[rollout.Sample
 
 def score(run, samples: list[rollout.Sample]) -> None:
     """Each sample's reward, in parallel in the sandbox or from the LLM judge (which sees the rollout's tool images and
-    messages through its info). A sample the judge could not grade gets NaN: it leaves the batch, never scored 0."""
-    results = run.score_fn([s.row for s in samples], [s.text for s in samples], sample_infos=[s.info for s in samples])
-    for s, r in zip(samples, results):
+    messages through its info). A sample the judge could not grade gets NaN: it leaves the batch, never scored 0. So
+    does one whose container or daemon failed (info["infra_failed"]), without being graded: its group trains on the
+    samples it has left, their advantages computed over them."""
+    for s in samples:  # the infrastructure failed under these: never scored, never trained on
+        if "infra_failed" in s.info:
+            s.reward, s.reward_info = math.nan, {"error": "infra", "infra_failed": s.info["infra_failed"]}
+    scored = [s for s in samples if "infra_failed" not in s.info]
+    results = run.score_fn([s.row for s in scored], [s.text for s in scored], sample_infos=[s.info for s in scored])
+    for s, r in zip(scored, results):
         s.reward, s.reward_info = r.score, r.info
 
 
@@ -590,13 +626,15 @@ def reward_metrics(run, samples: list[rollout.Sample], rollout_metrics: dict) ->
         [(s.row["data_source"], s.reward, s.reward_info.get("error"), len(s.completion_ids),
           s.reward_info.get("sandbox_isolation")) for s in samples if math.isfinite(s.reward)]))
     metrics |= rewards.batch_metrics(sources, scores, errors, lengths, isolations)
-    # samples whose task tests left no reward file: no score, left out of the batch; a count that should stay 0
+    # samples the infrastructure failed under (a container or daemon in the rollout, a task's tests that left no
+    # reward file): no score, left out of the batch; a count that should stay 0
     metrics["critic/score/infra_dropped"] = float(collectives.sum_over_ranks(
-        sum("infra_error" in s.reward_info for s in samples)))
+        sum("infra_failed" in s.reward_info for s in samples)))
     metrics |= harness_scores(collectives.gather_objects([(s.info["harness"], s.reward) for s in samples if (
         s.info.get("harness") and s.segment == 0 and math.isfinite(s.reward))]))  # a session once
-    if run.args.tools == "swe":  # the swebench samples' verdicts (task rows have their scores above)
-        swe = collectives.gather_objects([s.reward_info for s in samples if s.row["data_source"] == "swebench"])
+    if run.args.tools == "swe":  # the graded swebench samples' verdicts (task rows have their scores above)
+        swe = collectives.gather_objects([s.reward_info for s in samples if s.row["data_source"] == "swebench"
+                                          and "infra_failed" not in s.reward_info])
         metrics |= swe_grading.swe_metrics(swe) if swe else {}
     return metrics
 

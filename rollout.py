@@ -48,6 +48,9 @@ INFO_KEYS = {
     # tools.py's ToolBox.info (the swe toolbox), copied in by multi_turn
     "container_seconds": "seconds spent in Docker: start, commands, the diff, removal",
     "diff_error": "why the container's diff could not be taken (the completion is then empty)",
+    "container_wait": "of container_seconds, the wait for the container (none when the pool had it running)",
+    "infra_failed": "why the infrastructure failed under the trajectory (its container or the daemon): not scored, "
+    "not trained on, counted in swe/infra_failed",
     # rollout.external_agents
     "agent_status": "the agent process: ok, failed (non-zero exit) or timeout (killed at --max-agent-seconds)",
     "agent_returncode": "the agent process's exit status",
@@ -243,7 +246,7 @@ class Trajectory:
     tool_log: list[dict] = field(default_factory=list)  # per call: turn, name, arguments, output, error, seconds,
     # images
     finish_reason: str = ""  # "stop", "submit", "length" (a turn ran out of tokens), "max_turns", "max_total_tokens",
-    # "max_seconds"
+    # "max_seconds", "infra" (its container or the daemon failed: dropped)
     started: float = field(default_factory=time.monotonic)  # moved on by the time it spent paused
     seconds: float = 0.0  # wall clock from the start to the end of its last turn
     versions: list[int] = field(default_factory=list)  # per completion token (Sample.versions)
@@ -316,7 +319,8 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
     metrics = {
         "rollout/seconds": seconds,
         "rollout/tokens_per_s": generated / max(seconds, 1e-9),
-        "rollout/truncated_frac": sum(traj.finish_reason not in ("stop", "submit") for traj in trajectories) / n,
+        "rollout/truncated_frac": sum(traj.finish_reason not in ("stop", "submit", "infra")
+                                      for traj in trajectories) / n,
         "tools/turns_mean": sum(traj.turns for traj in trajectories) / n,
         "tools/calls_mean": sum(traj.tool_calls for traj in trajectories) / n,
         "tools/errors_mean": sum(traj.tool_errors for traj in trajectories) / n,
@@ -326,8 +330,14 @@ def multi_turn(engine: Engine, tokenizer, rows: list[dict], group_size: int, sam
     } | run_metrics
     if any("container_seconds" in traj.box.info for traj in trajectories):
         metrics["swe/container_seconds"] = sum(traj.box.info.get("container_seconds", 0.0) for traj in trajectories)
+        metrics["swe/container_wait_max_s"] = max(traj.box.info.get("container_wait", 0.0) for traj in trajectories)
         metrics["swe/diff_errors"] = sum("diff_error" in traj.box.info for traj in trajectories)
-    for reason in ("length", "max_turns", "max_total_tokens", "max_seconds", "submit"):
+        metrics["swe/infra_failed"] = float(sum("infra_failed" in traj.box.info for traj in trajectories))
+        if metrics["swe/infra_failed"]:
+            failed = next(traj.box.info["infra_failed"] for traj in trajectories if "infra_failed" in traj.box.info)
+            tqdm.write(f"rank {collectives.rank()}: the infrastructure failed under {metrics['swe/infra_failed']:.0f} "
+                       f"trajectories (dropped, not scored): {failed}")
+    for reason in ("length", "max_turns", "max_total_tokens", "max_seconds", "submit", "infra"):
         metrics[f"rollout/finish_{reason}_frac"] = sum(traj.finish_reason == reason for traj in trajectories) / n
     return samples, metrics
 
@@ -557,6 +567,8 @@ def _take_tool_results(tokenizer, traj: Trajectory, returned: list[tuple], limit
     results, submitted = [], False
     for call, result, seconds in returned:
         submitted |= result.stop
+        if result.infra_failure:  # the trajectory ends here, dropped: its box's info says why
+            traj.box.info.setdefault("infra_failed", result.infra_failure)
         result.text, cut = chat.truncate_tool_text(tokenizer, result.text, limits.max_tool_response_tokens)
         traj.tool_log.append({"turn": traj.turns, "name": call["name"] if isinstance(call, dict) else None,
                               "arguments": call["arguments"] if isinstance(call, dict) else call,
@@ -568,6 +580,9 @@ def _take_tool_results(tokenizer, traj: Trajectory, returned: list[tuple], limit
         traj.tool_seconds += seconds
         traj.truncated_responses += cut
     traj.seconds = time.monotonic() - traj.started
+    if "infra_failed" in traj.box.info:
+        traj.finish_reason = "infra"
+        return False
     if submitted:  # end on the policy's own turn: nothing after it is learned from
         traj.finish_reason = "submit"
         return False

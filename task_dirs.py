@@ -52,11 +52,11 @@ DEFAULT_AGENT_TIMEOUT = 600.0  # seconds, when task.toml gives none (Harbor's de
 MAX_PACKED_BYTES = 50_000_000  # the most a task's three folders may hold, compressed: they travel inside the row
 CANARY = re.compile(r"^\s*(<!--.*canary.*-->|#.*canary.*)\s*$", re.I)
 ENV_REFERENCE = re.compile(r"\$\{(\w+)(?::-(.*?))?\}")
-# Kills every process of the container but PID 1 (its init), the `sleep` that keeps it alive ($1) and this command's
-# own ancestors (found with bash builtins): what the agent left running (a daemon that setsid took out of its
-# command's process group) must not touch the tests or the reward file. A few rounds catch what forks meanwhile;
-# prints how many it killed.
-KILL_STRAYS = r"""keep=" 1 $1 "
+# Kills every process of the container but PID 1 (containers.SHELL, which runs the agent's commands and exits at the
+# TTL) and this command's own ancestors (found with bash builtins): what the agent left running (a daemon that setsid
+# took out of its command's process group) must not touch the tests or the reward file. A few rounds catch what forks
+# meanwhile; prints how many it killed.
+KILL_STRAYS = r"""keep=" 1 "
 p=$$
 while [ -n "$p" ] && [ "$p" != 0 ]; do
   keep="$keep$p "; parent=
@@ -362,12 +362,11 @@ def ensure_images(truths: list[dict], client=None) -> None:
 
 @dataclass
 class TaskContainer:
-    """A task's running container and what the verifier needs of it: its `sleep` (what KILL_STRAYS spares), the
-    image's own user (the verifier's default), the resolved environment."""
+    """A task's running container and what the verifier needs of it: the image's own user (the verifier's default),
+    the resolved environment."""
     box: containers.Container
     truth: dict
     spec: TaskSpec
-    keeper: str
     image_user: str
     env: dict
 
@@ -390,19 +389,19 @@ def start(client, truth: dict, run: str = "", limits: containers.ContainerLimits
                                workdir=spec.workdir or config.get("WorkingDir") or "/", history_free=False,
                                user=spec.agent_user, environment=env)
     try:
-        made = box.exec(f"mkdir -p {LOGS}/agent {LOGS}/verifier {LOGS}/artifacts && chmod 777 {LOGS}/* && "
-                        "cat /proc/1/task/*/children", user="0", cap=4000)
-        if made.exit_code != 0 or not made.output.split():
+        made = box.exec(f"mkdir -p {LOGS}/agent {LOGS}/verifier {LOGS}/artifacts && chmod 777 {LOGS}/*", user="0",
+                        cap=4000)
+        if made.exit_code != 0:
             raise containers.ContainerStartFailed(f"task {spec.name}: setting up {box.name} failed: {made.output}")
     except BaseException:
         box.remove()
         raise
-    return TaskContainer(box, truth, spec, made.output.split()[0], config.get("User") or "", env)
+    return TaskContainer(box, truth, spec, config.get("User") or "", env)
 
 
 def stop_strays(task: TaskContainer) -> int:
     """KILL_STRAYS in the task's container; returns how many processes it killed (a zombie counts each round)."""
-    killed = task.box.exec(KILL_STRAYS.replace("$1", task.keeper), user="0", timeout=60, cap=4000).output.split()
+    killed = task.box.exec(KILL_STRAYS, user="0", timeout=60, cap=4000).output.split()
     return int(killed[-1]) if killed and killed[-1].isdigit() else 0
 
 

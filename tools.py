@@ -34,6 +34,8 @@ class ToolResult:
     images: list[bytes] = field(default_factory=list)  # PNG bytes, shown to the model as image parts
     error: bool = False  # the call failed (bad arguments, exception, timeout): counted in the metrics
     stop: bool = False  # the trajectory ends after this call (swe's `submit`), on the policy's own turn
+    infra_failure: str = ""  # why the infrastructure failed under the call (containers.InfraFailure): the trajectory is
+    # dropped and counted, never scored
 
 
 @dataclass
@@ -63,6 +65,8 @@ def call_tool(box: ToolBox, call: dict | str) -> tuple[ToolResult, float]:
     start = time.perf_counter()
     try:
         result = box.tools[call["name"]](call["arguments"])
+    except containers.InfraFailure as e:  # not the policy's doing: the rollout drops the trajectory
+        result = ToolResult(f"Error: the container failed: {e}", error=True, infra_failure=str(e))
     except Exception as e:  # a tool bug must not kill the rollout: the model sees it, the metrics count it
         result = ToolResult(f"Error: {call['name']} raised {type(e).__name__}: {e}", error=True)
     return result, time.perf_counter() - start
@@ -179,16 +183,19 @@ SWE_TOOLS = [
 ]
 
 
-def swe_toolbox(row: dict, limits: containers.ContainerLimits = SWE_CONTAINER) -> ToolBox:
-    """`bash`, `str_replace_editor` and `submit` in one fresh container from the row's SWE-bench instance image. On
-    close the container's diff since the base commit becomes the sample's completion (what rewards.score grades in a
-    fresh container; "" and info["diff_error"] when the agent left no usable diff) and the container is removed,
-    whatever happens. info["container_seconds"]: time spent in Docker (start, commands, diff, removal)."""
+def swe_toolbox(row: dict, limits: containers.ContainerLimits = SWE_CONTAINER,
+                pool: containers.ContainerPool | None = None) -> ToolBox:
+    """`bash`, `str_replace_editor` and `submit` in one fresh container from the row's SWE-bench instance image, taken
+    from `pool` (default: containers.shared_pool(); pre-started there by prestart_swe, or started now). On close the
+    container's diff since the base commit becomes the sample's completion (what rewards.score grades in a fresh
+    container; "" and info["diff_error"] when the agent left no usable diff; info["infra_failed"] when the container
+    or daemon failed) and the container is removed, whatever happens. info["container_seconds"]: time spent in Docker
+    (waiting for the container, commands, diff, removal); info["container_wait"]: of it, waiting for the container."""
     truth = json.loads(row["reward_model"]["ground_truth"])
     start = time.perf_counter()
-    container = containers.Container(containers.shared_client(), truth["image"], role="agent",
-                                     run=truth["instance_id"], limits=limits)
-    info = {"container_seconds": time.perf_counter() - start}
+    container = (pool or containers.shared_pool()).take(truth["image"], truth["instance_id"], limits)
+    waited = time.perf_counter() - start
+    info = {"container_seconds": waited, "container_wait": waited}
     timed = functools.partial(_timed, info)
 
     def close() -> None:
@@ -198,6 +205,8 @@ def swe_toolbox(row: dict, limits: containers.ContainerLimits = SWE_CONTAINER) -
             info["completion"] = diff.decode(errors="surrogateescape")  # rewards.score encodes it back byte for byte
         except containers.DiffError as e:
             info["completion"], info["diff_error"] = "", str(e)
+        except containers.InfraFailure as e:
+            info["completion"], info["infra_failed"] = "", str(e)
         finally:
             container.remove()
             info["container_seconds"] += time.perf_counter() - begin
@@ -287,6 +296,16 @@ def task_toolbox(row: dict, limits: containers.ContainerLimits = SWE_CONTAINER) 
 def container_toolbox(row: dict) -> ToolBox:
     """`--tools swe`: the toolbox of the row's container, a SWE-bench instance's or a task directory's."""
     return task_toolbox(row) if row["data_source"] == task_dirs.DATA_SOURCE else swe_toolbox(row)
+
+
+def prestart_swe(rows: list[dict], group_size: int, limits: containers.ContainerLimits = SWE_CONTAINER) -> None:
+    """Start the containers of `group_size` trajectories of each swebench row in containers.shared_pool() now, in the
+    background, so that swe_toolbox finds them running (the next step's, while this one trains). Task directories'
+    rows start theirs when their trajectory does (task_dirs.start)."""
+    wanted = [(truth["image"], truth["instance_id"]) for truth in
+              (json.loads(row["reward_model"]["ground_truth"]) for row in rows if row["data_source"] == "swebench")
+              for _ in range(group_size)]
+    containers.shared_pool().prestart(wanted, limits)
 
 
 def swe_bash(container: containers.Container, arguments: dict) -> ToolResult:

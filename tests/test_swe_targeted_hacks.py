@@ -276,9 +276,10 @@ def test_a_grading_exec_streams_its_output_out_where_the_command_cannot_reach_it
     still holding the output is cut off a few seconds after the command ends."""
     truth = truth_of(swe_rows[M1343])
     with containers.Container(docker_client, truth["image"], role="grade", run="direct") as box:
-        filed = box.exec("echo out; echo err >&2; ls /tmp/.kiln.* | wc -l")
-        direct = box.exec("echo out; echo err >&2; ls /tmp/.kiln.* 2>/dev/null | wc -l", direct=True)
-        assert filed.output == "out\nerr\n1\n" and direct.output == "out\nerr\n0\n" and not direct.truncated
+        # the shell stages a command's output in /tmp/.kiln-output (emptied after each reply); direct never does
+        filed = box.exec("echo out; echo err >&2; cat /tmp/.kiln* 2>/dev/null | wc -c")
+        direct = box.exec("echo out; echo err >&2; cat /tmp/.kiln* 2>/dev/null | wc -c", direct=True)
+        assert filed.output == "out\nerr\n8\n" and direct.output == "out\nerr\n0\n" and not direct.truncated
         capped = box.exec("printf 'a%.0s' $(seq 3000); printf 'b%.0s' $(seq 3000)", cap=1000, direct=True)
         assert capped.truncated and capped.output.startswith("a" * 500) and capped.output.endswith("b" * 500)
         assert "[... 5000 bytes cut ...]" in capped.output

@@ -424,7 +424,9 @@ def test_commands_are_contained(docker_client):
         assert hang.timed_out and hang.exit_code == 137
         background = box.exec("sleep 600 & echo started")
         assert background.output == "started\n" and not background.timed_out and background.exit_code == 0
-        assert box.exec("cat /proc/[0-9]*/comm | grep -c sleep").output == "1\n"  # PID 1's `sleep TTL` only
+        assert box.exec("cat /proc/[0-9]*/comm | grep -c sleep").output == "0\n"  # the background job went with it
+        assert box.exec("kill -9 -1; echo killed everything").exit_code == 137  # every process but PID 1 ...
+        assert box.exec("cat /proc/1/comm").output == "bash\n"  # ... which no signal from inside reaches
         flood = box.exec("head -c 50000000 /dev/zero | tr '\\0' a", cap=10_000)
         assert flood.truncated and flood.exit_code == 0 and len(flood.output) < 10_100
         assert flood.output.startswith("a" * 5000) and "49990000 bytes cut" in flood.output

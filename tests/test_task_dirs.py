@@ -213,7 +213,7 @@ def test_no_reward_file_is_an_infrastructure_failure_left_out_never_a_zero(tmp_p
     assert verdict.score is None and verdict.error == "infra" and "wrote no /logs/verifier/reward.txt" in \
         verdict.infra_error and "forgot the reward" in verdict.output
     reward = rewards.score(row, "true")
-    assert math.isnan(reward.score) and rewards.ungraded(reward.info) and "reward.txt" in reward.info["infra_error"]
+    assert math.isnan(reward.score) and rewards.ungraded(reward.info) and "reward.txt" in reward.info["infra_failed"]
     garbled = task_dirs.read_task(variant(tmp_path / "b", "fix-median",
                                           test_sh="#!/bin/bash\necho 'all good' > /logs/verifier/reward.txt\n"))
     verdict = grade(task_dirs.truth_of(garbled), "true")
