@@ -492,11 +492,11 @@ class Container:
             raise InfraFailure(self.failed)
         try:
             yield
-        except requests.exceptions.RequestException as e:
-            self._fail(f"the Docker daemon did not answer ({what}: {type(e).__name__}: {e})")
-        except docker.errors.APIError as e:
+        except docker.errors.APIError as e:  # (an HTTPError too: first) the daemon answered, the call failed
             self._check_alive(f"{what}: {e}")
             raise
+        except requests.exceptions.RequestException as e:
+            self._fail(f"the Docker daemon did not answer ({what}: {type(e).__name__}: {e})")
 
     def _check_alive(self, what: str) -> None:
         """InfraFailure naming `what` unless the container is still running and the daemon answers."""

@@ -427,7 +427,8 @@ def verify(task: TaskContainer) -> Verdict:
             return Verdict(0.0, error="verifier_timeout", output=output, seconds=time.perf_counter() - start_time,
                            strays_after_tests=strays)
         rewards, problem = read_reward(box)
-    except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as e:
+    except (containers.InfraFailure, docker.errors.DockerException, requests.exceptions.RequestException,
+            OSError) as e:
         return _infra(f"the container failed under the tests ({type(e).__name__}: {e})", start_time)
     if problem:
         return _infra(problem, start_time, output)
