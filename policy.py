@@ -29,10 +29,12 @@ import transformers
 from peft import LoraConfig, inject_adapter_in_model
 from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
                           AutoModelForTokenClassification, AutoTokenizer, GenerationConfig)
+from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 import collectives
 import hub
+import sequence_parallel
 import vision
 
 
@@ -88,7 +90,9 @@ def packed_sdpa(module, query, key, value, attention_mask, scaling=None, dropout
     return torch.cat(out, dim=2).transpose(1, 2), None  # [1, tokens, heads, head_dim], as transformers' return
 
 
-AttentionInterface.register("packed_sdpa", packed_sdpa)
+# Both packed attentions run sequence-parallel when a forward passes `sequence_parallel` (sequence_parallel.ulysses).
+AttentionInterface.register("packed_sdpa", sequence_parallel.ulysses(packed_sdpa))
+AttentionInterface.register("flex_attention", sequence_parallel.ulysses(flex_attention_forward))
 AttentionMaskInterface.register("packed_sdpa", lambda *args, **kwargs: None)  # sequences come from position ids
 
 
@@ -546,6 +550,7 @@ class PackedRow:
     mask: object  # the attention mask to pass: None, or flex_attention's block mask for a row with branches
     attention_options: dict  # extra keyword arguments for the attention function (flex_attention's kernel options)
     vision_inputs: dict  # pixel_values and image_grid_thw, in the order their placeholders occur in the row
+    spread: sequence_parallel.Spread | None  # the row's split over a sequence-parallel group, None without one
 
 
 # Compiled, a forward-only flex_attention with fewer than 128 query tokens runs inductor's flex_decoding kernel, whose
@@ -578,11 +583,18 @@ def _packed_row(model, sequences: list[list[int]], score_from: list[int], share_
         targets = torch.tensor([t for s in sequences for t in s], dtype=torch.long)[dest]
         keep = ~torch.isin(targets, torch.tensor(vision.banned_token_ids(config)))
         source, dest = source[keep], batch.given_index()[dest[keep]]
-    elif branched and vision.text_attention(config) == "flex_attention":
-        mask = branch_block_mask(positions[0].to(device))
-    options = {"kernel_options": _FLEX_KERNEL_OPTIONS} if vision.text_attention(config) == "flex_attention" else {}
+    group, spread = sequence_parallel.of(model), None
+    if group is not None:  # the pad is one more sequence, never scored
+        pad = sequence_parallel.pad_length(len(ids), group.size)
+        ids += [0] * pad
+        positions = torch.cat([positions, torch.arange(pad).expand(*positions.shape[:-1], pad)], -1)
+        spread = sequence_parallel.Spread(group, len(ids), (positions[0] if multimodal else positions).to(device))
+    flex = vision.text_attention(config) == "flex_attention"
+    if flex and not multimodal and (branched or spread is not None):  # sequence-parallel: a local row's positions
+        mask = branch_block_mask(positions[0].to(device))               # cannot say where the whole row's start
+    options = {"kernel_options": _FLEX_KERNEL_OPTIONS} if flex else {}
     return PackedRow(torch.tensor(ids, dtype=torch.long, device=device)[None], positions.to(device),
-                     source.to(device), dest.to(device), given[dest].to(device), mask, options, vision_inputs)
+                     source.to(device), dest.to(device), given[dest].to(device), mask, options, vision_inputs, spread)
 
 
 def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0, chunk_size: int = 512,
@@ -610,13 +622,21 @@ def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0,
         raise ValueError(f"{type(model).__name__}: an output layer with a bias is not supported")
 
     def chosen_token_head(hidden):
-        return _ChunkedChosenLogprobs.apply(hidden[0, row.source], head.weight, row.targets, temperature, chunk_size,
-                                            with_entropy, banned)
+        if row.spread is None:
+            return _ChunkedChosenLogprobs.apply(hidden[0, row.source], head.weight, row.targets, temperature,
+                                                chunk_size, with_entropy, banned)
+        # sequence-parallel: this rank scores the tokens its rows predict, then every rank gets every score
+        owner, first = row.source // row.spread.local, row.spread.group.rank * row.spread.local
+        mine = owner == row.spread.group.rank
+        out = _ChunkedChosenLogprobs.apply(hidden[0, row.source[mine] - first], head.weight, row.targets[mine],
+                                           temperature, chunk_size, with_entropy, banned)
+        return sequence_parallel.gather_scored(out, owner, row.spread)
 
     head.forward = chosen_token_head
     try:  # use_cache=False matters: with a cache, transformers skips the per-sequence (block-diagonal) mask
-        out = model(input_ids=row.ids, position_ids=row.positions, attention_mask=row.mask, use_cache=False,
-                    **row.attention_options, **row.vision_inputs).logits
+        with sequence_parallel.local_inputs(model, row.spread):
+            out = model(input_ids=row.ids, position_ids=row.positions, attention_mask=row.mask, use_cache=False,
+                        **row.attention_options, **row.vision_inputs, **_spread_keyword(row)).logits
     finally:
         del head.forward
     zeros = out.new_zeros(sum(map(len, sequences)))
@@ -634,9 +654,17 @@ def packed_values(value_model, sequences: list[list[int]], score_from: list[int]
     row = _packed_row(value_model, sequences, score_from, share_prefixes)
     with warnings.catch_warnings():  # FSDP2 warns that the head's output is a view; it is only read out of place here
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        out = value_model(input_ids=row.ids, position_ids=row.positions, attention_mask=row.mask,
-                          use_cache=False, **row.attention_options).logits[0, :, 0].float()
+        with sequence_parallel.local_inputs(value_model, row.spread):
+            out = value_model(input_ids=row.ids, position_ids=row.positions, attention_mask=row.mask,
+                              use_cache=False, **row.attention_options, **_spread_keyword(row)).logits[0, :, 0].float()
+    if row.spread is not None:
+        out = sequence_parallel.gather_rows(out, row.spread)
     return out.new_zeros(sum(map(len, sequences))).index_copy(0, row.dest, out[row.source])
+
+
+def _spread_keyword(row: PackedRow) -> dict:
+    """What tells the attentions to run sequence-parallel (`sequence_parallel.ulysses`): nothing without a group."""
+    return {} if row.spread is None else {"sequence_parallel": row.spread}
 
 
 # Completions: the trainers' view of the packed forwards. A sample is anything with `prompt_ids` and `completion_ids`
