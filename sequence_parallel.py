@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from transformers import AutoConfig
 
 import collectives
 
@@ -29,22 +30,33 @@ class Group:
     process_group: object  # torch.distributed ProcessGroup, None for size 1
 
 
-def check_heads(config, size: int, where: str = "--sequence-parallel") -> None:
+def check_heads(config, size: int, model: str | None = None) -> None:
     """Refuse a group size the model's attention heads cannot be split over: each rank attends with H/N query heads,
     so N must divide them; and each needs the key/value heads of its query heads, so N must divide the key/value
-    heads or be a multiple of them (then each is repeated). A vision-language model's language model decides."""
+    heads or be a multiple of them (then each is repeated). A vision-language model's language model decides.
+    `model` names the model in the message (default: its type)."""
     if size < 1:
-        raise ValueError(f"{where} {size}: must be at least 1")
-    if size == 1:
-        return
+        raise ValueError(f"--sequence-parallel {size}: must be at least 1")
     text = config.get_text_config()
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    if heads % size or (kv_heads % size and size % kv_heads):
-        raise ValueError(f"{where} {size}: {getattr(config, 'model_type', 'the model')} has {heads} attention heads "
-                         f"and {kv_heads} key/value heads; N must divide the attention heads and either divide the "
-                         f"key/value heads or be a multiple of them (here: "
-                         f"{', '.join(str(n) for n in range(1, heads + 1) if not heads % n and not (kv_heads % n and n % kv_heads))})")
+    allowed = [n for n in range(1, heads + 1) if not heads % n and not (kv_heads % n and n % kv_heads)]
+    if size not in allowed:
+        raise ValueError(f"--sequence-parallel {size}: {model or getattr(config, 'model_type', 'the model')} has "
+                         f"{heads} attention heads and {kv_heads} key/value heads; N must divide the attention heads "
+                         f"and divide the key/value heads or be a multiple of them: one of "
+                         f"{', '.join(map(str, allowed))}")
+
+
+def check_model(path: str | None, size: int, attention: str) -> None:
+    """`check_heads` of the model folder at `path` (nothing for None or a size of 1), and refuse an attention that
+    `ulysses` does not wrap; before anything loads."""
+    if path is None or size == 1:
+        return
+    if attention not in ATTENTIONS:
+        raise ValueError(f"--sequence-parallel {size}: needs --attn-implementation {' or '.join(ATTENTIONS)}, not "
+                         f"{attention}")
+    check_heads(AutoConfig.from_pretrained(path, local_files_only=True), size, path)
 
 
 def check_world(size: int, world: int) -> None:
@@ -204,14 +216,15 @@ def ulysses(attention):
     return attend
 
 
-def group_samples(items: list, group: Group | None) -> list:
+def group_samples(items: list, group: Group | None) -> tuple[list, slice]:
     """The items of every rank of `group`, concatenated in rank order (each rank of a group then runs the same
-    micro-batches); `items` alone without one. Collective over the group."""
+    micro-batches), and where this rank's are among them; `items` alone without a group. Collective over the group."""
     if group is None or group.size == 1:
-        return list(items)
+        return list(items), slice(0, len(items))
     parts = [None] * group.size
     dist.all_gather_object(parts, list(items), group=group.process_group)
-    return [item for part in parts for item in part]
+    before = sum(len(p) for p in parts[: group.rank])
+    return [item for part in parts for item in part], slice(before, before + len(items))
 
 
 @contextlib.contextmanager

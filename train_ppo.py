@@ -153,11 +153,10 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
                    else max(1, args.epochs * len(ready.rows) // args.prompts_per_step))
     vllm_engine = rl_run.start_vllm(args, ready)
     model = rl_run.load_policy(args, ready.device)
-    value_model = policy.shard_model(policy.load_value_model(args.critic_model or args.model,
-                                                             attn_implementation=args.attn_implementation)
-                                     .to(ready.device), mixed_precision=args.mixed_precision,
-                                     activation_checkpointing=args.activation_checkpointing,
-                                     compile_layers=args.compile_layers)
+    value_model = rl_run.spread(args, policy.shard_model(
+        policy.load_value_model(args.critic_model or args.model, attn_implementation=args.attn_implementation)
+        .to(ready.device), mixed_precision=args.mixed_precision, activation_checkpointing=args.activation_checkpointing,
+        compile_layers=args.compile_layers))
     ref_model = rl_run.load_reference(args, ready.device)
     teacher = rl_run.load_teacher(args, ready.device)
     optimizer = policy.adamw(model, args.lr, args.weight_decay)
@@ -193,14 +192,16 @@ def train_step(run: Run) -> dict:
     seconds = {}
     # 1-5. Prompts -> rollouts -> rewards (tool output between turns is outside the loss mask: no value, no loss).
     samples, batch, metrics = collect_samples(run, seconds)
-    # 6-7. Old/reference logprobs and values, token rewards, GAE, whitened advantages.
+    # 6-7. Old/reference logprobs and values, token rewards, GAE, whitened advantages; with --sequence-parallel over
+    # the samples of the rank's group (its ranks train on them together).
     with runlog.timed(seconds, "experience"):
-        exp, experience_metrics = make_experience(run, batch)
+        together, mine = rl_run.sequence_group_batch(run, batch)
+        exp, experience_metrics = make_experience(run, together)
     # 8. Minibatch updates: the critic every step, the actor once the critic has warmed up; then adaptive KL.
     with runlog.timed(seconds, "update"):
         update_metrics = update_epochs(run, exp)
     # 9. Throughput, timings and the trained samples' records (with --rich-samples, old logprobs and advantages).
-    rich = dict(trainer_logprobs=exp.old_logprobs, token_advantages=exp.advantages)
+    rich = dict(trainer_logprobs=exp.old_logprobs[mine], token_advantages=exp.advantages[mine])
     return (metrics | experience_metrics | update_metrics
             | rl_run.step_metrics(run, batch, seconds, run.total_steps, **rich))
 
@@ -286,7 +287,8 @@ def update_epochs(run: Run, exp: Experience) -> dict:
     metrics |= {"actor/frozen": float(frozen), "actor/reward_kl_penalty_coeff": run.kl_coef}
     if args.kl_target is not None:
         error = max(-0.2, min(0.2, exp.kl_mean / args.kl_target - 1))
-        run.kl_coef *= 1 + error * len(exp.samples) * run.world / args.kl_horizon
+        samples_per_step = len(exp.samples) * run.world / args.sequence_parallel  # a group's ranks share theirs
+        run.kl_coef *= 1 + error * samples_per_step / args.kl_horizon
     return metrics
 
 

@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig, Qwen2Config
 
+import data_prep
 import policy
 import ranks
 import sequence_parallel
+import task_rows
 import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +35,7 @@ def vlm_dir(tmp_path_factory):
     return tiny.make_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"), CORPUS, seed=3)
 
 
+@pytest.mark.slow  # a torchrun launch per world size (about 20 s each on 2 cores)
 @pytest.mark.parametrize("world", [2, 4])
 def test_sequence_parallel_equals_one_rank(model_dir, vlm_dir, world):
     """World 2: groups of 2 (key/value heads split). World 4: groups of 4 (the 2 key/value heads repeated) and 2
@@ -83,3 +86,29 @@ def test_refuses_an_attention_it_does_not_wrap_and_a_world_it_does_not_divide(mo
         sequence_parallel.attach(policy.load_model(model_dir, attn_implementation="sdpa"), group)
     with pytest.raises(ValueError, match="--sequence-parallel 4: must divide the number of ranks \\(6\\)"):
         sequence_parallel.check_world(4, 6)
+
+
+@pytest.mark.slow  # two 2-rank GRPO runs of 2 steps
+def test_grpo_step_is_the_same_with_and_without_sequence_parallelism(model_dir, tmp_path):
+    """2 ranks each with their own samples (data parallel) against the same 2 ranks training all of them together
+    with every packed row spread over both (--sequence-parallel 2): samples are seeded per sample, so both runs see
+    the same ones, and the loss, entropy and gradient norm of each step are the same (the second step's rollouts come
+    from the first step's weights: the update was the same too)."""
+    train, _ = data_prep.toy_rows(16, 0, seed=0, max_ops=1)
+    task_rows.write_rows(train, tmp_path / "train.parquet")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    runs = {}
+    for n in (1, 2):
+        out = tmp_path / f"sp{n}"
+        subprocess.run([*ranks.torchrun(2, ROOT / "train_grpo.py"), "--model", str(model_dir), "--data",
+                        str(tmp_path / "train.parquet"), "--output-dir", str(out), "--prompts-per-step", "2",
+                        "--group-size", "2", "--max-new-tokens", "24", "--total-steps", "2", "--save-every", "0",
+                        "--sample-every", "0", "--seed", "1", "--sequence-parallel", str(n)],
+                       check=True, env=env, timeout=600, capture_output=True)
+        runs[n] = [json.loads(line) for line in open(out / "metrics.jsonl") if "actor/pg_loss" in line]
+    assert len(runs[1]) == len(runs[2]) == 2
+    for one, two in zip(runs[1], runs[2]):
+        assert one["critic/score/mean"] == two["critic/score/mean"]
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "response_length/mean"):
+            assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
