@@ -43,10 +43,12 @@ def packed_sdpa(module, query, key, value, attention_mask, scaling=None, dropout
                 sliding_window=None, **kwargs):
     """Attention for packed forwards (`attn_implementation="packed_sdpa"`): causal sdpa on each sequence of the pack
     by itself, read off the position ids. A sequence starts where they restart at 0. A *branch* is a run of tokens
-    whose positions start at p > 0 and do not continue the tokens before it: it continues the first p tokens of its
-    sequence (a prompt shared by a GRPO group, `packed_logprobs(share_prefixes=True)`) and attends to them and to
-    itself. sdpa given the pack would build and apply a [tokens, tokens] mask, work quadratic in the micro-batch;
-    this is quadratic only in each sequence. No KV cache and no padding: engines decode with sdpa."""
+    whose positions start at p > 0 and do not continue the tokens before it: it continues the first p tokens of the
+    path it leaves, the tokens the row's previous token attended at positions below p, and attends to them and to
+    itself. So a row laid out as a prefix tree in pre-order (`packed_logprobs(share_prefixes=True)`: a GRPO group's
+    prompt, a session's segments) runs each distinct prefix once. sdpa given the pack would build and apply a
+    [tokens, tokens] mask, work quadratic in the micro-batch; this is quadratic only in each sequence. No KV cache and
+    no padding: engines decode with sdpa."""
     if query.shape[0] != 1 or position_ids is None or position_ids.dim() != 2 or query.shape[2] != key.shape[2]:
         raise ValueError("attn_implementation='packed_sdpa' serves packed forwards only (one row of sequences, 2-d "
                          "position ids, no KV cache); decode with sdpa")
@@ -54,7 +56,7 @@ def packed_sdpa(module, query, key, value, attention_mask, scaling=None, dropout
         raise ValueError(f"packed_sdpa attends to whole sequences; this layer has a sliding window of {sliding_window} "
                          "tokens: train with --attn-implementation flex_attention or sdpa")
     positions = position_ids[0]
-    # pieces: runs of consecutive positions; each starts a sequence (position 0) or a branch of the current one
+    # pieces: runs of consecutive positions; each starts a sequence (position 0) or a branch of the current path
     cut = torch.ones_like(positions, dtype=torch.bool)
     cut[1:] = positions[1:] != positions[:-1] + 1
     starts = cut.nonzero().squeeze(1)
@@ -70,20 +72,29 @@ def packed_sdpa(module, query, key, value, attention_mask, scaling=None, dropout
     # split, not slicing: its backward is one cat, where each slice's backward zero-fills a full-size gradient
     qs, ks, vs = query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2)
     out = [None] * len(lengths)
-    branches = {}  # (sequence's first piece, branch point, length) -> branch pieces
+    path = []  # the current path: (piece, its first n tokens) runs, from position 0
+    branches = {}  # (the runs of a prefix, branch length) -> branch pieces
     for i, first in enumerate(firsts):
+        prefix, depth = [], 0
+        for piece, n in path:
+            if depth == first:
+                break
+            prefix.append((piece, min(n, first - depth)))
+            depth += prefix[-1][1]
+        if depth < first:
+            raise ValueError(f"packed_sdpa: tokens at positions {first}.. continue a sequence whose first {depth} "
+                             "tokens are all that precede them")
+        path = prefix + [(i, lengths[i])]
         if first == 0:
-            head = i
             out[i] = attend(qs[i], ks[i], vs[i])
-        elif first > lengths[head]:
-            raise ValueError(f"packed_sdpa: tokens at positions {first}.. continue a sequence whose first "
-                             f"{lengths[head]} tokens are all that precede them")
         else:
-            branches.setdefault((head, first, lengths[i]), []).append(i)
-    for (head, shared, length), pieces in branches.items():  # equal-length branches of one prefix: one batched call
-        n = len(pieces)
-        k = torch.cat([ks[head][:, :, :shared].expand(n, -1, -1, -1), torch.cat([ks[i] for i in pieces])], 2)
-        v = torch.cat([vs[head][:, :, :shared].expand(n, -1, -1, -1), torch.cat([vs[i] for i in pieces])], 2)
+            branches.setdefault((tuple(prefix), lengths[i]), []).append(i)
+    for (prefix, length), pieces in branches.items():  # equal-length branches of one prefix: one batched call
+        n, shared = len(pieces), sum(m for _, m in prefix)
+        k = torch.cat([torch.cat([ks[p][:, :, :m] for p, m in prefix], 2).expand(n, -1, -1, -1),
+                       torch.cat([ks[i] for i in pieces])], 2)
+        v = torch.cat([torch.cat([vs[p][:, :, :m] for p, m in prefix], 2).expand(n, -1, -1, -1),
+                       torch.cat([vs[i] for i in pieces])], 2)
         sees = torch.ones(length, shared + length, dtype=torch.bool, device=query.device).tril(shared)
         for i, o in zip(pieces, attend(torch.cat([qs[i] for i in pieces]), k, v, sees).split(1)):
             out[i] = o
@@ -448,20 +459,29 @@ def shares_prefixes(model) -> bool:
 
 
 def branch_block_mask(positions: torch.Tensor):
-    """flex_attention's BlockMask for a packed row with branches, what packed_sdpa attends: a token sees the earlier
-    tokens of its own run of consecutive positions and, when that run is a branch starting at position p, the first
-    p tokens of its sequence. Built by the compiled `create_block_mask`: no [tokens, tokens] mask is materialised."""
-    index = torch.arange(len(positions), device=positions.device)
-    run_start = torch.ones_like(positions, dtype=torch.bool)
-    run_start[1:] = positions[1:] != positions[:-1] + 1
-    sequence_from = torch.where(positions == 0, index, 0).cummax(0).values  # first token of each token's sequence
-    run_from = torch.where(run_start, index, 0).cummax(0).values
-    prefix_to = sequence_from + torch.where(run_from > sequence_from, positions[run_from], 0)  # a branch's prefix
+    """flex_attention's BlockMask for a packed row with branches, what packed_sdpa attends: the row is a prefix tree
+    laid out in pre-order, and a token sees its ancestors and itself. Token k's subtree is the tokens after it up to
+    the next one at its position or lower, so q sees k iff k <= q <= the end of k's subtree (O(tokens), no
+    [tokens, tokens] mask materialised; built by the compiled `create_block_mask`)."""
+    # [1, tokens], read at [batch, kv]: inductor's CPU flex kernel fails to compile a 1-d read at [kv] once the
+    # shapes go dynamic (transformers' own packed-sequence mask reads 2-d too)
+    subtree_end = torch.tensor(_subtree_ends(positions.tolist()), device=positions.device)[None]
 
     def sees(batch, head, q, kv):
-        return (kv <= q) & (kv >= sequence_from[q]) & ((kv >= run_from[q]) | (kv < prefix_to[q]))
+        return (kv <= q) & (q <= subtree_end[batch, kv])
 
     return _compiled(create_block_mask)(sees, None, None, len(positions), len(positions), device=positions.device)
+
+
+def _subtree_ends(positions: list[int]) -> list[int]:
+    """For each token of a row in pre-order, the index of the last token of its subtree: one before the next token at
+    its position or lower (a sibling, a branch off an ancestor, a new sequence), else the row's last."""
+    ends, open_tokens = [len(positions) - 1] * len(positions), []
+    for row, position in enumerate(positions):
+        while open_tokens and positions[open_tokens[-1]] >= position:
+            ends[open_tokens.pop()] = row - 1
+        open_tokens.append(row)
+    return ends
 
 
 def minibatch(groups: list[int], count: int, which: int) -> list[int]:
@@ -479,25 +499,42 @@ def pack(index: list[int], sequences: list[list[int]], max_tokens: int, score_fr
     """Micro-batches for packed forwards: the samples `index` (with `sequences`) greedily packed into at most
     `max_tokens` tokens each (a longer sample goes alone); this rank's plan alone (collectives.same_count_on_every_rank
     pads it so that every rank runs the same number of forwards). Given `score_from` and a `model` that shares prefixes
-    (the forwards pass share_prefixes=True), a sample that starts with the same first score_from tokens as the one
-    before it costs only the rest when both land in one micro-batch. image_tokens: per sample, the tokens its image
-    placeholders add when expanded, in all and within its first score_from tokens (a vision model's)."""
+    (the forwards pass share_prefixes=True), a sample costs only what its micro-batch does not hold yet: past its
+    longest common prefix with a sample already there (a vision model: past its first score_from tokens, when the one
+    before it starts with the same ones). image_tokens: per sample, the tokens its image placeholders add when
+    expanded, in all and within its first score_from tokens (a vision model's)."""
     share = model is not None and score_from is not None and shares_prefixes(model)
-    micro, current, used = [], [], 0
+    tree = share and not vision.is_vision_model(model.config)
+    micro, current, members, used = [], [], [], 0
     for k, (i, s) in enumerate(zip(index, sequences)):
         added, added_in_prefix = image_tokens[k] if image_tokens else (0, 0)
         n = len(s) + added
         first = score_from[k] if share else 0
-        if share and current and score_from[k - 1] == first and sequences[k - 1][:first] == s[:first]:
+        if tree and current:
+            n -= max(_shared_length(sequences[m], s) for m in members)
+        elif share and current and score_from[k - 1] == first and sequences[k - 1][:first] == s[:first]:
             n -= first + added_in_prefix
         if current and used + n > max_tokens:
             micro.append(current)
-            current, used, n = [], 0, len(s) + added
+            current, members, used, n = [], [], 0, len(s) + added
         current.append(i)
+        members.append(k)
         used += n
     if current:
         micro.append(current)
     return micro
+
+
+def _shared_length(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists (by halving: each test is one list comparison)."""
+    same, differ = 0, min(len(a), len(b)) + 1  # a[:same] == b[:same]; a[:differ] != b[:differ] (or past the end)
+    while differ - same > 1:
+        middle = (same + differ) // 2
+        if a[:middle] == b[:middle]:
+            same = middle
+        else:
+            differ = middle
+    return same
 
 
 def _checked(sequences: list[list[int]], score_from: list[int] | None, caller: str) -> list[int]:
@@ -514,27 +551,35 @@ def _checked(sequences: list[list[int]], score_from: list[int] | None, caller: s
 def _layout(sequences: list[list[int]], score_from: list[int], share: bool, prefix_keys: list | None = None):
     """The packed row of `sequences`: token ids, position ids, and for every scored token (position >= its
     score_from) the row index of the hidden state that predicts it and its index in the concatenated sequences; and
-    the pieces laid out, (sequence, its first token in the row) each. With `share`, the sequences whose first
-    score_from tokens are equal (and whose `prefix_keys`, e.g. the images of those tokens, are equal) follow the first
-    of them as branches: only their tokens from score_from on, positions continuing from score_from (what packed_sdpa
-    attends as a branch)."""
+    the pieces laid out, (sequence, its first token in the row) each. With `share` the row is a prefix tree: the
+    sequences in sorted order (the tree's pre-order), each laid out only from where it leaves the one before it (its
+    longest common prefix with any earlier one), positions continuing from there (what packed_sdpa attends as a
+    branch); every distinct prefix runs once. With `prefix_keys` (a vision model's: digests of each sequence's images
+    before score_from) a sequence shares only its whole first score_from tokens, with one whose first tokens and keys
+    are the same."""
     ids, positions, source, dest, pieces = [], [], [], [], []
     offsets = list(itertools.accumulate((len(s) for s in sequences), initial=0))
-    groups = {}
-    for i, (s, first) in enumerate(zip(sequences, score_from)):
-        key = (tuple(s[:first]), prefix_keys[i] if prefix_keys else None) if share else i
-        groups.setdefault(key, []).append(i)
-    for members in groups.values():
-        trunk = len(ids)  # row index of the group's first sequence, laid out whole
-        for n, i in enumerate(members):
-            s, first = sequences[i], score_from[i]
-            begin, row = (0 if n == 0 else first), len(ids)
-            pieces.append((i, begin))
-            ids += s[begin:]
-            positions += range(begin, len(s))
-            for j in range(first, len(s)):  # token j is predicted by the hidden state of token j - 1
-                source.append(trunk + j - 1 if j - 1 < begin else row + j - 1 - begin)
-                dest.append(offsets[i] + j)
+    order = range(len(sequences))
+    if share:
+        order = sorted(order, key=lambda i: sequences[i] if prefix_keys is None
+                       else (sequences[i][:score_from[i]], prefix_keys[i]))
+    path, before = [], None  # row index of each token of the previous sequence; that sequence
+    for i in order:
+        s, first = sequences[i], score_from[i]
+        begin = 0
+        if share and before is not None and prefix_keys is None:
+            begin = _shared_length(sequences[before], s)
+        elif share and before is not None and (s[:first], prefix_keys[i]) == (
+                sequences[before][:score_from[before]], prefix_keys[before]):
+            begin = first
+        path = path[:begin] + list(range(len(ids), len(ids) + len(s) - begin))
+        pieces.append((i, begin))
+        ids += s[begin:]
+        positions += range(begin, len(s))
+        for j in range(first, len(s)):  # token j is predicted by the hidden state of token j - 1
+            source.append(path[j - 1])
+            dest.append(offsets[i] + j)
+        before = i
     return ids, positions, source, dest, pieces
 
 
