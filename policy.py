@@ -1,6 +1,6 @@
 """The model being trained: load a Hugging Face causal LM (or a value model for PPO's critic), shard it with FSDP2,
 attend within packed sequences (`packed_sdpa`), compute per-token logprobs and values of packed sequences (in chunks,
-a group's shared prompt run once), plan micro-batches, and stream full weights to an inference engine. Also the
+each distinct prefix run once; sequence-parallel over ranks with sequence_parallel.py), plan micro-batches, and stream full weights to an inference engine. Also the
 run's distributed reductions, its optimizer and learning-rate schedule. Checkpoints are checkpoint.py's.
 
 Every function works on a plain model and on a `shard_model`-ed one, with or without torchrun.
@@ -650,9 +650,9 @@ def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0,
     log p(ids[j] | earlier ids of its sequence) under softmax(logits / temperature), and 0 at each sequence's first
     token. `score_from[i]` (default 1) is the first position of sequence i that is scored, e.g. its prompt length:
     earlier positions are 0 too, and the output layer never runs on them (RL scores completions only, and the head is
-    a large share of the work at vocab 152k). share_prefixes: sequences whose first score_from tokens are equal (the
-    samples of a GRPO group) run those tokens once, where the model can (`shares_prefixes`); the outputs are the
-    same. The model's output layer is swapped for a chunked chosen-token computation for this one call, so the
+    a large share of the work at vocab 152k). share_prefixes: the row is a prefix tree (`_layout`): tokens that
+    sequences start with alike (a GRPO group's prompt, a session's history) run once, where the model can
+    (`shares_prefixes`); the outputs are the same. The model's output layer is swapped for a chunked chosen-token computation for this one call, so the
     [tokens, vocab] logits never exist, and FSDP2's root hooks still gather the head's weight as usual.
     A vision model: `images[i]` are sequence i's images (PNG bytes or PIL), one per `<|image_pad|>` in its ids, in
     order; its image and video placeholders are out of the distribution (as the engines sample) and their own
@@ -720,7 +720,7 @@ _IDLE = [SimpleNamespace(prompt_ids=[0], completion_ids=[0], images=[])]
 
 
 def completion_micro_batches(model, samples: list, index: list[int], max_tokens: int) -> list[list[int]]:
-    """`pack` of the samples `index`, each group's shared prompt counted once per micro-batch where `model` shares
+    """`pack` of the samples `index`, each distinct prefix counted once per micro-batch where `model` shares
     prefixes; the same number of micro-batches on every rank."""
     chosen = [samples[i] for i in index]
     images = _images(model, chosen)
@@ -741,7 +741,7 @@ def _images(model, samples: list) -> list[list] | None:
 def completion_logprobs(model, samples: list, temperature: float = 1.0, chunk_size: int = 512,
                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, T] logprobs (and entropies) of each sample's completion tokens given its prompt: one packed forward from
-    the completions' first tokens on, a group's common prompt run once where the model can share it. A vision model
+    the completions' first tokens on, each distinct prefix run once where the model can share it. A vision model
     gets each sample's `images`. No samples (an idle micro-batch): one masked-out token is run and [1, 1]
     returned."""
     samples = samples or _IDLE
