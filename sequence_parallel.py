@@ -11,6 +11,7 @@ over every rank (FSDP2); the ranks of one group hold the same samples (`group_sa
 """
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoConfig
 
 import collectives
+
+
+ATTENTIONS = ("packed_sdpa", "flex_attention")  # the attentions `ulysses` wraps (policy.py registers them)
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ def check_world(size: int, world: int) -> None:
         raise ValueError(f"--sequence-parallel {size}: must divide the number of ranks ({world})")
 
 
+@functools.cache  # one set of process groups for all the models of a run
 def make_group(size: int) -> Group:
     """This rank's group of `size` consecutive ranks, from a (data, sequence) device mesh over the world. Collective
     (every rank builds every group)."""
@@ -75,9 +80,6 @@ def make_group(size: int) -> Group:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device, (world // size, size), mesh_dim_names=("data", "sequence"))
     return Group(size, mesh["sequence"].get_local_rank(), mesh["sequence"].get_group())
-
-
-ATTENTIONS = ("packed_sdpa", "flex_attention")  # the attentions `ulysses` wraps (policy.py registers them)
 
 
 def attach(model, group: Group):
@@ -178,6 +180,7 @@ def gather_scored(out: torch.Tensor, owner: torch.Tensor, spread: Spread) -> tor
     return whole[torch.argsort(torch.argsort(owner, stable=True))]
 
 
+@torch.compiler.disable  # collectives: under --compile-layers the layer's graph breaks here, around the exchange
 def _seq_to_heads(x: torch.Tensor, group: Group) -> torch.Tensor:
     """[1, H, local, d] (all heads, this rank's tokens) -> [1, H/N, N * local, d] (its heads, every token)."""
     _, heads, local, dim = x.shape
@@ -186,6 +189,7 @@ def _seq_to_heads(x: torch.Tensor, group: Group) -> torch.Tensor:
     return received.transpose(0, 1).reshape(1, heads // n, n * local, dim)
 
 
+@torch.compiler.disable
 def _heads_to_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
     """[1, N * local, H/N, d] (attention's output layout: every token, this rank's heads) -> [1, local, H, d]."""
     _, length, heads, dim = x.shape

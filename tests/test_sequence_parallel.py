@@ -112,3 +112,28 @@ def test_grpo_step_is_the_same_with_and_without_sequence_parallelism(model_dir, 
         assert one["critic/score/mean"] == two["critic/score/mean"]
         for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "response_length/mean"):
             assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
+
+
+@pytest.mark.slow  # two 2-rank SFT runs of 2 steps
+def test_sft_is_the_same_with_and_without_sequence_parallelism(model_dir, tmp_path):
+    """train_sft.py on 2 ranks, data parallel against --sequence-parallel 2: the same loss, tokens and gradient norm
+    at each step."""
+    train, _ = data_prep.toy_rows(8, 0, seed=0, max_ops=2)
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("".join(json.dumps({"messages": r["prompt"] + [
+        {"role": "assistant", "content": r["extra_info"]["solution"]}]}) + "\n" for r in train))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    runs = {}
+    for n in (1, 2):
+        out = tmp_path / f"sft{n}"
+        subprocess.run([*ranks.torchrun(2, ROOT / "train_sft.py"), "--model", str(model_dir), "--data",
+                        str(data), "--output-dir", str(out), "--steps", "2",
+                        "--batch-size", "4", "--sequence-parallel", str(n)],
+                       check=True, env=env, timeout=600, capture_output=True)
+        runs[n] = [json.loads(line) for line in open(out / "metrics.jsonl") if "train/loss" in line]
+    assert len(runs[1]) == len(runs[2]) == 2
+    for one, two in zip(runs[1], runs[2]):
+        assert two["train/tokens"] == one["train/tokens"]
+        for key in ("train/loss", "train/grad_norm"):
+            assert two[key] == pytest.approx(one[key], rel=1e-4), key
