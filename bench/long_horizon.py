@@ -18,6 +18,8 @@ relative to each tensor's largest entry over logprobs, entropies, loss and every
 
     .venv/bin/python bench/long_horizon.py                 # the CPU sections
     torchrun --nproc-per-node 4 bench/long_horizon.py --gpu-shape qwen2.5-7b --tokens 65536 --sequence-parallel 4
+    torchrun --nproc-per-node 2 bench/long_horizon.py --gpu-shape tiny --tokens 4096 --sequence-parallel 2 \
+        --attn-implementation packed_sdpa --steps 1     # CPU smoke run of the GPU section
 
 On GPUs (`--gpu-shape`): a Qwen2.5-7B-shaped model with random weights (28 heads, 4 key/value heads: N = 2 or 4; 8 is
 refused), bf16 under FSDP2 over every rank, full activation checkpointing, one packed row of --tokens tokens (8
@@ -73,6 +75,8 @@ class Args:
     """GPU section: ranks per row"""
     steps: int = 3
     """GPU section: measured updates (after one warm-up)"""
+    attn_implementation: str = "flex_attention"
+    """GPU section: the packed attention (packed_sdpa for a CPU smoke run: flex has no CPU backward)"""
 
 
 def swe_group(seed: int) -> tuple[list[list[int]], list[int], list[int]]:
@@ -154,8 +158,10 @@ def gpu_section(args: Args) -> dict:
     sequence_parallel.check_heads(config, args.sequence_parallel, args.gpu_shape)
     torch.manual_seed(args.seed)
     with device:
-        model = Qwen2ForCausalLM._from_config(config, attn_implementation="flex_attention", dtype=torch.float32)
-    model = policy.shard_model(model, mixed_precision=True, activation_checkpointing="full")
+        model = Qwen2ForCausalLM._from_config(config, attn_implementation=args.attn_implementation,
+                                              dtype=torch.float32)
+    cuda = device.type == "cuda"
+    model = policy.shard_model(model, mixed_precision=cuda, activation_checkpointing="full")
     model = sequence_parallel.attach(model, sequence_parallel.make_group(args.sequence_parallel))
     rng = random.Random(args.seed + rank // args.sequence_parallel)  # a group's ranks run the same row
     length = args.tokens // 8
@@ -164,19 +170,21 @@ def gpu_section(args: Args) -> dict:
                                images=[]) for _ in range(8)]
     seconds = []
     for step in range(1 + args.steps):
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         logprobs, _ = policy.completion_logprobs(model, samples)
         logprobs.sum().backward()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         if step:
             seconds.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
-    return {"device": torch.cuda.get_device_name(device), "world": world, "shape": args.gpu_shape,
+    return {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "world": world, "shape": args.gpu_shape,
             "sequence_parallel": args.sequence_parallel, "tokens_per_row": args.tokens,
             "tokens_per_s_per_rank": round(args.tokens * args.steps / sum(seconds) / args.sequence_parallel, 1),
             "seconds_per_update": round(sum(seconds) / args.steps, 3),
-            "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)}
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None}
 
 
 def main(args: Args) -> None:
