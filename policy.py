@@ -1,7 +1,8 @@
 """The model being trained: load a Hugging Face causal LM (or a value model for PPO's critic), shard it with FSDP2,
 attend within packed sequences (`packed_sdpa`), compute per-token logprobs and values of packed sequences (in chunks,
-each distinct prefix run once; sequence-parallel over ranks with sequence_parallel.py), plan micro-batches, and stream full weights to an inference engine. Also the
-run's distributed reductions, its optimizer and learning-rate schedule. Checkpoints are checkpoint.py's.
+each distinct prefix run once; spread over ranks by sequence_parallel.py), plan micro-batches, and stream full
+weights to an inference engine. Also the run's distributed reductions, its optimizer and learning-rate schedule.
+Checkpoints are checkpoint.py's.
 
 Every function works on a plain model and on a `shard_model`-ed one, with or without torchrun.
 """
@@ -652,8 +653,9 @@ def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0,
     earlier positions are 0 too, and the output layer never runs on them (RL scores completions only, and the head is
     a large share of the work at vocab 152k). share_prefixes: the row is a prefix tree (`_layout`): tokens that
     sequences start with alike (a GRPO group's prompt, a session's history) run once, where the model can
-    (`shares_prefixes`); the outputs are the same. The model's output layer is swapped for a chunked chosen-token computation for this one call, so the
-    [tokens, vocab] logits never exist, and FSDP2's root hooks still gather the head's weight as usual.
+    (`shares_prefixes`); the outputs are the same. The model's output layer is swapped for a chunked chosen-token
+    computation for this one call, so the [tokens, vocab] logits never exist, and FSDP2's root hooks still gather the
+    head's weight as usual.
     A vision model: `images[i]` are sequence i's images (PNG bytes or PIL), one per `<|image_pad|>` in its ids, in
     order; its image and video placeholders are out of the distribution (as the engines sample) and their own
     positions are 0."""

@@ -196,7 +196,7 @@ def train_step(run: Run) -> dict:
     # the samples of the rank's group (its ranks train on them together).
     with runlog.timed(seconds, "experience"):
         together, mine = rl_run.sequence_group_batch(run, batch)
-        exp, experience_metrics = make_experience(run, together)
+        exp, experience_metrics = make_experience(run, together, mine)
     # 8. Minibatch updates: the critic every step, the actor once the critic has warmed up; then adaptive KL.
     with runlog.timed(seconds, "update"):
         update_metrics = update_epochs(run, exp)
@@ -236,9 +236,11 @@ def collect_samples(run: Run, seconds: dict) -> tuple[list[rollout.Sample], list
     return samples, batch, metrics | rl_run.reward_metrics(run, samples, rollout_metrics)
 
 
-def make_experience(run: Run, samples: list[rollout.Sample]) -> tuple[Experience, dict]:
+def make_experience(run: Run, samples: list[rollout.Sample], mine: slice = slice(None)) -> tuple[Experience, dict]:
     """Old/reference logprobs and values of `samples`, then token rewards (the score on the last policy token, minus
-    kl_coef * KL to the reference on every policy token), GAE over the policy tokens and whitened advantages."""
+    kl_coef * KL to the reference on every policy token), GAE over the policy tokens and whitened advantages. The
+    statistics over ranks take this rank's own samples, `samples[mine]` (with --sequence-parallel the others are its
+    group's: each sample counts once)."""
     args = run.args
     mask = policy.padded([s.loss_mask for s in samples])
     old = policy.completion_logprobs_no_grad(run.model, samples, args.micro_batch_tokens, args.temperature,
@@ -253,20 +255,20 @@ def make_experience(run: Run, samples: list[rollout.Sample]) -> tuple[Experience
         token_rewards = token_rewards - run.kl_coef * kl
     advantages, returns = losses.gae(token_rewards, values, mask, args.gamma, args.lam)
     advantages, distill_metrics = rl_run.distill(run, old, samples, advantages)  # --teacher: before whitening
-    adv_mean, adv_var = collectives.global_mean_var(advantages, mask)
+    adv_mean, adv_var = collectives.global_mean_var(advantages[mine], mask[mine])
     if args.whiten_advantages:
         advantages = torch.where(mask.bool(), (advantages - adv_mean) / math.sqrt(adv_var + 1e-8), 0)
-    returns_mean, returns_var = collectives.global_mean_var(returns, mask)
-    _, error_var = collectives.global_mean_var(returns - values, mask)
+    returns_mean, returns_var = collectives.global_mean_var(returns[mine], mask[mine])
+    _, error_var = collectives.global_mean_var((returns - values)[mine], mask[mine])
     engine_logprobs = policy.padded([s.engine_logprobs for s in samples])
     correction = rl_run.rollout_correction(run, old, samples)
     metrics = correction.metrics | distill_metrics | {
-        "critic/values/mean": collectives.global_mean_var(values, mask)[0],
+        "critic/values/mean": collectives.global_mean_var(values[mine], mask[mine])[0],
         "critic/returns/mean": returns_mean,
         "critic/vf_explained_var": 1 - error_var / returns_var if returns_var > 0 else 0.0,
         "critic/advantages/mean": adv_mean, "critic/advantages/std": math.sqrt(adv_var),
-        "actor/reward_kl_penalty": collectives.global_mean_var(kl, mask)[0],
-        "mismatch/engine_abs": collectives.global_mean_var((old - engine_logprobs).abs(), mask)[0],
+        "actor/reward_kl_penalty": collectives.global_mean_var(kl[mine], mask[mine])[0],
+        "mismatch/engine_abs": collectives.global_mean_var((old - engine_logprobs).abs()[mine], mask[mine])[0],
     }
     return Experience(samples, mask, correction, old, values, advantages, returns,
                       metrics["actor/reward_kl_penalty"]), metrics
