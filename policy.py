@@ -1,7 +1,8 @@
 """The model being trained: load a Hugging Face causal LM (or a value model for PPO's critic), shard it with FSDP2,
 attend within packed sequences (`packed_sdpa`), compute per-token logprobs and values of packed sequences (in chunks,
-a group's shared prompt run once), plan micro-batches, and stream full weights to an inference engine. Also the
-run's distributed reductions, its optimizer and learning-rate schedule. Checkpoints are checkpoint.py's.
+each distinct prefix run once; spread over ranks by sequence_parallel.py), plan micro-batches, and stream full
+weights to an inference engine. Also the run's distributed reductions, its optimizer and learning-rate schedule.
+Checkpoints are checkpoint.py's.
 
 Every function works on a plain model and on a `shard_model`-ed one, with or without torchrun.
 """
@@ -29,10 +30,12 @@ import transformers
 from peft import LoraConfig, inject_adapter_in_model
 from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
                           AutoModelForTokenClassification, AutoTokenizer, GenerationConfig)
+from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 import collectives
 import hub
+import sequence_parallel
 import vision
 
 
@@ -41,10 +44,12 @@ def packed_sdpa(module, query, key, value, attention_mask, scaling=None, dropout
                 sliding_window=None, **kwargs):
     """Attention for packed forwards (`attn_implementation="packed_sdpa"`): causal sdpa on each sequence of the pack
     by itself, read off the position ids. A sequence starts where they restart at 0. A *branch* is a run of tokens
-    whose positions start at p > 0 and do not continue the tokens before it: it continues the first p tokens of its
-    sequence (a prompt shared by a GRPO group, `packed_logprobs(share_prefixes=True)`) and attends to them and to
-    itself. sdpa given the pack would build and apply a [tokens, tokens] mask, work quadratic in the micro-batch;
-    this is quadratic only in each sequence. No KV cache and no padding: engines decode with sdpa."""
+    whose positions start at p > 0 and do not continue the tokens before it: it continues the first p tokens of the
+    path it leaves, the tokens the row's previous token attended at positions below p, and attends to them and to
+    itself. So a row laid out as a prefix tree in pre-order (`packed_logprobs(share_prefixes=True)`: a GRPO group's
+    prompt, a session's segments) runs each distinct prefix once. sdpa given the pack would build and apply a
+    [tokens, tokens] mask, work quadratic in the micro-batch; this is quadratic only in each sequence. No KV cache and
+    no padding: engines decode with sdpa."""
     if query.shape[0] != 1 or position_ids is None or position_ids.dim() != 2 or query.shape[2] != key.shape[2]:
         raise ValueError("attn_implementation='packed_sdpa' serves packed forwards only (one row of sequences, 2-d "
                          "position ids, no KV cache); decode with sdpa")
@@ -52,7 +57,7 @@ def packed_sdpa(module, query, key, value, attention_mask, scaling=None, dropout
         raise ValueError(f"packed_sdpa attends to whole sequences; this layer has a sliding window of {sliding_window} "
                          "tokens: train with --attn-implementation flex_attention or sdpa")
     positions = position_ids[0]
-    # pieces: runs of consecutive positions; each starts a sequence (position 0) or a branch of the current one
+    # pieces: runs of consecutive positions; each starts a sequence (position 0) or a branch of the current path
     cut = torch.ones_like(positions, dtype=torch.bool)
     cut[1:] = positions[1:] != positions[:-1] + 1
     starts = cut.nonzero().squeeze(1)
@@ -68,27 +73,38 @@ def packed_sdpa(module, query, key, value, attention_mask, scaling=None, dropout
     # split, not slicing: its backward is one cat, where each slice's backward zero-fills a full-size gradient
     qs, ks, vs = query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2)
     out = [None] * len(lengths)
-    branches = {}  # (sequence's first piece, branch point, length) -> branch pieces
+    path = []  # the current path: (piece, its first n tokens) runs, from position 0
+    branches = {}  # (the runs of a prefix, branch length) -> branch pieces
     for i, first in enumerate(firsts):
+        prefix, depth = [], 0
+        for piece, n in path:
+            if depth == first:
+                break
+            prefix.append((piece, min(n, first - depth)))
+            depth += prefix[-1][1]
+        if depth < first:
+            raise ValueError(f"packed_sdpa: tokens at positions {first}.. continue a sequence whose first {depth} "
+                             "tokens are all that precede them")
+        path = prefix + [(i, lengths[i])]
         if first == 0:
-            head = i
             out[i] = attend(qs[i], ks[i], vs[i])
-        elif first > lengths[head]:
-            raise ValueError(f"packed_sdpa: tokens at positions {first}.. continue a sequence whose first "
-                             f"{lengths[head]} tokens are all that precede them")
         else:
-            branches.setdefault((head, first, lengths[i]), []).append(i)
-    for (head, shared, length), pieces in branches.items():  # equal-length branches of one prefix: one batched call
-        n = len(pieces)
-        k = torch.cat([ks[head][:, :, :shared].expand(n, -1, -1, -1), torch.cat([ks[i] for i in pieces])], 2)
-        v = torch.cat([vs[head][:, :, :shared].expand(n, -1, -1, -1), torch.cat([vs[i] for i in pieces])], 2)
+            branches.setdefault((tuple(prefix), lengths[i]), []).append(i)
+    for (prefix, length), pieces in branches.items():  # equal-length branches of one prefix: one batched call
+        n, shared = len(pieces), sum(m for _, m in prefix)
+        k = torch.cat([torch.cat([ks[p][:, :, :m] for p, m in prefix], 2).expand(n, -1, -1, -1),
+                       torch.cat([ks[i] for i in pieces])], 2)
+        v = torch.cat([torch.cat([vs[p][:, :, :m] for p, m in prefix], 2).expand(n, -1, -1, -1),
+                       torch.cat([vs[i] for i in pieces])], 2)
         sees = torch.ones(length, shared + length, dtype=torch.bool, device=query.device).tril(shared)
         for i, o in zip(pieces, attend(torch.cat([qs[i] for i in pieces]), k, v, sees).split(1)):
             out[i] = o
     return torch.cat(out, dim=2).transpose(1, 2), None  # [1, tokens, heads, head_dim], as transformers' return
 
 
-AttentionInterface.register("packed_sdpa", packed_sdpa)
+# Both packed attentions run sequence-parallel when a forward passes `sequence_parallel` (sequence_parallel.ulysses).
+AttentionInterface.register("packed_sdpa", sequence_parallel.ulysses(packed_sdpa))
+AttentionInterface.register("flex_attention", sequence_parallel.ulysses(flex_attention_forward))
 AttentionMaskInterface.register("packed_sdpa", lambda *args, **kwargs: None)  # sequences come from position ids
 
 
@@ -444,20 +460,29 @@ def shares_prefixes(model) -> bool:
 
 
 def branch_block_mask(positions: torch.Tensor):
-    """flex_attention's BlockMask for a packed row with branches, what packed_sdpa attends: a token sees the earlier
-    tokens of its own run of consecutive positions and, when that run is a branch starting at position p, the first
-    p tokens of its sequence. Built by the compiled `create_block_mask`: no [tokens, tokens] mask is materialised."""
-    index = torch.arange(len(positions), device=positions.device)
-    run_start = torch.ones_like(positions, dtype=torch.bool)
-    run_start[1:] = positions[1:] != positions[:-1] + 1
-    sequence_from = torch.where(positions == 0, index, 0).cummax(0).values  # first token of each token's sequence
-    run_from = torch.where(run_start, index, 0).cummax(0).values
-    prefix_to = sequence_from + torch.where(run_from > sequence_from, positions[run_from], 0)  # a branch's prefix
+    """flex_attention's BlockMask for a packed row with branches, what packed_sdpa attends: the row is a prefix tree
+    laid out in pre-order, and a token sees its ancestors and itself. Token k's subtree is the tokens after it up to
+    the next one at its position or lower, so q sees k iff k <= q <= the end of k's subtree (O(tokens), no
+    [tokens, tokens] mask materialised; built by the compiled `create_block_mask`)."""
+    # [1, tokens], read at [batch, kv]: inductor's CPU flex kernel fails to compile a 1-d read at [kv] once the
+    # shapes go dynamic (transformers' own packed-sequence mask reads 2-d too)
+    subtree_end = torch.tensor(_subtree_ends(positions.tolist()), device=positions.device)[None]
 
     def sees(batch, head, q, kv):
-        return (kv <= q) & (kv >= sequence_from[q]) & ((kv >= run_from[q]) | (kv < prefix_to[q]))
+        return (kv <= q) & (q <= subtree_end[batch, kv])
 
     return _compiled(create_block_mask)(sees, None, None, len(positions), len(positions), device=positions.device)
+
+
+def _subtree_ends(positions: list[int]) -> list[int]:
+    """For each token of a row in pre-order, the index of the last token of its subtree: one before the next token at
+    its position or lower (a sibling, a branch off an ancestor, a new sequence), else the row's last."""
+    ends, open_tokens = [len(positions) - 1] * len(positions), []
+    for row, position in enumerate(positions):
+        while open_tokens and positions[open_tokens[-1]] >= position:
+            ends[open_tokens.pop()] = row - 1
+        open_tokens.append(row)
+    return ends
 
 
 def minibatch(groups: list[int], count: int, which: int) -> list[int]:
@@ -475,25 +500,42 @@ def pack(index: list[int], sequences: list[list[int]], max_tokens: int, score_fr
     """Micro-batches for packed forwards: the samples `index` (with `sequences`) greedily packed into at most
     `max_tokens` tokens each (a longer sample goes alone); this rank's plan alone (collectives.same_count_on_every_rank
     pads it so that every rank runs the same number of forwards). Given `score_from` and a `model` that shares prefixes
-    (the forwards pass share_prefixes=True), a sample that starts with the same first score_from tokens as the one
-    before it costs only the rest when both land in one micro-batch. image_tokens: per sample, the tokens its image
-    placeholders add when expanded, in all and within its first score_from tokens (a vision model's)."""
+    (the forwards pass share_prefixes=True), a sample costs only what its micro-batch does not hold yet: past its
+    longest common prefix with a sample already there (a vision model: past its first score_from tokens, when the one
+    before it starts with the same ones). image_tokens: per sample, the tokens its image placeholders add when
+    expanded, in all and within its first score_from tokens (a vision model's)."""
     share = model is not None and score_from is not None and shares_prefixes(model)
-    micro, current, used = [], [], 0
+    tree = share and not vision.is_vision_model(model.config)
+    micro, current, members, used = [], [], [], 0
     for k, (i, s) in enumerate(zip(index, sequences)):
         added, added_in_prefix = image_tokens[k] if image_tokens else (0, 0)
         n = len(s) + added
         first = score_from[k] if share else 0
-        if share and current and score_from[k - 1] == first and sequences[k - 1][:first] == s[:first]:
+        if tree and current:
+            n -= max(_shared_length(sequences[m], s) for m in members)
+        elif share and current and score_from[k - 1] == first and sequences[k - 1][:first] == s[:first]:
             n -= first + added_in_prefix
         if current and used + n > max_tokens:
             micro.append(current)
-            current, used, n = [], 0, len(s) + added
+            current, members, used, n = [], [], 0, len(s) + added
         current.append(i)
+        members.append(k)
         used += n
     if current:
         micro.append(current)
     return micro
+
+
+def _shared_length(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists (by halving: each test is one list comparison)."""
+    same, differ = 0, min(len(a), len(b)) + 1  # a[:same] == b[:same]; a[:differ] != b[:differ] (or past the end)
+    while differ - same > 1:
+        middle = (same + differ) // 2
+        if a[:middle] == b[:middle]:
+            same = middle
+        else:
+            differ = middle
+    return same
 
 
 def _checked(sequences: list[list[int]], score_from: list[int] | None, caller: str) -> list[int]:
@@ -510,27 +552,35 @@ def _checked(sequences: list[list[int]], score_from: list[int] | None, caller: s
 def _layout(sequences: list[list[int]], score_from: list[int], share: bool, prefix_keys: list | None = None):
     """The packed row of `sequences`: token ids, position ids, and for every scored token (position >= its
     score_from) the row index of the hidden state that predicts it and its index in the concatenated sequences; and
-    the pieces laid out, (sequence, its first token in the row) each. With `share`, the sequences whose first
-    score_from tokens are equal (and whose `prefix_keys`, e.g. the images of those tokens, are equal) follow the first
-    of them as branches: only their tokens from score_from on, positions continuing from score_from (what packed_sdpa
-    attends as a branch)."""
+    the pieces laid out, (sequence, its first token in the row) each. With `share` the row is a prefix tree: the
+    sequences in sorted order (the tree's pre-order), each laid out only from where it leaves the one before it (its
+    longest common prefix with any earlier one), positions continuing from there (what packed_sdpa attends as a
+    branch); every distinct prefix runs once. With `prefix_keys` (a vision model's: digests of each sequence's images
+    before score_from) a sequence shares only its whole first score_from tokens, with one whose first tokens and keys
+    are the same."""
     ids, positions, source, dest, pieces = [], [], [], [], []
     offsets = list(itertools.accumulate((len(s) for s in sequences), initial=0))
-    groups = {}
-    for i, (s, first) in enumerate(zip(sequences, score_from)):
-        key = (tuple(s[:first]), prefix_keys[i] if prefix_keys else None) if share else i
-        groups.setdefault(key, []).append(i)
-    for members in groups.values():
-        trunk = len(ids)  # row index of the group's first sequence, laid out whole
-        for n, i in enumerate(members):
-            s, first = sequences[i], score_from[i]
-            begin, row = (0 if n == 0 else first), len(ids)
-            pieces.append((i, begin))
-            ids += s[begin:]
-            positions += range(begin, len(s))
-            for j in range(first, len(s)):  # token j is predicted by the hidden state of token j - 1
-                source.append(trunk + j - 1 if j - 1 < begin else row + j - 1 - begin)
-                dest.append(offsets[i] + j)
+    order = range(len(sequences))
+    if share:
+        order = sorted(order, key=lambda i: sequences[i] if prefix_keys is None
+                       else (sequences[i][:score_from[i]], prefix_keys[i]))
+    path, before = [], None  # row index of each token of the previous sequence; that sequence
+    for i in order:
+        s, first = sequences[i], score_from[i]
+        begin = 0
+        if share and before is not None and prefix_keys is None:
+            begin = _shared_length(sequences[before], s)
+        elif share and before is not None and (s[:first], prefix_keys[i]) == (
+                sequences[before][:score_from[before]], prefix_keys[before]):
+            begin = first
+        path = path[:begin] + list(range(len(ids), len(ids) + len(s) - begin))
+        pieces.append((i, begin))
+        ids += s[begin:]
+        positions += range(begin, len(s))
+        for j in range(first, len(s)):  # token j is predicted by the hidden state of token j - 1
+            source.append(path[j - 1])
+            dest.append(offsets[i] + j)
+        before = i
     return ids, positions, source, dest, pieces
 
 
@@ -546,6 +596,7 @@ class PackedRow:
     mask: object  # the attention mask to pass: None, or flex_attention's block mask for a row with branches
     attention_options: dict  # extra keyword arguments for the attention function (flex_attention's kernel options)
     vision_inputs: dict  # pixel_values and image_grid_thw, in the order their placeholders occur in the row
+    spread: sequence_parallel.Spread | None  # the row's split over a sequence-parallel group, None without one
 
 
 # Compiled, a forward-only flex_attention with fewer than 128 query tokens runs inductor's flex_decoding kernel, whose
@@ -578,11 +629,18 @@ def _packed_row(model, sequences: list[list[int]], score_from: list[int], share_
         targets = torch.tensor([t for s in sequences for t in s], dtype=torch.long)[dest]
         keep = ~torch.isin(targets, torch.tensor(vision.banned_token_ids(config)))
         source, dest = source[keep], batch.given_index()[dest[keep]]
-    elif branched and vision.text_attention(config) == "flex_attention":
-        mask = branch_block_mask(positions[0].to(device))
-    options = {"kernel_options": _FLEX_KERNEL_OPTIONS} if vision.text_attention(config) == "flex_attention" else {}
+    group, spread = sequence_parallel.of(model), None
+    if group is not None:  # the pad is one more sequence, never scored
+        pad = sequence_parallel.pad_length(len(ids), group.size)
+        ids += [0] * pad
+        positions = torch.cat([positions, torch.arange(pad).expand(*positions.shape[:-1], pad)], -1)
+        spread = sequence_parallel.Spread(group, len(ids), (positions[0] if multimodal else positions).to(device))
+    flex = vision.text_attention(config) == "flex_attention"
+    if flex and not multimodal and (branched or spread is not None):  # sequence-parallel: a local row's positions
+        mask = branch_block_mask(positions[0].to(device))               # cannot say where the whole row's start
+    options = {"kernel_options": _FLEX_KERNEL_OPTIONS} if flex else {}
     return PackedRow(torch.tensor(ids, dtype=torch.long, device=device)[None], positions.to(device),
-                     source.to(device), dest.to(device), given[dest].to(device), mask, options, vision_inputs)
+                     source.to(device), dest.to(device), given[dest].to(device), mask, options, vision_inputs, spread)
 
 
 def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0, chunk_size: int = 512,
@@ -593,10 +651,11 @@ def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0,
     log p(ids[j] | earlier ids of its sequence) under softmax(logits / temperature), and 0 at each sequence's first
     token. `score_from[i]` (default 1) is the first position of sequence i that is scored, e.g. its prompt length:
     earlier positions are 0 too, and the output layer never runs on them (RL scores completions only, and the head is
-    a large share of the work at vocab 152k). share_prefixes: sequences whose first score_from tokens are equal (the
-    samples of a GRPO group) run those tokens once, where the model can (`shares_prefixes`); the outputs are the
-    same. The model's output layer is swapped for a chunked chosen-token computation for this one call, so the
-    [tokens, vocab] logits never exist, and FSDP2's root hooks still gather the head's weight as usual.
+    a large share of the work at vocab 152k). share_prefixes: the row is a prefix tree (`_layout`): tokens that
+    sequences start with alike (a GRPO group's prompt, a session's history) run once, where the model can
+    (`shares_prefixes`); the outputs are the same. The model's output layer is swapped for a chunked chosen-token
+    computation for this one call, so the [tokens, vocab] logits never exist, and FSDP2's root hooks still gather the
+    head's weight as usual.
     A vision model: `images[i]` are sequence i's images (PNG bytes or PIL), one per `<|image_pad|>` in its ids, in
     order; its image and video placeholders are out of the distribution (as the engines sample) and their own
     positions are 0."""
@@ -610,13 +669,21 @@ def packed_logprobs(model, sequences: list[list[int]], temperature: float = 1.0,
         raise ValueError(f"{type(model).__name__}: an output layer with a bias is not supported")
 
     def chosen_token_head(hidden):
-        return _ChunkedChosenLogprobs.apply(hidden[0, row.source], head.weight, row.targets, temperature, chunk_size,
-                                            with_entropy, banned)
+        if row.spread is None:
+            return _ChunkedChosenLogprobs.apply(hidden[0, row.source], head.weight, row.targets, temperature,
+                                                chunk_size, with_entropy, banned)
+        # sequence-parallel: this rank scores the tokens its rows predict, then every rank gets every score
+        owner, first = row.source // row.spread.local, row.spread.group.rank * row.spread.local
+        mine = owner == row.spread.group.rank
+        out = _ChunkedChosenLogprobs.apply(hidden[0, row.source[mine] - first], head.weight, row.targets[mine],
+                                           temperature, chunk_size, with_entropy, banned)
+        return sequence_parallel.gather_scored(out, owner, row.spread)
 
     head.forward = chosen_token_head
     try:  # use_cache=False matters: with a cache, transformers skips the per-sequence (block-diagonal) mask
-        out = model(input_ids=row.ids, position_ids=row.positions, attention_mask=row.mask, use_cache=False,
-                    **row.attention_options, **row.vision_inputs).logits
+        with sequence_parallel.local_inputs(model, row.spread):
+            out = model(input_ids=row.ids, position_ids=row.positions, attention_mask=row.mask, use_cache=False,
+                        **row.attention_options, **row.vision_inputs, **_spread_keyword(row)).logits
     finally:
         del head.forward
     zeros = out.new_zeros(sum(map(len, sequences)))
@@ -634,9 +701,17 @@ def packed_values(value_model, sequences: list[list[int]], score_from: list[int]
     row = _packed_row(value_model, sequences, score_from, share_prefixes)
     with warnings.catch_warnings():  # FSDP2 warns that the head's output is a view; it is only read out of place here
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        out = value_model(input_ids=row.ids, position_ids=row.positions, attention_mask=row.mask,
-                          use_cache=False, **row.attention_options).logits[0, :, 0].float()
+        with sequence_parallel.local_inputs(value_model, row.spread):
+            out = value_model(input_ids=row.ids, position_ids=row.positions, attention_mask=row.mask,
+                              use_cache=False, **row.attention_options, **_spread_keyword(row)).logits[0, :, 0].float()
+    if row.spread is not None:
+        out = sequence_parallel.gather_rows(out, row.spread)
     return out.new_zeros(sum(map(len, sequences))).index_copy(0, row.dest, out[row.source])
+
+
+def _spread_keyword(row: PackedRow) -> dict:
+    """What tells the attentions to run sequence-parallel (`sequence_parallel.ulysses`): nothing without a group."""
+    return {} if row.spread is None else {"sequence_parallel": row.spread}
 
 
 # Completions: the trainers' view of the packed forwards. A sample is anything with `prompt_ids` and `completion_ids`
@@ -647,7 +722,7 @@ _IDLE = [SimpleNamespace(prompt_ids=[0], completion_ids=[0], images=[])]
 
 
 def completion_micro_batches(model, samples: list, index: list[int], max_tokens: int) -> list[list[int]]:
-    """`pack` of the samples `index`, each group's shared prompt counted once per micro-batch where `model` shares
+    """`pack` of the samples `index`, each distinct prefix counted once per micro-batch where `model` shares
     prefixes; the same number of micro-batches on every rank."""
     chosen = [samples[i] for i in index]
     images = _images(model, chosen)
@@ -668,7 +743,7 @@ def _images(model, samples: list) -> list[list] | None:
 def completion_logprobs(model, samples: list, temperature: float = 1.0, chunk_size: int = 512,
                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, T] logprobs (and entropies) of each sample's completion tokens given its prompt: one packed forward from
-    the completions' first tokens on, a group's common prompt run once where the model can share it. A vision model
+    the completions' first tokens on, each distinct prefix run once where the model can share it. A vision model
     gets each sample's `images`. No samples (an idle micro-batch): one masked-out token is run and [1, 1]
     returned."""
     samples = samples or _IDLE

@@ -33,6 +33,7 @@ import rewards
 import rollout
 import runlog
 import sandbox
+import sequence_parallel
 import swe_grading
 import task_rows
 import tools
@@ -96,6 +97,10 @@ class SharedArgs:
     GPUs), flash_attention_2 when installed; plain sdpa masks the whole micro-batch, quadratic in its tokens"""
     compile_layers: bool = False
     """torch.compile each decoder layer of the trained models (GPUs: fuses norms, rotary and activations)"""
+    sequence_parallel: int = 1
+    """spread each packed row of the trained and scoring models over N consecutive ranks (Ulysses: each holds 1/N of
+    its tokens, attention all-to-all over heads; N must divide the ranks and the heads, docs/long_horizon.md); the N
+    ranks train on their samples together, so --micro-batch-tokens can grow N times"""
     vllm_gpu_memory_utilization: float = 0.5
     """fraction of GPU memory vLLM may take while awake"""
     vllm_max_model_len: int = 4096
@@ -265,6 +270,7 @@ def check_args(args, world: int) -> None:
         losses.rs_bounds(args.rollout_rs, args.rollout_rs_threshold)
     if getattr(args, "agent_cmd", None) is not None:
         agent_server.check_agent_cmd(args.agent_cmd, args.agent_harnesses)
+    sequence_parallel.check_world(args.sequence_parallel, world)
 
 
 def check_paths(args) -> None:
@@ -331,6 +337,8 @@ def prepare(args, score_fn: rewards.ScoreFn, check: Callable[[object, int], None
         print(sandbox.describe(isolation))
     model_names = fetch_models(args)
     policy.check_attention(args.model, args.attn_implementation)
+    for path in (args.model, getattr(args, "critic_model", None), args.teacher):
+        sequence_parallel.check_model(path, args.sequence_parallel, args.attn_implementation)
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
     tokenizer = policy.load_tokenizer(args.model)
@@ -402,9 +410,23 @@ def load_policy(args, device: torch.device) -> torch.nn.Module:
                               attn_implementation=args.attn_implementation)
     if lora:
         policy.add_lora(model, args.lora_rank, args.lora_alpha, args.lora_targets, seed=args.seed)
-    return policy.shard_model(model.to(device), mixed_precision=args.mixed_precision,
-                              activation_checkpointing=args.activation_checkpointing,
-                              compile_layers=args.compile_layers)
+    return spread(args, policy.shard_model(model.to(device), mixed_precision=args.mixed_precision,
+                                           activation_checkpointing=args.activation_checkpointing,
+                                           compile_layers=args.compile_layers))
+
+
+def spread(args, model: torch.nn.Module) -> torch.nn.Module:
+    """`model` run sequence-parallel over this rank's group of --sequence-parallel ranks (as it is for 1). Collective:
+    every rank loads the same models in the same order."""
+    return sequence_parallel.attach(model, sequence_parallel.make_group(args.sequence_parallel))
+
+
+def sequence_group_batch(run, samples: list[rollout.Sample]) -> tuple[list[rollout.Sample], slice]:
+    """The samples of every rank of this rank's sequence-parallel group, in rank order (what its ranks train on
+    together: every packed row is spread over them), and where this rank's own are among them; the samples alone
+    without --sequence-parallel. Every sum over ranks then counts each sample N times, numerators and normalisers
+    alike, so token means and the loss stay what they are. Collective."""
+    return sequence_parallel.group_samples(samples, sequence_parallel.of(run.model))
 
 
 def load_reference(args, device: torch.device) -> torch.nn.Module | None:
@@ -413,7 +435,7 @@ def load_reference(args, device: torch.device) -> torch.nn.Module | None:
         return None
     ref_model = policy.shard_model(policy.load_model(args.model, attn_implementation=args.attn_implementation)
                                    .to(device), mixed_precision=args.mixed_precision)
-    return ref_model.requires_grad_(False)
+    return spread(args, ref_model.requires_grad_(False))
 
 
 def check_teacher(tokenizer, teacher: str) -> None:
@@ -433,7 +455,7 @@ def load_teacher(args, device: torch.device) -> torch.nn.Module | None:
         return None
     teacher = policy.shard_model(policy.load_model(args.teacher, attn_implementation=args.attn_implementation)
                                  .to(device), mixed_precision=args.mixed_precision)
-    return teacher.requires_grad_(False)
+    return spread(args, teacher.requires_grad_(False))
 
 
 def rollout_engine(vllm_engine: engines.Engine | None, model: torch.nn.Module, tokenizer) -> engines.Engine:

@@ -216,6 +216,7 @@ def train_step(run: Run) -> dict:
     samples, batch, metrics = collect_batch(run, seconds)
     # 6. Advantages over the global batch (DAPO's truncation mask takes samples out of the loss after them).
     batch, advantage_metrics = assign_advantages(run, samples, batch)
+    batch, _ = rl_run.sequence_group_batch(run, batch)  # --sequence-parallel: its ranks train on their samples together
     # 7. Old and reference logprobs (no grad) where the loss needs them; rollout correction's weights and mask; the
     # token advantages, with --teacher its logprobs' distillation term.
     with runlog.timed(seconds, "old_ref_logprobs"):
@@ -352,8 +353,9 @@ def logprobs_to_record(run: Run, samples: list[rollout.Sample]) -> torch.Tensor 
     step's update (one more forward without grad), which the sample records set beside the engine's. Collective."""
     if not (run.args.rich_samples and runlog.writes_samples(run.step + 1, run.args.sample_every, run.args.total_steps)):
         return None
-    return policy.completion_logprobs_no_grad(run.model, samples, run.args.micro_batch_tokens, run.args.temperature,
-                                              run.args.logprob_chunk_size)
+    together, mine = rl_run.sequence_group_batch(run, samples)
+    return policy.completion_logprobs_no_grad(run.model, together, run.args.micro_batch_tokens, run.args.temperature,
+                                              run.args.logprob_chunk_size)[mine]
 
 
 def update_epochs(run: Run, batch: list[rollout.Sample], old_logprobs: torch.Tensor | None,

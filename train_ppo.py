@@ -153,11 +153,10 @@ def setup(args: Args, score_fn: rewards.ScoreFn) -> Run:
                    else max(1, args.epochs * len(ready.rows) // args.prompts_per_step))
     vllm_engine = rl_run.start_vllm(args, ready)
     model = rl_run.load_policy(args, ready.device)
-    value_model = policy.shard_model(policy.load_value_model(args.critic_model or args.model,
-                                                             attn_implementation=args.attn_implementation)
-                                     .to(ready.device), mixed_precision=args.mixed_precision,
-                                     activation_checkpointing=args.activation_checkpointing,
-                                     compile_layers=args.compile_layers)
+    value_model = rl_run.spread(args, policy.shard_model(
+        policy.load_value_model(args.critic_model or args.model, attn_implementation=args.attn_implementation)
+        .to(ready.device), mixed_precision=args.mixed_precision, activation_checkpointing=args.activation_checkpointing,
+        compile_layers=args.compile_layers))
     ref_model = rl_run.load_reference(args, ready.device)
     teacher = rl_run.load_teacher(args, ready.device)
     optimizer = policy.adamw(model, args.lr, args.weight_decay)
@@ -193,14 +192,16 @@ def train_step(run: Run) -> dict:
     seconds = {}
     # 1-5. Prompts -> rollouts -> rewards (tool output between turns is outside the loss mask: no value, no loss).
     samples, batch, metrics = collect_samples(run, seconds)
-    # 6-7. Old/reference logprobs and values, token rewards, GAE, whitened advantages.
+    # 6-7. Old/reference logprobs and values, token rewards, GAE, whitened advantages; with --sequence-parallel over
+    # the samples of the rank's group (its ranks train on them together).
     with runlog.timed(seconds, "experience"):
-        exp, experience_metrics = make_experience(run, batch)
+        together, mine = rl_run.sequence_group_batch(run, batch)
+        exp, experience_metrics = make_experience(run, together, mine)
     # 8. Minibatch updates: the critic every step, the actor once the critic has warmed up; then adaptive KL.
     with runlog.timed(seconds, "update"):
         update_metrics = update_epochs(run, exp)
     # 9. Throughput, timings and the trained samples' records (with --rich-samples, old logprobs and advantages).
-    rich = dict(trainer_logprobs=exp.old_logprobs, token_advantages=exp.advantages)
+    rich = dict(trainer_logprobs=exp.old_logprobs[mine], token_advantages=exp.advantages[mine])
     return (metrics | experience_metrics | update_metrics
             | rl_run.step_metrics(run, batch, seconds, run.total_steps, **rich))
 
@@ -235,9 +236,11 @@ def collect_samples(run: Run, seconds: dict) -> tuple[list[rollout.Sample], list
     return samples, batch, metrics | rl_run.reward_metrics(run, samples, rollout_metrics)
 
 
-def make_experience(run: Run, samples: list[rollout.Sample]) -> tuple[Experience, dict]:
+def make_experience(run: Run, samples: list[rollout.Sample], mine: slice = slice(None)) -> tuple[Experience, dict]:
     """Old/reference logprobs and values of `samples`, then token rewards (the score on the last policy token, minus
-    kl_coef * KL to the reference on every policy token), GAE over the policy tokens and whitened advantages."""
+    kl_coef * KL to the reference on every policy token), GAE over the policy tokens and whitened advantages. The
+    statistics over ranks take this rank's own samples, `samples[mine]` (with --sequence-parallel the others are its
+    group's: each sample counts once)."""
     args = run.args
     mask = policy.padded([s.loss_mask for s in samples])
     old = policy.completion_logprobs_no_grad(run.model, samples, args.micro_batch_tokens, args.temperature,
@@ -252,20 +255,20 @@ def make_experience(run: Run, samples: list[rollout.Sample]) -> tuple[Experience
         token_rewards = token_rewards - run.kl_coef * kl
     advantages, returns = losses.gae(token_rewards, values, mask, args.gamma, args.lam)
     advantages, distill_metrics = rl_run.distill(run, old, samples, advantages)  # --teacher: before whitening
-    adv_mean, adv_var = collectives.global_mean_var(advantages, mask)
+    adv_mean, adv_var = collectives.global_mean_var(advantages[mine], mask[mine])
     if args.whiten_advantages:
         advantages = torch.where(mask.bool(), (advantages - adv_mean) / math.sqrt(adv_var + 1e-8), 0)
-    returns_mean, returns_var = collectives.global_mean_var(returns, mask)
-    _, error_var = collectives.global_mean_var(returns - values, mask)
+    returns_mean, returns_var = collectives.global_mean_var(returns[mine], mask[mine])
+    _, error_var = collectives.global_mean_var((returns - values)[mine], mask[mine])
     engine_logprobs = policy.padded([s.engine_logprobs for s in samples])
     correction = rl_run.rollout_correction(run, old, samples)
     metrics = correction.metrics | distill_metrics | {
-        "critic/values/mean": collectives.global_mean_var(values, mask)[0],
+        "critic/values/mean": collectives.global_mean_var(values[mine], mask[mine])[0],
         "critic/returns/mean": returns_mean,
         "critic/vf_explained_var": 1 - error_var / returns_var if returns_var > 0 else 0.0,
         "critic/advantages/mean": adv_mean, "critic/advantages/std": math.sqrt(adv_var),
-        "actor/reward_kl_penalty": collectives.global_mean_var(kl, mask)[0],
-        "mismatch/engine_abs": collectives.global_mean_var((old - engine_logprobs).abs(), mask)[0],
+        "actor/reward_kl_penalty": collectives.global_mean_var(kl[mine], mask[mine])[0],
+        "mismatch/engine_abs": collectives.global_mean_var((old - engine_logprobs).abs()[mine], mask[mine])[0],
     }
     return Experience(samples, mask, correction, old, values, advantages, returns,
                       metrics["actor/reward_kl_penalty"]), metrics
@@ -286,7 +289,8 @@ def update_epochs(run: Run, exp: Experience) -> dict:
     metrics |= {"actor/frozen": float(frozen), "actor/reward_kl_penalty_coeff": run.kl_coef}
     if args.kl_target is not None:
         error = max(-0.2, min(0.2, exp.kl_mean / args.kl_target - 1))
-        run.kl_coef *= 1 + error * len(exp.samples) * run.world / args.kl_horizon
+        samples_per_step = len(exp.samples) * run.world / args.sequence_parallel  # a group's ranks share theirs
+        run.kl_coef *= 1 + error * samples_per_step / args.kl_horizon
     return metrics
 
 

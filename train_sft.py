@@ -26,6 +26,7 @@ import losses
 import hub
 import policy
 import runlog
+import sequence_parallel
 import task_rows
 import vision
 from checkpoint import load_checkpoint, load_newest_checkpoint, save_checkpoint, save_hf
@@ -72,6 +73,9 @@ class Args:
     GPUs), flash_attention_2 when installed; plain sdpa masks the whole micro-batch, quadratic in its tokens"""
     compile_layers: bool = False
     """torch.compile each decoder layer (GPUs: fuses norms, rotary and activations)"""
+    sequence_parallel: int = 1
+    """spread each packed row over N consecutive ranks, which train on their conversations together (Ulysses;
+    docs/long_horizon.md)"""
     save_every: int = 0
     """checkpoint every N steps (0 = only at the end)"""
     keep_checkpoints: int = 2
@@ -154,9 +158,11 @@ def main(args: Args) -> dict:
         raise ValueError(f"--batch-size {args.batch_size} must be > 0 and divide by the world size {world}")
     if args.steps < 0:
         raise ValueError(f"--steps must be >= 0, got {args.steps}")
+    sequence_parallel.check_world(args.sequence_parallel, world)
     runlog.check_output_dir(args.output_dir, args.resume, args.overwrite, dataclasses.asdict(args))
     policy.check_model_path(args.model)
     named, args.model = args.model, hub.fetch(args.model, "--model")  # a hub name: downloaded once per node
+    sequence_parallel.check_model(args.model, args.sequence_parallel, args.attn_implementation)
     torch.manual_seed(args.seed)
     tokenizer = policy.load_tokenizer(args.model)
     eot = chat.end_of_turn(tokenizer, args.end_of_turn)
@@ -173,6 +179,8 @@ def main(args: Args) -> dict:
     model = policy.shard_model(model.to(device), mixed_precision=args.mixed_precision,
                                activation_checkpointing=args.activation_checkpointing,
                                compile_layers=args.compile_layers)
+    group = sequence_parallel.make_group(args.sequence_parallel)
+    model = sequence_parallel.attach(model, group)
     optimizer = policy.adamw(model, args.lr, args.weight_decay)
     scheduler = policy.lr_schedule(optimizer, args.warmup_steps, args.steps, "cosine", floor=0.1)
     step = 0
@@ -190,6 +198,9 @@ def main(args: Args) -> dict:
     while step < args.steps:
         # A seeded permutation per epoch: resuming at `step` replays exactly the same batches.
         picked = task_rows.in_epoch_order(encoded, step * args.batch_size + rank * per_rank, per_rank, args.seed)
+        # --sequence-parallel: a group's ranks train on their conversations together; sums over ranks count each N
+        # times, the loss's normaliser too
+        picked, _ = sequence_parallel.group_samples(picked, group)
         tokens = collectives.sum_over_ranks(sum(sum(mask) for _, mask, _ in picked))
         micro_batches = [[picked[i] for i in micro] for micro in collectives.same_count_on_every_rank(policy.pack(
             list(range(len(picked))), [ids for ids, _, _ in picked], args.micro_batch_tokens,
@@ -207,7 +218,7 @@ def main(args: Args) -> dict:
         scheduler.step()
         step += 1
         metrics = {"step": step, "train/loss": collectives.sum_over_ranks(loss_sum), **stepped,
-                   "train/lr": scheduler.get_last_lr()[0], "train/tokens": tokens}
+                   "train/lr": scheduler.get_last_lr()[0], "train/tokens": tokens / args.sequence_parallel}
         log.metrics(metrics)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")

@@ -268,8 +268,8 @@ def test_shared_prefixes_run_once_and_change_nothing(model_dir, monkeypatch, dev
         (lp.sum() + 0.5 * ent.sum()).backward()
         results[attn, share] = (lp.detach().cpu(), ent.detach().cpu(), [p.grad.cpu() for p in model.parameters()])
     total = sum(map(len, GROUPED))
-    shared = total - 3 * len(PROMPT_A) - 2 * len(PROMPT_B)  # 4 + 3 sequences: each prompt once
-    assert rows == [total, shared, total]
+    distinct_prefixes = len({tuple(s[:k]) for s in GROUPED for k in range(1, len(s) + 1)})  # each prompt once, and
+    assert rows == [total, distinct_prefixes, total]  # the token both prompts start with too (a prefix tree)
     with torch.no_grad():
         separate_lp, separate_ent = naive_logprobs(policy.load_model(model_dir), GROUPED, packed=False)
     scored = torch.cat([torch.arange(len(s)) >= f for s, f in zip(GROUPED, GROUPED_FROM)])
@@ -286,18 +286,18 @@ def test_shared_prefixes_run_once_and_change_nothing(model_dir, monkeypatch, dev
 
 
 def test_shared_prefix_layout_is_what_packed_sdpa_reads():
-    """The packed row of two groups: the first sequence of each whole, the others as branches whose positions continue
-    from the prompt; each scored token is predicted by its own sequence's previous token (the prompt's last token for a
-    branch's first)."""
+    """The packed row of two groups, a prefix tree in pre-order: the sequences sorted, each laid out from where it
+    leaves the one before it, its positions continuing from there ([9, 1, 2] extends [9, 1] without a break); each
+    scored token is predicted by its own sequence's previous token, wherever the tree holds it."""
     ids, positions, source, dest, pieces = policy._layout([[5, 6, 7, 8], [9, 1], [5, 6, 3], [9, 1, 2]], [2, 1, 2, 1],
                                                           True)
-    assert ids == [5, 6, 7, 8, 3, 9, 1, 1, 2]
-    assert pieces == [(0, 0), (2, 2), (1, 0), (3, 1)]  # (sequence, its first token laid out)
-    assert positions == [0, 1, 2, 3, 2, 0, 1, 1, 2]
-    #                   scored tokens: 7, 8 | 1 | 3 | 1, 2 (concatenated index 2, 3 | 5 | 8 | 10, 11)
-    assert dest == [2, 3, 8, 5, 10, 11]
-    assert source == [1, 2, 1, 5, 5, 7]
-    assert [ids[j] for j in source] == [6, 7, 6, 9, 9, 1]
+    assert ids == [5, 6, 3, 7, 8, 9, 1, 2]
+    assert pieces == [(2, 0), (0, 2), (1, 0), (3, 2)]  # (sequence, its first token laid out)
+    assert positions == [0, 1, 2, 2, 3, 0, 1, 2]
+    #                   scored tokens: 3 | 7, 8 | 1 | 1, 2 (concatenated index 8 | 2, 3 | 5 | 10, 11)
+    assert dest == [8, 2, 3, 5, 10, 11]
+    assert source == [1, 1, 3, 5, 5, 6]
+    assert [ids[j] for j in source] == [6, 6, 7, 9, 9, 1]
 
 
 def test_shared_prefixes_in_the_value_model(model_dir):

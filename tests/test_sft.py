@@ -76,7 +76,6 @@ def test_a_shared_system_prompt_runs_once_with_the_same_loss_and_gradients(model
     """Agent SFT data repeats one system prompt (tool signatures) in every conversation: its tokens are untrained and
     equal, so they run once per micro-batch, and the loss and every gradient are those of the whole sequences."""
     tokenizer = policy.load_tokenizer(model_dir)
-    model = policy.load_model(model_dir, attn_implementation="packed_sdpa")
     system = [{"role": "system", "content": "You have a python tool. Call it for arithmetic."}]
     encoded = [(*chat.encode_conversation(tokenizer, system + c), []) for c in CONVERSATIONS]
     shared = train_sft.shared_prefix_length(encoded)
@@ -86,13 +85,12 @@ def test_a_shared_system_prompt_runs_once_with_the_same_loss_and_gradients(model
     assert train_sft.shared_prefix_length([(*chat.encode_conversation(tokenizer, c), []) for c in CONVERSATIONS]) < 8
     tokens = sum(sum(mask) for _, mask, _ in encoded)
     results, tokens_run = [], []
-    counting = model.get_input_embeddings().register_forward_hook(lambda _, args, out: tokens_run.append(out.shape[1]))
-    for prefix in (1, shared):
-        model.zero_grad()
+    for attention, prefix in (("sdpa", 1), ("packed_sdpa", shared)):  # sdpa shares nothing: the whole sequences
+        model = policy.load_model(model_dir, attn_implementation=attention)
+        model.get_input_embeddings().register_forward_hook(lambda _, args, out: tokens_run.append(out.shape[1]))
         loss = train_sft.sft_loss(model, encoded, tokens, prefix)
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-    counting.remove()
     (whole, whole_grads), (once, once_grads) = results
     torch.testing.assert_close(once, whole, rtol=1e-5, atol=1e-6)
     for a, b in zip(once_grads, whole_grads):
@@ -100,7 +98,7 @@ def test_a_shared_system_prompt_runs_once_with_the_same_loss_and_gradients(model
     packed = policy.pack(list(range(3)), [ids for ids, _, _ in encoded], 10**6, [shared] * 3, model)
     assert packed == [[0, 1, 2]]
     whole_tokens = sum(len(ids) for ids, _, _ in encoded)
-    assert tokens_run == [whole_tokens - 2, whole_tokens - 2 * shared]  # the prompt ran once, not thrice
+    assert tokens_run == [whole_tokens, whole_tokens - 2 * shared]  # the prompt ran once, not thrice
 
 
 @pytest.mark.parametrize("chat_format", ["qwen", "llama3"])
