@@ -43,6 +43,7 @@ import uuid
 from collections import defaultdict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 
 import docker
 import docker.errors
@@ -329,13 +330,18 @@ def force_remove(container) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs: a zombie (killed, not yet reaped by its parent) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # gone meanwhile, or no /proc
+        return not Path("/proc/self").exists()
+    return stat[stat.rindex(")") + 2:].split(" ", 1)[0] != "Z"  # the state follows the command name's ")"
 
 
 _HISTORY_FREE: dict[str, str] = {}

@@ -53,7 +53,7 @@ def tokenizer(tmp_path_factory):
 def running(container, command: str) -> bool:
     """Whether `command` runs in the container (False once it is not running)."""
     try:
-        return any(command in " ".join(process) for process in container.top()["Processes"])
+        return any(command in " ".join(process) for process in container.top().get("Processes") or [])
     except docker.errors.APIError:
         return False
 
@@ -305,7 +305,9 @@ def test_sigkill_of_a_two_rank_trainer_with_prestarted_containers_leaves_nothing
     finally:
         ranks.kill(launch)
     assert len(owners) == 2 and any(c.get(containers.PRESTARTED) for c in held)
-    # the next start's sweep (rl_run.start_tools), from a process of its own
+    # the next start's sweep (rl_run.start_tools), from a process of its own, a few seconds later as a relaunch is
+    # (starts the killed ranks had asked for may still be completing in the daemon)
+    time.sleep(5)
     subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); import containers; "
                     "containers.sweep(containers.connect())"], check=True, timeout=300)
     left = [c["Names"] for c in docker_client.api.containers(all=True, filters={"label": containers.OWNER})
@@ -314,3 +316,19 @@ def test_sigkill_of_a_two_rank_trainer_with_prestarted_containers_leaves_nothing
     assert {n.name for n in docker_client.networks.list()} <= networks  # kiln makes none
     untagged = docker_client.images.list(all=True, filters={"label": containers.HISTORY_FREE_OF, "dangling": True})
     assert untagged == []  # every image kiln made is a tagged history-free copy it keeps on purpose
+
+
+def test_a_killed_owner_not_yet_reaped_counts_as_gone_for_the_sweep():
+    """A rank SIGKILLed while its parent has not reaped it yet is a zombie: its containers are the sweep's."""
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        assert containers._alive(child.pid)
+        child.kill()
+        for _ in range(100):  # until the kernel has made it a zombie (never waited for here)
+            if Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+            time.sleep(0.05)
+        assert not containers._alive(child.pid)
+    finally:
+        child.wait()
+    assert not containers._alive(child.pid)
