@@ -268,7 +268,7 @@ def test_dockerd_stopped_mid_rollout_drops_the_trajectory_and_the_run_goes_on_af
         daemon.remove()
 
 
-@pytest.mark.slow  # a 2-rank GRPO launch on the offline instances: about a minute of imports and a step
+@pytest.mark.after_suite  # a 2-rank GRPO launch on the offline instances: about a minute (make test-long)
 def test_sigkill_of_a_two_rank_trainer_with_prestarted_containers_leaves_nothing(docker_client, swe_rows, tmp_path):
     rows = [swe_rows[i] for i in sorted(swe_rows) if i.startswith("marshmallow")]
     task_rows.write_rows(rows, tmp_path / "swe.parquet")

@@ -88,7 +88,7 @@ def test_careless_teacher_writes_codev_conversations_that_train_only_its_own_tok
 
 
 @pytest.mark.slow
-@pytest.mark.after_suite  # about 6 minutes alone: .ci/run runs it after make test (make test-demo-vision)
+@pytest.mark.after_suite  # about 6 minutes alone: .ci/run runs it after make test (make test-long)
 def test_a_shortened_demo_vision_learns_to_count_with_code_with_every_mask_right(tmp_path, monkeypatch):
     """The demo's loop on seed 0, shortened: 1,000 tasks naming 1-2 colours (held out: 2-colour sequences never
     trained), 600 SFT steps, 15 GRPO steps, 50 held-out tasks. The warm start slips on most colours, so greedy

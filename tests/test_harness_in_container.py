@@ -157,7 +157,8 @@ def test_the_container_reaches_nothing_but_the_endpoint(docker_client, swe_rows,
     assert found["link_writable"] is False and found["tools_writable"] is False
 
 
-@pytest.mark.slow  # 2 ranks, 4 CLIs in containers, prompts of 6,000-18,000 tokens through the tiny model: 2-5 min
+@pytest.mark.after_suite  # 2 ranks, 4 CLIs in containers, prompts of 6,000-18,000 tokens through the tiny model: 2-5
+# min, too long for make test (make test-long)
 def test_a_two_rank_grpo_step_mixing_the_three_harnesses_completes_and_leaves_no_container(docker_client, swe_rows,
                                                                                           tmp_path):
     rows = [swe_rows[i] for i in sorted(swe_rows) if i.startswith("marshmallow")]

@@ -88,7 +88,7 @@ def test_refuses_an_attention_it_does_not_wrap_and_a_world_it_does_not_divide(mo
         sequence_parallel.check_world(4, 6)
 
 
-@pytest.mark.slow  # two 2-rank launches, each a GRPO, a PPO and an SFT run of 2 steps
+@pytest.mark.after_suite  # two 2-rank launches, each a GRPO, a PPO and an SFT run of 2 steps (make test-long)
 def test_training_steps_are_the_same_with_and_without_sequence_parallelism(model_dir, tmp_path):
     """2 ranks each with their own samples (data parallel) against the same 2 ranks training all of them together
     with every packed row spread over both (--sequence-parallel 2; tests/dist_trainers_sp.py). Samples are seeded

@@ -297,7 +297,7 @@ def test_the_agents_time_is_the_tasks_then_the_tests_run(tmp_path, docker_client
     assert s.info["task_verdict"]["score"] == 0.0 and own_containers(docker_client) == []
 
 
-@pytest.mark.slow  # a 2-rank torchrun, a container per trajectory and its tests: about 2 minutes on 2 shared cores
+@pytest.mark.after_suite  # a 2-rank torchrun, a container per trajectory and its tests: 1-2 minutes (make test-long)
 @pytest.mark.docker
 def test_two_rank_grpo_on_task_rows_scores_by_their_tests_leaves_out_infra_failures_and_no_container(
         built, docker_client, tmp_path):
