@@ -630,7 +630,7 @@ class AgentServer:
         stopped = ended or (completion.finish_reason == "stop" and len(ids) == len(completion.token_ids))
         text = self.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)  # as sampled
         shown, stop = text, None  # what the reply says
-        cut = _stop_cut(self.tokenizer, ids[:-1] if stopped else ids, request.stop) if request.stop else None
+        cut = chat.stop_cut(self.tokenizer, ids[:-1] if stopped else ids, request.stop) if request.stop else None
         if cut is not None:  # a stop string: the reply ends before it, the ids at the token that completed it
             ids, logprobs, shown, stop, stopped, ended = ids[:cut[0]], logprobs[:cut[0]], cut[1], cut[2], True, False
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -665,24 +665,6 @@ def _common_prefix(a: list, b: list) -> int:
     if a[:n] == b[:n]:  # the usual case, compared in C
         return n
     return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-
-
-def _stop_cut(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, str, str] | None:
-    """(tokens to keep, text before the stop string, the stop string) at the earliest stop string in the decoded ids,
-    or None."""
-    text = tokenizer.decode(ids, skip_special_tokens=False)
-    found = [(text.find(s), s) for s in stops if s in text]
-    if not found:
-        return None
-    at, stop = min(found)
-    low, high = 1, len(ids)  # the first prefix whose decoding holds that stop string, by bisection: a prefix's
-    while low < high:  # decoding keeps what it holds as tokens are added (decoding every prefix is quadratic)
-        mid = (low + high) // 2
-        if tokenizer.decode(ids[:mid], skip_special_tokens=False).startswith(stop, at):
-            high = mid
-        else:
-            low = mid + 1
-    return low, text[:at], stop
 
 
 def _drain(q: queue.Queue) -> list:

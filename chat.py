@@ -169,20 +169,31 @@ def is_action_turn(messages: list[dict], i: int) -> bool:
             and i + 1 < len(messages) and messages[i + 1]["role"] == "user" and is_tool_output(messages[i + 1]))
 
 
-def code_stop(tokenizer, ids: list[int]) -> int | None:
-    """How many of the generated `ids` to keep when generation stops on </code>: up to the token that completes the
-    first </code> (a token may hold more text after it: the ids are kept as sampled), or None when there is none.
-    Binary search over decoded prefixes: containing </code> only grows with the prefix."""
-    if CODE_STOP not in tokenizer.decode(ids, skip_special_tokens=False):
+def stop_cut(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, str, str] | None:
+    """(tokens to keep, text before the stop string, the stop string) at the earliest of the `stops` in the decoded
+    ids, or None: the ids are kept up to the token that completes it (a token may hold more text after it: the ids
+    stay as sampled). The first prefix whose decoding holds that stop string is found by bisection (a prefix's decoding
+    keeps what it holds as tokens are added; decoding every prefix is quadratic)."""
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    found = [(text.find(s), s) for s in stops if s in text]
+    if not found:
         return None
+    at, stop = min(found)
     low, high = 1, len(ids)
     while low < high:
         mid = (low + high) // 2
-        if CODE_STOP in tokenizer.decode(ids[:mid], skip_special_tokens=False):
+        if tokenizer.decode(ids[:mid], skip_special_tokens=False).startswith(stop, at):
             high = mid
         else:
             low = mid + 1
-    return low
+    return low, text[:at], stop
+
+
+def code_stop(tokenizer, ids: list[int]) -> int | None:
+    """How many of the generated `ids` to keep when generation stops on </code> (stop_cut), or None when there is
+    none."""
+    cut = stop_cut(tokenizer, ids, [CODE_STOP])
+    return None if cut is None else cut[0]
 
 
 def parse_code_action(text: str) -> list[dict | str]:

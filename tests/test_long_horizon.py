@@ -14,7 +14,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-import agent_server  # noqa: E402
 import chat  # noqa: E402
 import engines  # noqa: E402
 import long_horizon  # noqa: E402
@@ -210,7 +209,7 @@ def test_stop_strings_found_on_the_tail_as_on_the_whole_reply(built):
             assert tail == whole
             found += whole is not None
             # The endpoint's cut of a finished reply at its earliest stop string: the first token whose prefix holds it.
-            cut = agent_server._stop_cut(tokenizer, tokens, stop)
+            cut = chat.stop_cut(tokenizer, tokens, stop)
             assert (cut is None) == (whole is None)
             if cut is not None:
                 k, before, string = cut
