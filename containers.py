@@ -424,7 +424,7 @@ class Container:
             try:  # without it, commands go through `docker exec`
                 self._shell = _Shell(client.api, self._container.id)
             except (docker.errors.APIError, requests.exceptions.RequestException, OSError):
-                pass
+                pass  # commands go through `docker exec`, as they do after a shell's stream is garbled
 
     @property
     def name(self) -> str:
@@ -600,7 +600,7 @@ class Container:
         try:
             force_remove(self._container)
         except requests.exceptions.RequestException:
-            pass
+            pass  # the daemon does not answer: the container's TTL and the next start's sweep remove it
         finally:
             if on_remove is not None:
                 on_remove()
@@ -689,7 +689,7 @@ class ContainerPool:
                     return box
                 box.remove()
             except InfraFailure:
-                pass
+                pass  # a pre-started container that died while it waited: a fresh one is started below
             self._note("discarded")
         self._note("misses")
         return self._start(image, run, limits, False)

@@ -58,12 +58,12 @@ def pump(source, sink):
             if not data:
                 break
             sink.sendall(data)
-    except OSError:
+    except OSError:  # either end reset the connection: nothing more to copy
         pass
     finally:
         try:
             sink.shutdown(socket.SHUT_WR)
-        except OSError:
+        except OSError:  # the sink is already closed
             pass
 
 

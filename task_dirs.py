@@ -1,5 +1,5 @@
 """Harbor-style task directories: read and checked into kiln rows, their images built offline, their tests run as the
-reward in the agent's own container (../shared/reference/harbor_tasks.md has the format; docs/tasks.md the policy).
+reward in the agent's own container (Harbor's task format; docs/tasks.md has kiln's reading of it and the policy).
 
 A task directory holds `task.toml`, `instruction.md` (the whole prompt, less leading canary comments),
 `environment/Dockerfile` (its folder is the build context), `tests/test.sh` (writes /logs/verifier/reward.txt or

@@ -72,7 +72,7 @@ def rss_mb(pids: list[int]) -> float:
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
                     total += int(line.split()[1])
-        except OSError:
+        except OSError:  # the process ended while it was read: it holds no memory now
             pass
     return total / 1024
 

@@ -31,6 +31,7 @@ import rewards  # noqa: E402
 import rl_run  # noqa: E402
 import rollout  # noqa: E402
 import swe_instances  # noqa: E402
+import system_parts  # noqa: E402
 import task_rows  # noqa: E402
 import tiny  # noqa: E402
 import tools  # noqa: E402
@@ -227,7 +228,7 @@ class PrivateDaemon:
 def test_dockerd_stopped_mid_rollout_drops_the_trajectory_and_the_run_goes_on_after_its_restart(
         swe_rows, tokenizer, tmp_path):
     if not (shutil.which("dockerd") and shutil.which("unshare")) or os.geteuid() != 0:
-        pytest.skip("needs dockerd, unshare and root to start a private daemon")
+        system_parts.require("docker", "a private dockerd needs dockerd, unshare (util-linux) and root")
     daemon = PrivateDaemon()
     try:
         client = daemon.start()
