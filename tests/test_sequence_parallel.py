@@ -3,12 +3,9 @@ per world size (tests/dist_sequence_parallel.py): logprobs, entropies, the loss 
 spread over 2 and 4 gloo ranks (FSDP2, activation checkpointing, shared prefixes, a critic, the vision model) equal a
 single rank's within 1e-5 relative."""
 
-import inspect
 import json
 import os
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -20,14 +17,7 @@ import ranks
 import sequence_parallel
 import task_rows
 import tiny
-
-ROOT = Path(__file__).resolve().parents[1]
-CORPUS = [inspect.getsource(m) for m in (json.decoder, json.encoder, textwrap, inspect)]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny.make_tiny_model(tmp_path_factory.mktemp("tiny"), CORPUS, seed=3)
+from test_policy import CORPUS, ROOT, model_dir  # noqa: F401 -- the tiny model fixture policy's tests share
 
 
 @pytest.fixture(scope="module")
